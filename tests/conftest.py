@@ -12,6 +12,10 @@ import pytest
 # Nothing may reach a model hub; tests build tiny checkpoints locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Without a GPU, Triton kernels run under the interpreter; this must be set before
+# any kernel module is imported (decoration reads it). CI machines have no GPU.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser):
