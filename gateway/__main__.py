@@ -1,0 +1,30 @@
+"""python -m gateway --port P --pooling HOST:PORT [--decoder HOST:PORT]... [--vision HOST:PORT]"""
+from __future__ import annotations
+
+import dataclasses
+
+import uvicorn
+
+from services.common import logs
+from services.common.config import load, log_config
+
+from .app import create_app
+from .config import ENV_PREFIX, GatewayConfig
+
+DESCRIPTION = ("tessera's OpenAI-compatible HTTP gateway: /v1/embeddings, /v1/rerank (/rerank, /v2/rerank), "
+               "/v1/models, /health, /ready, /metrics, /openapi.json, in front of the gRPC services.")
+
+
+def main(argv=None) -> None:
+    (cfg,) = load((GatewayConfig,), argv, prog="python -m gateway", description=DESCRIPTION,
+                  env_prefix=ENV_PREFIX)
+    logs.setup(cfg.log_level)
+    # The key itself never reaches a log.
+    log_config(dataclasses.replace(cfg, api_key="<set>") if cfg.api_key else cfg)
+    # Our edge middleware logs each request with its id, so uvicorn's access log is off.
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
+                access_log=False, log_config=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""`create_app(config)`: the gateway's FastAPI app, runnable under any ASGI server (uvicorn in production)."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+from fastapi import FastAPI
+
+from . import errors
+from .backends import Catalog, build_backends
+from .config import GatewayConfig
+from .edge import Edge
+from .routes import embeddings, health, models, rerank
+
+ROUTERS = (embeddings.router, rerank.router, models.router, health.router)
+
+
+def create_app(cfg: GatewayConfig) -> FastAPI:
+    """The app for cfg. gRPC channels open in the lifespan, inside the loop that serves requests."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        backends = build_backends(cfg)
+        for backend in backends:
+            backend.open()
+        app.state.backends = backends
+        app.state.catalog = Catalog(backends, cfg.model_refresh_s)
+        app.state.started = int(time.time())
+        try:
+            yield
+        finally:
+            for backend in backends:
+                await backend.close()
+
+    app = FastAPI(title="tessera gateway", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible HTTP front of the tessera gRPC fleet.")
+    errors.install(app)
+    for router in ROUTERS:
+        app.include_router(router)
+    # Known paths label the metrics; anything else is "other", so scanners cannot blow up the label set.
+    routes = frozenset([*(r.path for router in ROUTERS for r in router.routes),
+                        app.openapi_url, app.docs_url, app.redoc_url])
+    app.add_middleware(Edge, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, routes=routes)
+    app.state.config = cfg
+    return app

@@ -1,0 +1,206 @@
+"""The gateway's backends: one gRPC channel per configured service, its health, and model discovery.
+
+`Backend` wraps one HOST:PORT (a channel, its stubs, grpc.health.v1, and a count
+of calls in flight). `Catalog` asks every model-serving backend's GetModelInfo
+which models it serves, caches the answer for `model_refresh_s`, and resolves a
+request's `model` to a backend. A name may be served by several replicas; the
+replica with the fewest calls in flight is picked.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.errors import InvalidArgument, ModelNotFound, TesseraError, Unavailable, from_rpc_error
+from services.common.pb import decoder_pb2, pooling_pb2, pooling_pb2_grpc, vision_pb2
+
+from .config import GatewayConfig
+
+log = logging.getLogger("tessera.gateway.backends")
+
+# role -> the full gRPC service name, which is also the name its health is reported under.
+HEALTH_NAMES = {
+    "pooling": pooling_pb2.DESCRIPTOR.services_by_name["PoolingService"].full_name,
+    "decoder": decoder_pb2.DESCRIPTOR.services_by_name["DecoderService"].full_name,
+    "vision": vision_pb2.DESCRIPTOR.services_by_name["VisionService"].full_name,
+}
+
+EMBEDDING, RERANK = "embedding", "rerank"
+_POOLING_KINDS = {pooling_pb2.MODEL_KIND_EMBEDDING: EMBEDDING, pooling_pb2.MODEL_KIND_RERANK: RERANK}
+# Where each kind of model is used, for "wrong endpoint" messages.
+ENDPOINTS = {EMBEDDING: "/v1/embeddings", RERANK: "/v1/rerank"}
+NO_MODEL_OF_KIND = {
+    EMBEDDING: "no embedding model is configured: start the pooling service with --embedding-model DIR",
+    RERANK: "no reranker is configured: start the pooling service with --reranker-model DIR"
+            " (make up: RERANKER_MODEL=DIR make up)",
+}
+
+
+class Backend:
+    """One gRPC service at one address. Open the channel inside the event loop that will use it."""
+
+    def __init__(self, role: str, address: str, cfg: GatewayConfig):
+        self.role = role
+        self.address = address
+        self.health_name = HEALTH_NAMES[role]
+        self.cfg = cfg
+        self.in_flight = 0
+        self.channel: grpc.aio.Channel | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.role}@{self.address}"
+
+    def open(self) -> None:
+        limit = self.cfg.max_message_mb * 1024 * 1024
+        self.channel = grpc.aio.insecure_channel(self.address, options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ])
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        if self.role == "pooling":
+            self.pooling = pooling_pb2_grpc.PoolingServiceStub(self.channel)
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+
+    async def health(self) -> str:
+        """SERVING, NOT_SERVING, ... or 'UNREACHABLE (<reason>)'."""
+        try:
+            reply = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=self.health_name),
+                                                 timeout=self.cfg.health_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return f"UNREACHABLE ({exc.code().name}: {exc.details()})"
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def call(self, method, request, request_id: str):
+        """Await a unary RPC with the per-call deadline; a failed call raises its typed error."""
+        self.in_flight += 1
+        try:
+            return await method(request, timeout=self.cfg.grpc_timeout_s,
+                                metadata=(("x-request-id", request_id),))
+        except grpc.aio.AioRpcError as exc:
+            err = from_rpc_error(exc)
+            if err.reason == "UNAVAILABLE":
+                err = Unavailable(f"{self.label}: {err.message}", param=err.param)
+            raise err from None
+        finally:
+            self.in_flight -= 1
+
+    async def models(self) -> list[Model]:
+        """The models this backend serves, from its GetModelInfo (only the pooling service is routed to now)."""
+        if self.role != "pooling":
+            return []
+        reply = await self.call(self.pooling.GetModelInfo, pooling_pb2.GetModelInfoRequest(), "model-discovery")
+        found = []
+        for info in reply.models:
+            kind = _POOLING_KINDS.get(info.kind)
+            if kind is None:
+                log.warning("%s reports model %r of unknown kind %d; not routed", self.label, info.name, info.kind)
+                continue
+            extra = {"max_model_len": info.max_model_len}
+            if kind == EMBEDDING:
+                extra |= {"dimensions": info.dimensions, "pooling": info.pooling, "normalize": info.normalize,
+                          "matryoshka_dimensions": list(info.matryoshka_dimensions)}
+            else:
+                extra["activation"] = info.activation
+            found.append(Model(info.name, kind, self, extra))
+        return found
+
+
+@dataclass(frozen=True)
+class Model:
+    """A servable model name, the backend serving it, and what /v1/models shows about it."""
+
+    name: str
+    kind: str
+    backend: Backend = field(compare=False)
+    extra: dict = field(default_factory=dict, compare=False)
+
+
+def build_backends(cfg: GatewayConfig) -> list[Backend]:
+    """One Backend per configured address, in flag order."""
+    backends = [Backend("pooling", cfg.pooling, cfg)] if cfg.pooling else []
+    backends += [Backend("decoder", address, cfg) for address in cfg.decoder]
+    if cfg.vision:
+        backends.append(Backend("vision", cfg.vision, cfg))
+    return backends
+
+
+class Catalog:
+    """Model name -> replicas, discovered from the backends and refreshed when stale or on a miss."""
+
+    # A miss refreshes at most this often, so unknown names cannot hammer the backends.
+    MISS_REFRESH_S = 1.0
+
+    def __init__(self, backends: list[Backend], refresh_s: float):
+        self.backends = backends
+        self.refresh_s = refresh_s
+        self.by_name: dict[str, list[Model]] = {}
+        self.failures: dict[str, str] = {}  # backend label -> why discovery failed
+        self.refreshed_at = float("-inf")
+        self._lock = asyncio.Lock()
+
+    async def refresh(self, max_age: float) -> None:
+        """Ask every backend again unless the last answer is younger than max_age seconds."""
+        async with self._lock:
+            if time.monotonic() - self.refreshed_at < max_age:
+                return
+            results = await asyncio.gather(*(b.models() for b in self.backends), return_exceptions=True)
+            by_name: dict[str, list[Model]] = {}
+            failures = {}
+            for backend, result in zip(self.backends, results, strict=True):
+                if isinstance(result, TesseraError):
+                    failures[backend.label] = result.message
+                    continue
+                if isinstance(result, BaseException):
+                    raise result
+                for model in result:
+                    by_name.setdefault(model.name, []).append(model)
+            self.by_name, self.failures = by_name, failures
+            # A failed discovery is retried on the next request, not trusted for refresh_s.
+            self.refreshed_at = time.monotonic() if not failures else float("-inf")
+            if failures:
+                log.warning("model discovery failed for %s", failures)
+
+    def _unavailable(self, what: str) -> Unavailable:
+        return Unavailable(f"{what}; unreachable backend(s): "
+                           + "; ".join(f"{k}: {v}" for k, v in self.failures.items()))
+
+    async def models(self) -> list[Model]:
+        """Every served model, one entry per name; Unavailable when a backend could not be asked."""
+        await self.refresh(self.refresh_s)
+        if self.failures:
+            raise self._unavailable("cannot list every model")
+        return [replicas[0] for replicas in self.by_name.values()]
+
+    async def resolve(self, name: str | None, kind: str) -> Model:
+        """The replica to call for a request's `model` (None: the first model of that kind)."""
+        await self.refresh(self.refresh_s)
+        if name is not None and name not in self.by_name:
+            await self.refresh(self.MISS_REFRESH_S)
+        if name is None:
+            replicas = next((r for r in self.by_name.values() if r[0].kind == kind), None)
+            if replicas is None:
+                if self.failures:
+                    raise self._unavailable(f"no {kind} model is reachable")
+                raise ModelNotFound(NO_MODEL_OF_KIND[kind], param="model")
+        else:
+            replicas = self.by_name.get(name)
+            if replicas is None:
+                if self.failures:
+                    raise self._unavailable(f"model {name!r} is not served by any reachable backend")
+                if not any(r[0].kind == kind for r in self.by_name.values()):
+                    raise ModelNotFound(f"model {name!r} does not exist; {NO_MODEL_OF_KIND[kind]}", param="model")
+                raise ModelNotFound(f"model {name!r} does not exist; served models: {sorted(self.by_name)}",
+                                    param="model")
+            if replicas[0].kind != kind:
+                raise InvalidArgument(f"model {name!r} is a {replicas[0].kind} model; use "
+                                      f"{ENDPOINTS[replicas[0].kind]} for it", param="model")
+        return min(replicas, key=lambda m: m.backend.in_flight)

@@ -1,0 +1,105 @@
+"""HTTP glue for the one error table (services/common/errors.py): every failure leaves as an OpenAI error object.
+
+FastAPI's own 422 validation answers become 400s; its 404/405 become OpenAI
+shape too; anything unexpected is a 500 logged with the request id.
+"""
+from __future__ import annotations
+
+import logging
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from services.common.errors import (
+    Internal,
+    InvalidArgument,
+    TesseraError,
+    from_rpc_error,
+    http_error,
+)
+
+log = logging.getLogger("tessera.gateway")
+
+
+def request_id(request: Request) -> str:
+    return getattr(request.state, "request_id", "") or "-"
+
+
+def error_response(err: TesseraError, rid: str | None) -> JSONResponse:
+    status, body, headers = http_error(err, rid)
+    if rid:
+        headers = {**headers, "x-request-id": rid}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _where(loc) -> str:
+    """'input[0]' from pydantic's ('body', 'input', 0); union-branch tags are dropped."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in ("str", "int", "bool", "float", "function-plain", "function-after"):
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def validation_error(exc: RequestValidationError) -> InvalidArgument:
+    """One 400 naming the offending fields, from pydantic's error list."""
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return InvalidArgument("request body is not valid JSON", param=None)
+    parts, first = [], None
+    for e in errors:
+        where = _where(e.get("loc", ()))
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        text = f"{where}: {msg}" if where else msg
+        if text not in parts:
+            parts.append(text)
+        first = first or where or None
+    head = first.split("[")[0].split(".")[0] if first else None
+    return InvalidArgument("invalid request: " + "; ".join(parts[:4]), param=head)
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers that turn every failure into an OpenAI error object."""
+
+    @app.exception_handler(TesseraError)
+    async def _typed(request: Request, exc: TesseraError):
+        if exc.reason == "INTERNAL":
+            log.error("internal error (request_id=%s): %s", request_id(request), exc.message)
+        return error_response(exc, request_id(request))
+
+    @app.exception_handler(grpc.aio.AioRpcError)
+    async def _rpc(request: Request, exc: grpc.aio.AioRpcError):
+        return error_response(from_rpc_error(exc), request_id(request))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return error_response(validation_error(exc), request_id(request))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        rid = request_id(request)
+        if exc.status_code in (404, 405):
+            # Routing failures are not in the error table: no model or argument is at fault.
+            what = "no such endpoint" if exc.status_code == 404 else "method not allowed"
+            body = {"error": {"message": f"{what}: {request.method} {request.url.path}",
+                              "type": "invalid_request_error", "param": None,
+                              "code": "not_found" if exc.status_code == 404 else "method_not_allowed",
+                              "request_id": rid}}
+            return JSONResponse(body, status_code=exc.status_code, headers={"x-request-id": rid})
+        # FastAPI raises a 400 HTTPException when it cannot read the body at all.
+        err = InvalidArgument(f"malformed request body: {exc.detail}") if exc.status_code == 400 \
+            else Internal(str(exc.detail))
+        return error_response(err, rid)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):
+        rid = request_id(request)
+        log.error("unhandled error (request_id=%s)", rid, exc_info=exc)
+        return error_response(Internal(f"internal error (request_id={rid})"), rid)

@@ -1,0 +1,95 @@
+"""POST /v1/embeddings in OpenAI's shape, served by the pooling service's Embed."""
+from __future__ import annotations
+
+import base64
+from typing import Annotated, Literal
+
+import torch
+from fastapi import APIRouter, Request
+from pydantic import Field, PlainValidator, WithJsonSchema
+
+from services.common.errors import Internal, TesseraError
+from services.common.pb import pooling_pb2
+from services.common.tensors import from_proto
+
+from ..backends import EMBEDDING
+from ..errors import request_id
+from .common import INT32_MAX, StrictBody, catalog
+
+router = APIRouter()
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INPUT_SHAPES = "a string, an array of strings, an array of token ids or an array of token-id arrays"
+
+
+def _token_list(value) -> bool:
+    return isinstance(value, list) and all(type(t) is int for t in value)
+
+
+def _check_input(value):
+    """Accept exactly OpenAI's four input shapes; token ids must fit int64 (the service judges their range)."""
+    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(x, str) for x in value)):
+        return value
+    if isinstance(value, list) and (_token_list(value) or all(_token_list(x) for x in value)):
+        for ids in value if value and isinstance(value[0], list) else [value]:
+            if any(not INT64_MIN <= t <= INT64_MAX for t in ids):
+                raise ValueError("token ids must be 64-bit integers")
+        return value
+    raise ValueError(f"must be {INPUT_SHAPES}")
+
+
+_INPUT_SCHEMA = {"anyOf": [
+    {"type": "string"},
+    {"type": "array", "items": {"type": "string"}},
+    {"type": "array", "items": {"type": "integer"}},
+    {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+], "description": f"{INPUT_SHAPES}; the batch bound and context length are the model's"}
+
+
+class EmbeddingRequest(StrictBody):
+    input: Annotated[object, PlainValidator(_check_input), WithJsonSchema(_INPUT_SCHEMA)]
+    model: str | None = Field(None, description="a model from /v1/models; omitted: the served embedding model")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: each vector as little-endian float32 bytes")
+    dimensions: int | None = Field(None, ge=1, le=INT32_MAX,
+                                   description="refused unless the model was trained for that size (Matryoshka)")
+    user: str | None = Field(None, description="accepted for OpenAI compatibility; not used")
+    truncate: bool = Field(False, description="extension: cut over-length inputs to the model's context length"
+                                             " instead of refusing them")
+
+
+def to_inputs(value) -> list[pooling_pb2.EmbedInput]:
+    """OpenAI `input` -> EmbedInput list; `[]` stays empty so the service refuses the empty batch."""
+    if isinstance(value, str):
+        return [pooling_pb2.EmbedInput(text=value)]
+    if value and _token_list(value):
+        return [pooling_pb2.EmbedInput(tokens=pooling_pb2.TokenIds(ids=value))]
+    return [pooling_pb2.EmbedInput(text=x) if isinstance(x, str) else
+            pooling_pb2.EmbedInput(tokens=pooling_pb2.TokenIds(ids=x)) for x in value]
+
+
+@router.post("/v1/embeddings", tags=["embeddings"])
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict:
+    """Embed a text, a batch of texts, or token ids; float lists or base64 float32."""
+    model = await catalog(request).resolve(body.model, EMBEDDING)
+    rid = request_id(request)
+    inputs = to_inputs(body.input)
+    req = pooling_pb2.EmbedRequest(model=model.name, inputs=inputs, truncate=body.truncate, request_id=rid)
+    if body.dimensions is not None:
+        req.dimensions = body.dimensions
+    backend = model.backend
+    reply = await backend.call(backend.pooling.Embed, req, rid)
+    try:
+        vectors = from_proto(reply.embeddings, dtype=torch.float32, shape=(len(inputs), None), name="embeddings")
+    except TesseraError as exc:
+        # A malformed answer is the backend's bug, not the caller's mistake.
+        raise Internal(f"{backend.label} answered a malformed embedding tensor: {exc.message}") from None
+    rows = vectors.numpy().astype("<f4", copy=False)
+    if body.encoding_format == "float":
+        data = rows.tolist()
+    else:
+        data = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
+    usage = reply.usage
+    return {"object": "list", "model": reply.model or model.name,
+            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(data)],
+            "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.total_tokens}}

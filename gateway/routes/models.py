@@ -1,0 +1,31 @@
+"""GET /v1/models and /v1/models/{id} in OpenAI's list shape, from the backends' GetModelInfo."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from services.common.errors import ModelNotFound
+
+from ..backends import Model
+from .common import catalog
+
+router = APIRouter()
+
+
+def model_card(model: Model, created: int) -> dict:
+    """OpenAI's model object plus what a caller needs to use it (kind, context length, ...)."""
+    return {"id": model.name, "object": "model", "created": created, "owned_by": "tessera",
+            "kind": model.kind, **model.extra}
+
+
+@router.get("/v1/models", tags=["models"])
+async def list_models(request: Request) -> dict:
+    created = request.app.state.started
+    return {"object": "list", "data": [model_card(m, created) for m in await catalog(request).models()]}
+
+
+@router.get("/v1/models/{model_id:path}", tags=["models"])
+async def get_model(model_id: str, request: Request) -> dict:
+    for m in await catalog(request).models():
+        if m.name == model_id:
+            return model_card(m, request.app.state.started)
+    raise ModelNotFound(f"model {model_id!r} does not exist", param="model")

@@ -1,0 +1,166 @@
+"""The engine loop off the asyncio event loop: one thread steps the core, one async stream per request.
+
+The core is not thread-safe, so every call into it (add, abort, finish, step)
+happens on the engine thread; the event loop talks to it through a command
+queue and gets outputs back through call_soon_threadsafe, batched per step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from services.common.errors import TesseraError, Unavailable
+from services.decoder.engine.engine_core import EngineCore
+from services.decoder.engine.output import EngineStats, RequestOutput
+from services.decoder.engine.step import SamplingParams
+
+log = logging.getLogger("tessera.decoder.loop")
+
+_FAILED = object()   # sentinel pushed to every stream when the engine dies
+
+
+class AsyncEngine:
+    """Owns the engine thread. `on_step(stats, outputs)` runs on that thread after each step."""
+
+    def __init__(self, core: EngineCore, on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None):
+        self.core = core
+        self.on_step = on_step
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.failed: str | None = None     # why the engine thread died, if it did
+        self._stats = core.stats()
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self.failed is None and self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        """The counters as of the last step (read without touching the core)."""
+        return self._stats
+
+    # -- requests ---------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, *,
+                       extra_keys: tuple = (), features: dict[str, Any] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield RequestOutputs (all choices interleaved) until every choice finished.
+
+        Raises the core's typed validation error before anything is yielded.
+        Leaving early (cancellation, an exception in the consumer) aborts the request.
+        """
+        if not self.alive:
+            raise Unavailable(f"engine is not running: {self.failed or 'stopped'}")
+        stream: asyncio.Queue = asyncio.Queue()
+        accepted = self._loop.create_future()
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, prompt_ids, sampling, extra_keys, features, accepted))
+        try:
+            await accepted
+            remaining = sampling.n
+            while remaining:
+                item = await stream.get()
+                if item is _FAILED:
+                    raise Unavailable(f"engine failed: {self.failed}")
+                for out in item:
+                    remaining -= out.finished
+                    yield out
+        finally:
+            self._streams.pop(request_id, None)
+            refused = accepted.done() and not accepted.cancelled() and accepted.exception() is not None
+            if not refused:   # the add is queued or done: abort it (a no-op once finished)
+                self._commands.put(("abort", request_id))
+
+    def finish(self, request_id: str, index: int, reason: str = "stop") -> None:
+        """End one choice early (a stop string was seen in its text)."""
+        self._commands.put(("finish", request_id, index, reason))
+
+    # -- the engine thread ------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands(block=not self.core.has_unfinished())
+                if self._stopping:
+                    break
+                if self.core.has_unfinished():
+                    outputs = self.core.step()
+                    self._stats = self.core.stats()
+                    if self.on_step is not None:
+                        self.on_step(self._stats, outputs)
+                    if outputs:
+                        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        except Exception as exc:  # noqa: BLE001 - the thread must report, not vanish
+            log.exception("engine loop died")
+            self.failed = f"{type(exc).__name__}: {exc}"
+            self._loop.call_soon_threadsafe(self._fail_all)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, prompt, sampling, extra_keys, features, accepted = cmd
+            try:
+                self.core.add_request(rid, prompt, sampling, extra_keys=extra_keys, features=features)
+            except TesseraError as exc:
+                self._loop.call_soon_threadsafe(_settle, accepted, exc)
+            else:
+                self._loop.call_soon_threadsafe(_settle, accepted, None)
+        elif kind == "abort":
+            self.core.abort(cmd[1])
+        elif kind == "finish":
+            self.core.finish(cmd[1], cmd[2], cmd[3])
+
+    # -- on the event loop --------------------------------------------------------
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        grouped: dict[str, list[RequestOutput]] = {}
+        for out in outputs:
+            grouped.setdefault(out.request_id, []).append(out)
+        for rid, outs in grouped.items():
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put_nowait(outs)
+
+    def _fail_all(self) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(_FAILED)
+
+
+def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)

@@ -1,0 +1,51 @@
+"""What the engine core reports to the layer above, per step and on demand. No torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.decoder.engine.step import SampledToken
+
+
+@dataclass
+class RequestOutput:
+    """News for one choice of one API request after a step.
+
+    new_tokens: tokens sampled this step (0 or 1 today), with the runner's
+    logprobs. finish_reason: None while running, else "stop" | "length" |
+    "abort" | "error" (error carries a message). stop_token_id: the eos or stop
+    token that ended the choice; it is the last of new_tokens and the layer
+    above leaves it out of the text. Counts are totals so far, for usage.
+    """
+
+    request_id: str
+    index: int
+    new_tokens: list[SampledToken] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        return [t.token_id for t in self.new_tokens]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Live counters (GetModelInfo, /metrics). Token counts for the prefix cache."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_usage: float
+    num_preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+    num_steps: int

@@ -1,0 +1,110 @@
+"""One generation request as the engine core tracks it. No torch here.
+
+A request's tokens are its prompt followed by what it has generated so far;
+KV exists for the first num_computed_tokens of them. Scheduling only ever moves
+num_computed_tokens toward num_tokens (a prefill chunk, a one-token decode and a
+recompute after preemption are all that same move).
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from services.decoder.engine.step import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"            # waiting again, KV dropped, outputs and lease kept
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop" | "length" | "abort" | "error" once finished, else None."""
+        return self.value if self.finished else None
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
+
+# (start, end, key): a key that salts only the KV blocks overlapping physical
+# positions [start, end), e.g. an image's content hash over its placeholder span.
+SpanKey = tuple[int, int, Hashable]
+
+
+class Request:
+    """A request (or one of the n choices of an API request).
+
+    request_id is unique inside the engine; parent_id/index name the API request
+    and choice it answers. extra_keys salt every KV block hash (the adapter digest,
+    M-RoPE sections); span_keys salt only the blocks they overlap. Both are fixed
+    when the request is added (hashes are computed once and kept across
+    preemption). features are handed to the runner in every chunk; an adapter
+    lease hook may put the slot it grants there.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams, *,
+                 arrival_seq: int, arrival_time: float = 0.0, parent_id: str | None = None, index: int = 0,
+                 extra_keys: tuple = (), span_keys: tuple[SpanKey, ...] = (),
+                 features: dict[str, Any] | None = None):
+        self.request_id = request_id
+        self.parent_id = parent_id if parent_id is not None else request_id
+        self.index = index
+        self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
+        self.sampling = sampling
+        self.arrival_seq = arrival_seq        # FCFS order; the latest arrival is preempted first
+        self.arrival_time = arrival_time
+        self.extra_keys = extra_keys
+        self.span_keys = span_keys
+        self.features: dict[str, Any] = dict(features or {})
+
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []        # the block table: block_ids[p // block_size] holds position p
+        self.block_hashes: list[bytes] = []   # hashes of full blocks of all_token_ids, a chain from block 0
+        self.num_cached_tokens = 0            # prompt tokens served from the prefix cache at first admission
+        self.num_preemptions = 0
+        self.admitted = False                 # scheduled at least once
+        self.holds_lease = False
+        self.stop_token_id: int | None = None
+        self.error: str | None = None
+        # n > 1: the first choice computes the shared prompt; the others wait for it
+        # so that they find its full blocks in the prefix cache (see EngineCore).
+        self.leader: Request | None = None
+        self.prompt_done = False              # its prompt has been fully computed at least once
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Physical positions known so far: prompt + outputs."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/"
+                f"{self.num_tokens}, blocks={self.block_ids})")

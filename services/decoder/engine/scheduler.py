@@ -1,0 +1,285 @@
+"""Continuous batching with chunked prefill, prefix hits and recompute preemption. No torch.
+
+There are no prefill or decode phases. Each step walks the running requests
+oldest first and gives each min(uncomputed tokens, remaining budget) tokens: a
+decoding request has exactly one uncomputed token (its last sample), a long
+prompt gets a chunk. When the pool has no room for a running request, the most
+recently arrived running request is preempted: its blocks are freed, its
+computed count drops to 0 and it goes back to the front of the waiting queue
+with its outputs, which are recomputed as part of its tokens. Then waiting
+requests are admitted first come, first served while budget, seats and blocks
+allow.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.common.errors import ContextLengthExceeded, InvalidArgument, TesseraError
+from services.decoder.engine.config import EngineConfig
+from services.decoder.engine.kv_cache_manager import KVCacheManager, cdiv
+from services.decoder.engine.output import RequestOutput
+from services.decoder.engine.request import Request, RequestStatus
+from services.decoder.engine.step import SampledToken, SamplingParams, ScheduledChunk, StepInput, StepOutput
+
+
+class Leases(Protocol):
+    """Adapter-slot leases. acquire runs when a request is first scheduled (not
+    again after preemption); False means "no slot yet, keep waiting", a raised
+    TesseraError fails the request. release runs once on finish, abort or error."""
+
+    def acquire(self, request: Request) -> bool: ...
+
+    def release(self, request: Request) -> None: ...
+
+
+class NoLeases:
+    def acquire(self, request: Request) -> bool:
+        return True
+
+    def release(self, request: Request) -> None:
+        return None
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: (request, tokens) pairs in chunk order, and the runner's input."""
+
+    scheduled: list[tuple[Request, int]]
+    step: StepInput
+    preempted: list[Request] = field(default_factory=list)
+
+
+def validate_request(config: EngineConfig, prompt_token_ids: list[int] | tuple[int, ...],
+                     sampling: SamplingParams) -> None:
+    """Refuse what can never run: InvalidArgument / ContextLengthExceeded."""
+    if not prompt_token_ids:
+        raise InvalidArgument("the prompt is empty", param="prompt")
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 or t >= 2**63 for t in prompt_token_ids):
+        raise InvalidArgument("prompt token ids must be non-negative integers", param="prompt")
+    if isinstance(sampling.max_tokens, bool) or not isinstance(sampling.max_tokens, int) or sampling.max_tokens < 1:
+        raise InvalidArgument(f"max_tokens must be at least 1, got {sampling.max_tokens!r}", param="max_tokens")
+    if isinstance(sampling.n, bool) or not isinstance(sampling.n, int) or sampling.n < 1:
+        raise InvalidArgument(f"n must be at least 1, got {sampling.n!r}", param="n")
+    num_prompt, limit = len(prompt_token_ids), config.max_model_len
+    if num_prompt > limit:
+        raise ContextLengthExceeded(
+            f"the prompt has {num_prompt} tokens; the maximum context length is {limit}", param="prompt")
+    if num_prompt + sampling.max_tokens > limit:
+        raise ContextLengthExceeded(
+            f"{num_prompt} prompt tokens + max_tokens {sampling.max_tokens} exceed the maximum context "
+            f"length {limit}", param="max_tokens")
+    # KV is needed for every position but the last sampled one.
+    need = cdiv(num_prompt + sampling.max_tokens - 1, config.block_size)
+    if need > config.num_blocks:
+        raise ContextLengthExceeded(
+            f"{num_prompt} prompt tokens + max_tokens {sampling.max_tokens} need {need} KV blocks; "
+            f"the cache holds {config.num_blocks}", param="max_tokens")
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and the KV-cache manager. Not thread-safe:
+    one loop calls add/abort/finish/schedule/update."""
+
+    def __init__(self, config: EngineConfig, leases: Leases | None = None):
+        self.config = config
+        self.leases: Leases = leases if leases is not None else NoLeases()
+        self.kv = KVCacheManager(config.block_size, config.num_blocks, config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished_ids: list[str] = []
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidArgument(f"duplicate request id {request.request_id!r}", param="request_id")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def take_finished_ids(self) -> list[str]:
+        """Ids finished since the last call, so the runner can drop per-request state."""
+        ids, self._finished_ids = self._finished_ids, []
+        return ids
+
+    # -- planning -------------------------------------------------------------
+
+    def schedule(self) -> tuple[SchedulerOutput, list[RequestOutput]]:
+        """Plan one step. Also returns outputs of requests failed while planning
+        (a lease hook that raised)."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        failed: list[RequestOutput] = []
+        # Oldest first, so the preemption victim (the latest arrival) is always
+        # at the end and never one already given tokens in this step.
+        self.running.sort(key=lambda r: r.arrival_seq)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                raise RuntimeError(f"running request with nothing to compute: {req}")
+            while self.kv.allocate_slots(req, n) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            scheduled.append((req, n))
+            budget -= n
+            i += 1
+
+        # Admitting while we just preempted would only thrash the same blocks.
+        if not preempted:
+            budget = self._admit(budget, scheduled, failed)
+
+        chunks = [self._chunk(req, n) for req, n in scheduled]
+        return SchedulerOutput(scheduled, StepInput(chunks), preempted), failed
+
+    def _admit(self, budget: int, scheduled: list[tuple[Request, int]], failed: list[RequestOutput]) -> int:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.popleft()
+            if req.leader is not None and not (req.leader.prompt_done or req.leader.is_finished):
+                skipped.append(req)     # an n>1 sibling waits for the shared prompt blocks
+                continue
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)
+            if self.kv.allocate_slots(req, n, hits) is None:
+                self.waiting.appendleft(req)
+                break                   # first come, first served: nobody overtakes for blocks
+            # Lease after the blocks are secured: a refused or retried allocation
+            # then never churns adapter slots, only our own free queue.
+            if not req.holds_lease:
+                try:
+                    granted = self.leases.acquire(req)
+                except TesseraError as exc:
+                    failed.append(self._finish(req, RequestStatus.FINISHED_ERROR, error=exc.message))
+                    continue
+                if not granted:
+                    self.kv.free(req)
+                    skipped.append(req)
+                    continue
+                req.holds_lease = True
+            self.kv.record_prefix_lookup(req.num_tokens, num_hit)
+            req.num_computed_tokens = num_hit
+            if not req.admitted:
+                req.admitted = True
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        return ScheduledChunk(
+            request_id=req.request_id, token_ids=req.all_token_ids[start:start + n], start=start,
+            block_table=list(req.block_ids), sample=start + n == req.num_tokens, sampling=req.sampling,
+            output_token_ids=list(req.output_token_ids), num_prompt_tokens=req.num_prompt_tokens,
+            features=req.features)
+
+    def _preempt(self, req: Request) -> None:
+        # The lease stays: the request resumes with the same adapter and KV salt.
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # -- results --------------------------------------------------------------
+
+    def check_step_output(self, plan: SchedulerOutput, result: StepOutput) -> None:
+        """Raise ValueError unless result samples exactly the chunks marked sample."""
+        expected = {c.request_id for c in plan.step.chunks if c.sample}
+        got = set(result.sampled)
+        if got != expected:
+            raise ValueError(f"runner sampled {sorted(got)}, expected {sorted(expected)}")
+        for rid, tok in result.sampled.items():
+            if isinstance(tok.token_id, bool) or not isinstance(tok.token_id, int) or tok.token_id < 0:
+                raise ValueError(f"runner returned token id {tok.token_id!r} for {rid}")
+
+    def update(self, plan: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
+        """Advance computed counts, register newly full blocks, append samples and apply stop rules."""
+        outputs = []
+        for req, n in plan.scheduled:
+            req.num_computed_tokens += n
+            self.kv.cache_computed_blocks(req)
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                req.prompt_done = True
+            if req.num_computed_tokens < req.num_tokens:
+                continue                # a prefill chunk that did not reach the end
+            tok = result.sampled[req.request_id]
+            req.append_output(tok.token_id)
+            status = self._stop_status(req, tok.token_id)
+            if status is None:
+                outputs.append(self._output(req, [tok]))
+            else:
+                outputs.append(self._finish(req, status, new_tokens=[tok]))
+        return outputs
+
+    def fail(self, plan: SchedulerOutput, message: str) -> list[RequestOutput]:
+        """Finish every request of a failed step with an error; their blocks go back."""
+        return [self._finish(req, RequestStatus.FINISHED_ERROR, error=message)
+                for req, _ in plan.scheduled if not req.is_finished]
+
+    def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
+        sampling = req.sampling
+        if (not sampling.ignore_eos and token_id in self.config.eos_token_ids) \
+                or token_id in sampling.stop_token_ids:
+            req.stop_token_id = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= sampling.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- ending ---------------------------------------------------------------
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        return None if req is None else self._finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def finish(self, request_id: str, reason: str = "stop") -> RequestOutput | None:
+        """End a request from above (a stop string seen in its text); None if already gone."""
+        statuses = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
+        if reason not in statuses:
+            raise ValueError(f"finish reason must be 'stop' or 'length', got {reason!r}")
+        req = self.requests.get(request_id)
+        return None if req is None else self._finish(req, statuses[reason])
+
+    def _finish(self, req: Request, status: RequestStatus, *, new_tokens: list[SampledToken] | None = None,
+                error: str | None = None) -> RequestOutput:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:       # identity: Request has no __eq__
+            self.waiting.remove(req)
+        self.kv.free(req)
+        if req.holds_lease and status is not RequestStatus.FINISHED_ABORTED:
+            self._release(req)
+        req.status = status
+        req.error = error
+        self.requests.pop(req.request_id, None)
+        self._finished_ids.append(req.request_id)
+        return self._output(req, new_tokens or [])
+
+    def _release(self, req: Request) -> None:
+        req.holds_lease = False
+        self.leases.release(req)
+
+    @staticmethod
+    def _output(req: Request, new_tokens: list[SampledToken]) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.parent_id, index=req.index, new_tokens=new_tokens,
+            finish_reason=req.status.finish_reason, stop_token_id=req.stop_token_id, error=req.error,
+            num_prompt_tokens=req.num_prompt_tokens, num_completion_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens)

@@ -1,0 +1,52 @@
+"""The causal LM: embeddings, decoder layers, final norm, LM head (Llama / Qwen2 / Qwen3).
+
+`CausalLM.model.*` and `CausalLM.lm_head` mirror transformers' names, so a checkpoint's
+keys are our state_dict keys. The forward pass runs every token of a step at once:
+one [N, hidden] matmul per projection per layer, whatever mix of requests the step has.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.decoder.model.config import ModelConfig
+from services.decoder.model.layers import AttentionFn, DecoderLayer, RMSNorm
+from services.decoder.model.rotary import Rotary
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Plain object, not a buffer: it is not in checkpoints and must not be created on meta.
+        self.rotary: Rotary | None = None
+
+    def setup_rotary(self, device: torch.device | str) -> None:
+        cfg = self.config
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.mrope_sections, device=device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [N] -> embeddings [N, hidden] (the runner may replace image rows)."""
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attend: AttentionFn) -> torch.Tensor:
+        """embeds [N, hidden], positions [N] or [3, N] -> final-normed hidden states [N, hidden]."""
+        cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
+        x = embeds
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attend)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [M, hidden] (only the rows that are sampled) -> fp32 logits [M, vocab]."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,82 @@
+"""Build a CausalLM from an HF folder without materialising random weights first.
+
+Modules are created on the meta device (no storage), then each parameter is replaced by
+the tensor read from the safetensors files (memory-mapped by safe_open), cast to the
+serving dtype. A checkpoint with missing or unexpected tensors, or wrong shapes, is
+refused: loading it anyway would serve a different model.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from services.common.errors import InvalidArgument, Unsupported
+from services.decoder.model.config import ModelConfig
+from services.decoder.model.decoder import CausalLM
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+_CPU_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    dtype = name if isinstance(name, torch.dtype) else DTYPES.get(str(name).lower())
+    if dtype is None:
+        raise InvalidArgument(f"unknown dtype {name!r} (choose from fp32, bf16, fp16)")
+    if device.type == "cpu" and dtype not in _CPU_DTYPES:
+        raise Unsupported(f"dtype {dtype} is not supported on CPU (use fp32 or bf16)")
+    return dtype
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder: the sharded index's files, or model.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise InvalidArgument(f"{folder} has no model.safetensors or model.safetensors.index.json")
+
+
+def load_model(folder: str | Path, dtype: str | torch.dtype = "fp32",
+               device: str | torch.device = "cpu") -> CausalLM:
+    folder, device = Path(folder), torch.device(device)
+    dtype = resolve_dtype(dtype, device)
+    cfg = ModelConfig.from_folder(folder)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    loaded: set[str] = set()
+    for path in checkpoint_files(folder):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue  # transformers ties it to the embedding and ignores the stored copy
+                if name not in expected:
+                    raise InvalidArgument(f"unexpected tensor {name!r} in {path.name} for a {cfg.family} model")
+                tensor = f.get_tensor(name)
+                if tensor.shape != expected[name]:
+                    raise InvalidArgument(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                          f"expected {tuple(expected[name])}")
+                _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
+                loaded.add(name)
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        raise InvalidArgument(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.setup_rotary(device)
+    return model.eval()
+
+
+def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=False))

@@ -1,0 +1,82 @@
+"""A StepInput flattened into the tensors one forward pass needs.
+
+Tokens of all chunks are concatenated in step order (no padding). Physical positions
+drive KV slots and causal masks; rotary positions are the physical ones, or, for a
+request that carries M-RoPE features, its prompt coordinates and then physical + delta.
+Image rows are looked up by absolute position, so a chunk replaces only the rows inside
+its own interval [start, start + len), whether it is a first prefill, the rest after a
+prefix hit, or a recompute after preemption.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.common.errors import InvalidArgument, Unsupported
+from services.decoder.engine.step import ScheduledChunk, StepInput
+from services.decoder.runner.attention import AttentionPlan
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor                       # [N] long
+    positions: torch.Tensor                       # [N] or [3, N] long: rotary positions
+    plan: AttentionPlan
+    sample_rows: torch.Tensor                     # [M] rows whose logits are sampled
+    sampled: list[ScheduledChunk]                 # the M chunks, in the same order
+    image_rows: list[tuple[int, torch.Tensor]]    # (row in the step, embedding [hidden])
+
+    @staticmethod
+    def build(step: StepInput, block_size: int, device: torch.device,
+              mrope_sections: tuple[int, int, int] | None) -> StepBatch:
+        chunks = step.chunks
+        if not chunks or any(not c.token_ids for c in chunks):
+            raise InvalidArgument("a step needs at least one chunk and every chunk at least one token")
+        ids, physical, sample_rows, sampled, images = [], [], [], [], []
+        offset = 0
+        for c in chunks:
+            n = len(c.token_ids)
+            ids.extend(c.token_ids)
+            physical.append(torch.arange(c.start, c.start + n, device=device))
+            if c.sample:
+                sample_rows.append(offset + n - 1)
+                sampled.append(c)
+            if c.features.get("lora_slot", -1) != -1:
+                raise Unsupported("LoRA adapters are not available in this runner yet")
+            for pos, row in c.features.get("image_rows", {}).items():
+                if c.start <= pos < c.start + n:
+                    images.append((offset + pos - c.start, row))
+            offset += n
+        positions = torch.cat(physical)
+        if any("mrope_positions" in c.features for c in chunks):
+            positions = _mrope_positions(chunks, positions, mrope_sections)
+        plan = AttentionPlan.build([(c.start, len(c.token_ids), c.block_table) for c in chunks],
+                                   block_size, device)
+        return StepBatch(torch.tensor(ids, dtype=torch.long, device=device), positions, plan,
+                         torch.tensor(sample_rows, dtype=torch.long, device=device), sampled, images)
+
+
+def _mrope_positions(chunks: list[ScheduledChunk], physical: torch.Tensor,
+                     sections: tuple[int, int, int] | None) -> torch.Tensor:
+    """[3, N]: text-only requests repeat their physical position on all three axes."""
+    if sections is None:
+        raise Unsupported("this model has no M-RoPE sections; it cannot take image positions")
+    axes = physical[None].expand(3, -1).clone()
+    offset = 0
+    for c in chunks:
+        n = len(c.token_ids)
+        feats = c.features
+        if "mrope_positions" in feats:
+            given = feats.get("mrope_sections")
+            if given is not None and tuple(given) != tuple(sections):
+                raise InvalidArgument(f"M-RoPE sections {tuple(given)} differ from the model's {sections}")
+            prompt = feats["mrope_positions"].to(axes.device)                  # [3, T_prompt]
+            pos = physical[offset:offset + n]
+            in_prompt = pos < prompt.shape[1]
+            # Decode (and any text past the prompt) continues at physical + delta on every axis.
+            rows = torch.where(in_prompt[None], prompt[:, pos.clamp(max=prompt.shape[1] - 1)],
+                               (pos + int(feats["mrope_delta"]))[None])
+            axes[:, offset:offset + n] = rows
+        offset += n
+    return axes

@@ -1,0 +1,70 @@
+"""The model runner: StepInput in, StepOutput out.
+
+One forward pass per step over every scheduled token (all requests, prefill and decode
+rows alike), the LM head only over the rows that are sampled, then the sampler.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from services.common.errors import InvalidArgument
+from services.decoder.engine.step import StepInput, StepOutput
+from services.decoder.model.decoder import CausalLM
+from services.decoder.model.loader import load_model
+from services.decoder.runner.attention import PagedAttention, Workspace
+from services.decoder.runner.batch import StepBatch
+from services.decoder.runner.kv_cache import KVCache
+from services.decoder.runner.sampler import Sampler
+
+
+class Runner:
+    def __init__(self, model: CausalLM, block_size: int, num_blocks: int, seed: int | None = None):
+        self.model = model
+        self.config = cfg = model.config
+        param = model.lm_head.weight
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                             self.dtype, self.device)
+        self.workspace = Workspace()
+        self.sampler = Sampler(seed)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, dtype: str | torch.dtype = "fp32", block_size: int = 16,
+                    num_blocks: int = 1024, device: str | torch.device = "cpu",
+                    seed: int | None = None) -> Runner:
+        return cls(load_model(folder, dtype, device), block_size, num_blocks, seed)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    @torch.inference_mode()
+    def logits(self, step: StepInput) -> tuple[torch.Tensor, StepBatch]:
+        """Run the step; fp32 logits [M, vocab] of its M sampled chunks (batch.sampled order)."""
+        batch = StepBatch.build(step, self.block_size, self.device, self.config.mrope_sections)
+        if int(batch.input_ids.max()) >= self.vocab_size or int(batch.input_ids.min()) < 0:
+            raise InvalidArgument(f"token ids must be in [0, {self.vocab_size})", param="prompt")
+        embeds = self.model.embed(batch.input_ids)
+        if batch.image_rows:
+            rows, values = zip(*batch.image_rows, strict=True)
+            embeds[list(rows)] = torch.stack(values).to(embeds)
+        hidden = self.model(embeds, batch.positions, PagedAttention(self.cache, batch.plan, self.workspace))
+        return self.model.logits(hidden.index_select(0, batch.sample_rows)), batch
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        """One engine step: write KV for every chunk, sample one token per chunk with sample=True."""
+        logits, batch = self.logits(step)
+        tokens = self.sampler(logits, batch.sampled)
+        return StepOutput({c.request_id: t for c, t in zip(batch.sampled, tokens, strict=True)})

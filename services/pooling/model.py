@@ -1,0 +1,190 @@
+"""Loaded models: tokenise and validate requests, run one padded forward per batch.
+
+`Embedder.forward` and `Reranker.forward` run in the batcher's worker thread; the
+rest runs on the event loop and raises typed errors for bad input.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+from tokenizers import Tokenizer
+
+from services.common.errors import ContextLengthExceeded, InvalidArgument
+
+from . import packed
+from .folder import ModelSpec
+from .pooling import pool_hidden
+
+log = logging.getLogger("tessera.pooling.model")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One row of a forward: token ids and, for pair encoders, their segment ids."""
+
+    ids: tuple[int, ...]
+    type_ids: tuple[int, ...] | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def _load_tokenizers(spec: ModelSpec) -> tuple[Tokenizer, Tokenizer]:
+    """(untruncated, truncating at max_model_len) copies of the folder's tokenizer.json.
+
+    The file's own padding/truncation settings are dropped: batching pads, and
+    over-length input is an error unless the request opts into truncation. Two copies
+    because a Tokenizer's truncation is shared mutable state.
+    """
+    path = str(spec.path / "tokenizer.json")
+    full, cut = Tokenizer.from_file(path), Tokenizer.from_file(path)
+    for tok in (full, cut):
+        tok.no_padding()
+        tok.no_truncation()
+    cut.enable_truncation(spec.max_model_len, strategy="longest_first")
+    return full, cut
+
+
+def _check_missing(spec: ModelSpec, info: dict, allowed: tuple[str, ...] = ()) -> None:
+    """Refuse a checkpoint that leaves weights at random init (transformers would just warn)."""
+    missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(allowed))
+    if missing:
+        raise ValueError(f"{spec.path}: checkpoint lacks trained weights for {missing[:6]}"
+                         f"{' ...' if len(missing) > 6 else ''}; refusing random initialisation")
+
+
+class _Base:
+    """Shared loading, tokenisation, validation and padding."""
+
+    def __init__(self, spec: ModelSpec, module: torch.nn.Module, dtype: str):
+        self.spec = spec
+        self.module = module.to(_DTYPES[dtype]).eval()
+        self.full, self.cut = _load_tokenizers(spec)
+        params = inspect.signature(self.module.forward).parameters
+        self.takes_type_ids = "token_type_ids" in params
+
+    def _check_length(self, seq: Sequence, param: str, truncate: bool) -> Sequence:
+        if len(seq) > self.spec.max_model_len:
+            if not truncate:
+                raise ContextLengthExceeded(
+                    f"{param} has {len(seq)} tokens, over the model's {self.spec.max_model_len}; "
+                    "shorten it or set truncate", param=param)
+            n = self.spec.max_model_len
+            seq = Sequence(seq.ids[:n], seq.type_ids[:n] if seq.type_ids else None)
+        return seq
+
+    def _batch(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
+        """Right-padded input_ids / attention_mask (/ token_type_ids) [B, L]."""
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        types = torch.zeros(len(seqs), width, dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            n = len(seq)
+            ids[row, :n] = torch.tensor(seq.ids)
+            mask[row, :n] = 1
+            if seq.type_ids:
+                types[row, :n] = torch.tensor(seq.type_ids)
+        batch = {"input_ids": ids, "attention_mask": mask}
+        if self.takes_type_ids:
+            batch["token_type_ids"] = types
+        return batch
+
+
+class Embedder(_Base):
+    """An encoder or decoder backbone (AutoModel) plus our pooling."""
+
+    def __init__(self, spec: ModelSpec, *, dtype: str = "float32", fast: bool = True):
+        from transformers import AutoModel
+        module, info = AutoModel.from_pretrained(spec.path, dtype=torch.float32,
+                                                 output_loading_info=True)
+        # BERT-style pooler heads are never used by our pooling.
+        _check_missing(spec, info, allowed=("pooler.",))
+        super().__init__(spec, module, dtype)
+        self.packed = packed.PackedBert.wrap(self.module) if fast and dtype == "float32" else None
+        log.info("embedding model %s: %s pooling=%s normalize=%s max_len=%d fast=%s", spec.name,
+                 type(self.module).__name__, spec.pooling, spec.normalize, spec.max_model_len,
+                 self.packed is not None)
+
+    def tokenize(self, inputs: list[str | list[int]], truncate: bool) -> list[Sequence]:
+        """Validate and tokenise request inputs (text, or token ids) in order."""
+        texts = {}
+        for i, item in enumerate(inputs):
+            if isinstance(item, str):
+                if not item:
+                    raise InvalidArgument(f"inputs[{i}] is an empty string", param=f"inputs[{i}]")
+                texts[i] = item.lower() if self.spec.lowercase else item
+        encoded = dict(zip(texts, (self.cut if truncate else self.full).encode_batch(list(texts.values()))))
+        seqs = []
+        for i, item in enumerate(inputs):
+            if i in encoded:
+                seq = Sequence(tuple(encoded[i].ids))
+            else:
+                seq = Sequence(tuple(self._check_ids(item, f"inputs[{i}]")))
+            seqs.append(self._check_length(seq, f"inputs[{i}]", truncate))
+        return seqs
+
+    def _check_ids(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise InvalidArgument(f"{param} has no token ids", param=param)
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise InvalidArgument(f"{param}: token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {self.spec.vocab_size})", param=param)
+        return ids
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[B] sequences -> pooled float32 [B, H] (full width; Matryoshka cut is per request)."""
+        if self.packed is not None:
+            hidden, mask = self.packed(seqs)
+        else:
+            batch = self._batch(seqs)
+            hidden, mask = self.module(**batch).last_hidden_state, batch["attention_mask"]
+        return pool_hidden(hidden, mask, self.spec.pooling, self.spec.normalize)
+
+
+class Reranker(_Base):
+    """A one-label *ForSequenceClassification cross-encoder."""
+
+    def __init__(self, spec: ModelSpec, *, dtype: str = "float32"):
+        from transformers import AutoModelForSequenceClassification
+        module, info = AutoModelForSequenceClassification.from_pretrained(
+            spec.path, dtype=torch.float32, output_loading_info=True)
+        if module.config.num_labels != 1:
+            raise ValueError(f"{spec.path}: a reranker needs one label, not {module.config.num_labels}")
+        _check_missing(spec, info)
+        super().__init__(spec, module, dtype)
+        log.info("reranker %s: %s activation=%s max_len=%d", spec.name, type(self.module).__name__,
+                 spec.activation, spec.max_model_len)
+
+    def tokenize(self, query: str, documents: list[str], truncate: bool) -> list[Sequence]:
+        """One (query, document) pair per document, with the tokenizer's own pair template."""
+        if not query:
+            raise InvalidArgument("query is empty", param="query")
+        for i, doc in enumerate(documents):
+            if not doc:
+                raise InvalidArgument(f"documents[{i}] is an empty string", param=f"documents[{i}]")
+        tok = self.cut if truncate else self.full
+        lower = str.lower if self.spec.lowercase else str
+        encoded = tok.encode_batch([(lower(query), lower(doc)) for doc in documents])
+        return [self._check_length(Sequence(tuple(e.ids), tuple(e.type_ids)), f"documents[{i}]", truncate)
+                for i, e in enumerate(encoded)]
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[B] pairs -> raw head outputs float32 [B]."""
+        return self.module(**self._batch(seqs)).logits.float().reshape(len(seqs))
+
+    def activate(self, scores: torch.Tensor) -> torch.Tensor:
+        """The activation the folder declares (sentence-transformers' CrossEncoder rule)."""
+        if self.spec.activation == "sigmoid":
+            return torch.sigmoid(scores)
+        if self.spec.activation == "tanh":
+            return torch.tanh(scores)
+        return scores

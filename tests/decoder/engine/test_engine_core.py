@@ -1,0 +1,159 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from services.common.errors import AdapterNotFound, ContextLengthExceeded, InvalidArgument
+from services.decoder.engine.config import EngineConfig
+from services.decoder.engine.engine_core import EngineCore
+from services.decoder.engine.step import SamplingParams
+
+from .fakes import CountingLeases, FakeRunner, Job, drive, next_token
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _core(leases=None, fail_calls=frozenset(), **cfg):
+    cfg.setdefault("block_size", 4)
+    cfg.setdefault("num_blocks", 64)
+    cfg.setdefault("max_num_batched_tokens", 64)
+    cfg.setdefault("max_model_len", 128)
+    config = EngineConfig(**cfg)
+    runner = FakeRunner(config, fail_calls)
+    return EngineCore(runner, config, leases), runner
+
+
+def _expected(prompt, max_tokens, salt=0, seed=None):
+    """Greedy continuation straight from the fake's token function (ignore_eos)."""
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(tokens, salt, seed))
+    return tokens[len(prompt):]
+
+
+def test_engine_core_imports_no_torch():
+    code = ("import sys, services.decoder.engine.engine_core, services.decoder.engine.scheduler;"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_generation_follows_the_context_through_chunks():
+    core, runner = _core(max_num_batched_tokens=3)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    res = drive(core, runner, [Job("a", prompt, max_tokens=6, ignore_eos=True)])
+    assert res.tokens[("a", 0)] == _expected(prompt, 6)
+    assert res.reasons[("a", 0)] == "length"
+    assert runner.violations == []
+    core.check_idle()
+
+
+def test_prefix_hit_reports_cached_tokens_and_keeps_the_output():
+    core, runner = _core()
+    prompt = list(range(1, 12))                      # 11 tokens: two full blocks of 4 can hit
+    first = drive(core, runner, [Job("a", prompt, max_tokens=3, ignore_eos=True)])
+    again = drive(core, runner, [Job("b", prompt, max_tokens=3, ignore_eos=True)])
+    assert first.cached[("a", 0)] == 0 and again.cached[("b", 0)] == 8
+    assert again.tokens[("b", 0)] == first.tokens[("a", 0)] == _expected(prompt, 3)
+    stats = core.stats()
+    assert stats.prefix_queries == 22 and stats.prefix_hits == 8
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert runner.violations == []
+    core.check_idle()
+
+
+def test_different_extra_keys_never_share_blocks():
+    core, runner = _core()
+    prompt = list(range(1, 12))
+    a = drive(core, runner, [Job("a", prompt, max_tokens=2, salt=1, ignore_eos=True)])
+    b = drive(core, runner, [Job("b", prompt, max_tokens=2, salt=2, ignore_eos=True)])
+    assert b.cached[("b", 0)] == 0
+    assert a.tokens[("a", 0)] == _expected(prompt, 2, salt=1)
+    assert b.tokens[("b", 0)] == _expected(prompt, 2, salt=2)
+    assert runner.violations == []
+
+
+def test_n_choices_share_prompt_blocks_and_each_hold_a_lease():
+    leases = CountingLeases()
+    core, runner = _core(leases)
+    prompt = list(range(1, 14))                      # 3 full blocks of 4
+    runner.register("p", prompt, n=3)
+    core.add_request("p", prompt, SamplingParams(max_tokens=4, n=3, seed=10, ignore_eos=True))
+    shared_seen = False
+    tokens = {i: [] for i in range(3)}
+    while core.has_unfinished():
+        outs = core.step()
+        for out in outs:
+            tokens[out.index] += out.new_token_ids
+        tables = [c.block_table for c in runner.steps[-1].chunks]
+        if len(tables) == 3 and not any(o.finished for o in outs):
+            assert tables[0][:3] == tables[1][:3] == tables[2][:3]
+            assert all(core.scheduler.kv.pool.blocks[b].ref_cnt == 3 for b in tables[0][:3])
+            shared_seen = True
+    assert shared_seen
+    for i in range(3):
+        assert tokens[i] == _expected(prompt, 4, seed=10 + i)
+    assert leases.acquires == leases.releases == 3 and not leases.violations
+    assert runner.violations == []
+    core.check_idle()
+
+
+def test_runner_failure_fails_only_that_step_and_the_core_keeps_serving():
+    core, runner = _core(fail_calls=frozenset({1}), max_num_batched_tokens=4)
+    leases = CountingLeases()
+    core.scheduler.leases = leases
+    jobs = [Job("a", [1, 2, 3], max_tokens=3, ignore_eos=True),
+            Job("late", [4, 5], max_tokens=2, ignore_eos=True, arrival_step=3)]
+    res = drive(core, runner, jobs)
+    assert res.reasons[("a", 0)] == "error"
+    assert res.reasons[("late", 0)] == "length" and res.tokens[("late", 0)] == _expected([4, 5], 2)
+    assert "a" in runner.steps[2].finished_request_ids     # the runner is told to drop it
+    assert leases.active == set() and not leases.violations
+    assert runner.violations == []
+    core.check_idle()
+
+
+def test_abort_and_finish_from_above_emit_final_outputs():
+    core, runner = _core()
+    for rid in ("a", "b"):
+        runner.register(rid, [1, 2], n=2 if rid == "b" else 1)
+    core.add_request("a", [1, 2], SamplingParams(max_tokens=50, ignore_eos=True))
+    core.add_request("b", [1, 2], SamplingParams(max_tokens=50, n=2, ignore_eos=True))
+    core.step()
+    assert core.abort("a") and not core.abort("a") and not core.abort("unknown")
+    assert core.finish("b", index=1)
+    assert not core.finish("b", index=5)
+    outs = core.step()
+    final = {(o.request_id, o.index): o.finish_reason for o in outs if o.finished}
+    assert final == {("a", 0): "abort", ("b", 1): "stop"}
+    core.abort("b")
+    core.step()
+    assert not core.has_unfinished()
+    core.check_idle()
+
+
+def test_bad_requests_are_refused_with_nothing_queued():
+    core, _ = _core(max_model_len=16)
+    with pytest.raises(ContextLengthExceeded):
+        core.add_request("long", list(range(1, 18)), SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidArgument):
+        core.add_request("empty", [], SamplingParams())
+    with pytest.raises(InvalidArgument):
+        core.add_request("n0", [1], SamplingParams(n=0))
+    core.add_request("x", [1], SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidArgument, match="duplicate"):
+        core.add_request("x", [1], SamplingParams(max_tokens=1))
+    stats = core.stats()
+    assert stats.num_waiting == 1 and stats.num_running == 0
+
+
+def test_lease_hook_error_fails_the_request_cleanly():
+    class Refusing(CountingLeases):
+        def acquire(self, request):
+            raise AdapterNotFound("adapter 'x' was unloaded")
+
+    core, runner = _core(Refusing())
+    res = drive(core, runner, [Job("a", [1, 2, 3], max_tokens=2)])
+    assert res.reasons[("a", 0)] == "error"
+    core.check_idle()

@@ -1,0 +1,57 @@
+"""Tiny random HF checkpoints written with transformers' save_pretrained (no hub).
+
+Weights are re-drawn larger than transformers' 0.02 init (and norms and biases are made
+non-trivial) so logits are far from uniform: greedy comparisons then do not hinge on ties,
+and a loader that skipped biases or norm weights would be caught.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+VOCAB = 160
+_CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+            "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+
+# name -> (family, config overrides, save kwargs). Covers GQA ratios 1, 2, 4 (and 3), tied and
+# untied, an odd head count, qk-norm, a head_dim unequal to hidden/heads, and sharded files.
+CASES = {
+    "llama_mha_untied": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False), {}),
+    "llama_gqa4_tied_sharded": ("llama", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+                                              tie_word_embeddings=True), dict(max_shard_size="20KB")),
+    "qwen2_gqa2_odd_tied": ("qwen2", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48,
+                                          tie_word_embeddings=True), {}),
+    "qwen3_odd3_gqa3_qknorm": ("qwen3", dict(num_attention_heads=3, num_key_value_heads=1, head_dim=32,
+                                             tie_word_embeddings=False), {}),
+}
+
+
+def build(root: Path, name: str, seed: int = 0) -> Path:
+    """Write checkpoint `name` under root and return its folder."""
+    family, overrides, save_kwargs = CASES[name]
+    config_cls, model_cls = _CLASSES[family]
+    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    folder = root / name
+    model.save_pretrained(folder, **save_kwargs)
+    GenerationConfig(bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0).save_pretrained(folder)
+    return folder
+
+
+def load_reference(folder: Path):
+    """transformers' own model for a folder, fp32, eval (tests only)."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -1,0 +1,121 @@
+"""The Runner over the paged cache vs transformers: chunked prefill, decode, mixed batches."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.common.errors import InvalidArgument, Unsupported
+from services.decoder.engine.step import StepInput
+from services.decoder.runner import Runner
+from tests.decoder.model.checkpoints import build, load_reference
+from tests.decoder.runner.driver import BlockAllocator, Seq
+
+BLOCK = 4
+CASES = ["llama_gqa4_tied_sharded", "qwen2_gqa2_odd_tied", "qwen3_odd3_gqa3_qknorm"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: build(root, name, seed=10 + i) for i, name in enumerate(CASES)}
+
+
+@pytest.fixture(scope="module")
+def references(folders):
+    return {name: load_reference(folder) for name, folder in folders.items()}
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = random.Random(seed)
+    return [g.randrange(4, 160) for _ in range(n)]
+
+
+def hf_last_logits(ref, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return ref(torch.tensor([tokens])).logits[0, -1]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_chunked_prefill_then_decode_matches_transformers(folders, references, name):
+    runner, ref = Runner.from_folder(folders[name], "fp32", block_size=BLOCK, num_blocks=64), references[name]
+    alloc = BlockAllocator(64)
+    seq = Seq("a", prompt(23, 1))
+    for size in (5, 1, 9, 8):                  # uneven, and one 1-token chunk mid-prompt
+        out = runner.execute(StepInput([seq.chunk(size, alloc, BLOCK)]))
+        assert out.sampled == {} or seq.computed == 23
+    produced = [out.sampled["a"].token_id]
+    seq.tokens.append(produced[-1])
+    for _ in range(7):
+        chunk = seq.chunk(1, alloc, BLOCK)
+        logits, _ = runner.logits(StepInput([chunk]))
+        torch.testing.assert_close(logits[0], hf_last_logits(ref, seq.tokens), rtol=1e-4, atol=1e-4)
+        produced.append(int(logits[0].argmax()))
+        seq.tokens.append(produced[-1])
+    with torch.no_grad():
+        expected = ref.generate(torch.tensor([seq.tokens[:23]]), do_sample=False, max_new_tokens=8,
+                                pad_token_id=0)[0, 23:].tolist()
+    assert produced[:len(expected)] == expected and len(expected) >= 1
+
+
+def run_alone(runner: Runner, alloc: BlockAllocator, seq: Seq, steps: int) -> list[torch.Tensor]:
+    """Whole prompt in one chunk, then greedy decode: the per-step sampled logits."""
+    out = []
+    for i in range(steps):
+        chunk = seq.chunk(len(seq.tokens), alloc, BLOCK)
+        logits, _ = runner.logits(StepInput([chunk]))
+        out.append(logits[0])
+        seq.tokens.append(int(logits[0].argmax()))
+    return out
+
+
+def test_mixed_batch_equals_one_by_one(folders):
+    """Staggered arrivals, random chunk sizes: every step mixes prefill and decode rows."""
+    name = "qwen2_gqa2_odd_tied"
+    runner = Runner.from_folder(folders[name], "fp32", block_size=BLOCK, num_blocks=200)
+    alloc = BlockAllocator(200, seed=3)
+    lengths, steps = [3, 11, 17, 30, 1], 5
+    alone = {i: run_alone(runner, alloc, Seq(str(i), prompt(n, i)), steps) for i, n in enumerate(lengths)}
+    rng = random.Random(7)
+    waiting = [Seq(str(i), prompt(n, i)) for i, n in enumerate(lengths)]
+    running, got = [], {str(i): [] for i in range(len(lengths))}
+    mixed_steps = 0
+    while waiting or running:
+        if waiting:
+            running.append(waiting.pop(0))         # one arrival per step
+        chunks = [s.chunk(rng.randint(1, 7), alloc, BLOCK) for s in running]
+        mixed_steps += len({len(c.token_ids) > 1 for c in chunks}) == 2
+        logits, batch = runner.logits(StepInput(chunks))
+        for row, c in enumerate(batch.sampled):
+            seq = next(s for s in running if s.rid == c.request_id)
+            got[c.request_id].append(logits[row])
+            seq.tokens.append(int(logits[row].argmax()))
+        running = [s for s in running if len(got[s.rid]) < steps]
+    assert mixed_steps >= 3
+    for i in range(len(lengths)):
+        for a, b in zip(got[str(i)], alone[i], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            assert int(a.argmax()) == int(b.argmax())
+
+
+def test_execute_samples_only_finished_chunks(folders):
+    runner = Runner.from_folder(folders["llama_gqa4_tied_sharded"], block_size=BLOCK, num_blocks=32)
+    alloc = BlockAllocator(32)
+    a, b = Seq("a", prompt(10, 1)), Seq("b", prompt(3, 2))
+    out = runner.execute(StepInput([a.chunk(4, alloc, BLOCK), b.chunk(3, alloc, BLOCK)]))
+    assert set(out.sampled) == {"b"}
+    assert runner.eos_token_ids == (2, 3) and runner.vocab_size == 160 and runner.max_position_embeddings == 256
+
+
+def test_bad_steps_are_refused(folders):
+    runner = Runner.from_folder(folders["llama_gqa4_tied_sharded"], block_size=BLOCK, num_blocks=32)
+    alloc = BlockAllocator(32)
+    with pytest.raises(InvalidArgument):
+        runner.execute(StepInput([Seq("a", [5, 999]).chunk(2, alloc, BLOCK)]))
+    lora = Seq("l", [5, 6], features={"lora_slot": 0})
+    with pytest.raises(Unsupported, match="LoRA"):
+        runner.execute(StepInput([lora.chunk(2, alloc, BLOCK)]))
+    image = Seq("i", [5, 6], features={"mrope_positions": torch.zeros(3, 2, dtype=torch.long), "mrope_delta": 0})
+    with pytest.raises(Unsupported, match="M-RoPE"):
+        runner.execute(StepInput([image.chunk(2, alloc, BLOCK)]))

@@ -1,0 +1,119 @@
+"""Helpers that run real servers for the gateway tests: uvicorn in a thread, gRPC servers on their own loop,
+and service subprocesses waited on through grpc.health.v1."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import uvicorn
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread, for gRPC aio servers the test drives synchronously."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class GatewayThread:
+    """create_app(cfg) under uvicorn on cfg.port in a background thread."""
+
+    def __init__(self, cfg: GatewayConfig):
+        self.cfg = cfg
+        self.url = f"http://127.0.0.1:{cfg.port}"
+        config = uvicorn.Config(create_app(cfg), host="127.0.0.1", port=cfg.port, log_level="warning",
+                                access_log=False, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("gateway did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(20)
+
+
+def wait_serving(address: str, service: str, proc: subprocess.Popen | None = None, timeout: float = 90) -> None:
+    """Block until address reports SERVING for service (grpc.health.v1), or fail with the reason."""
+    deadline = time.time() + timeout
+    last = "no answer"
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.time() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{service} exited with {proc.returncode} before serving")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                last = exc.code().name
+            time.sleep(0.1)
+    raise RuntimeError(f"{service} at {address} not SERVING after {timeout}s (last: {last})")
+
+
+def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 60) -> httpx.Response:
+    """Block until GET url answers 200."""
+    deadline = time.time() + timeout
+    last = "no answer"
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            reply = httpx.get(url, timeout=2)
+            if reply.status_code == 200:
+                return reply
+            last = f"{reply.status_code} {reply.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer 200 after {timeout}s (last: {last})")
+
+
+def python_module(module: str, args: list[str], log_path: Path) -> subprocess.Popen:
+    """`python -m module args` from the repository root, output to log_path."""
+    log = open(log_path, "wb")  # noqa: SIM115 - the child owns it until it exits
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, env=env)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """SIGTERM, then SIGKILL if it does not drain in time."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)

