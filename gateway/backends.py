@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -79,8 +80,12 @@ class Backend:
             return f"UNREACHABLE ({exc.code().name}: {exc.details()})"
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
-    async def call(self, method, request, request_id: str):
-        """Await a unary RPC with the per-call deadline; a failed call raises its typed error."""
+    async def call(self, method, request, request_id: str, fields: dict[str, str] | None = None):
+        """Await a unary RPC with the per-call deadline; a failed call raises its typed error.
+
+        fields renames proto field names to the HTTP body's (e.g. inputs -> input) in the error's param,
+        which names the top-level field only ("inputs[3]" -> "input"; the message keeps the detail).
+        """
         self.in_flight += 1
         try:
             return await method(request, timeout=self.cfg.grpc_timeout_s,
@@ -89,6 +94,9 @@ class Backend:
             err = from_rpc_error(exc)
             if err.reason == "UNAVAILABLE":
                 err = Unavailable(f"{self.label}: {err.message}", param=err.param)
+            if err.param:
+                head = re.split(r"[\[.]", err.param, maxsplit=1)[0]
+                err.param = (fields or {}).get(head, head)
             raise err from None
         finally:
             self.in_flight -= 1

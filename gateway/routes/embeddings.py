@@ -78,7 +78,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict:
     if body.dimensions is not None:
         req.dimensions = body.dimensions
     backend = model.backend
-    reply = await backend.call(backend.pooling.Embed, req, rid)
+    reply = await backend.call(backend.pooling.Embed, req, rid, fields={"inputs": "input"})
     try:
         vectors = from_proto(reply.embeddings, dtype=torch.float32, shape=(len(inputs), None), name="embeddings")
     except TesseraError as exc:

@@ -39,7 +39,7 @@ class FailingPooling(pooling_pb2_grpc.PoolingServiceServicer):
         for item in request.inputs:
             text = item.text
             if text.startswith("fail:"):
-                raise error_for(text[5:], f"asked to fail with {text[5:]}", param="input")
+                raise error_for(text[5:], f"asked to fail with {text[5:]}", param="inputs[0]")
             if text == "sleep":
                 await asyncio.sleep(2)
             rows.append([float(len(text)), 0.0, 1.0])
@@ -99,6 +99,7 @@ def test_each_reason_maps_to_its_http_status(gateway, reason):
     reply = gateway.post("/v1/embeddings", json={"input": f"fail:{reason}", "model": "fake-embedder"})
     err = assert_openai_error(reply, TABLE[reason].http, reason.lower())
     assert err["type"] == TABLE[reason].openai_type
+    assert err["param"] == "input"  # the proto's "inputs[0]" named as the HTTP field
     assert ("retry-after" in reply.headers) == (reason == "OVERLOADED")
     # The service stays up: the next request is answered.
     assert gateway.post("/v1/embeddings", json={"input": "ok"}).status_code == 200

@@ -264,7 +264,7 @@ class Scheduler:
         elif req in self.waiting:       # identity: Request has no __eq__
             self.waiting.remove(req)
         self.kv.free(req)
-        if req.holds_lease and status is not RequestStatus.FINISHED_ABORTED:
+        if req.holds_lease:
             self._release(req)
         req.status = status
         req.error = error

@@ -1,0 +1,24 @@
+"""`python -m services.decoder --model DIR --port P`: the generation engine over gRPC."""
+from __future__ import annotations
+
+import asyncio
+
+from services.common import config as cfg_mod
+from services.common import logs, metrics
+from services.decoder.config import DecoderConfig, DecoderServerConfig
+from services.decoder.service import serve
+
+
+def main(argv=None) -> None:
+    server_cfg, decoder_cfg = cfg_mod.load(
+        (DecoderServerConfig, DecoderConfig), argv, prog="python -m services.decoder",
+        description="tessera decoder: paged KV cache, continuous batching, chunked prefill, prefix "
+                    "caching and preemption, streaming tokens over gRPC (tessera.decoder.v1).")
+    logs.setup(server_cfg.log_level)
+    cfg_mod.log_config(server_cfg, decoder_cfg)
+    metrics.serve(server_cfg.metrics_port)
+    asyncio.run(serve(server_cfg, decoder_cfg))
+
+
+if __name__ == "__main__":
+    main()

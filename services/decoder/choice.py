@@ -1,0 +1,61 @@
+"""One choice's text stream: detokenise new tokens, cut at stop strings, build deltas."""
+from __future__ import annotations
+
+from services.common.pb import decoder_pb2
+from services.decoder.detokenizer import IncrementalDetokenizer
+from services.decoder.engine.output import RequestOutput
+from services.decoder.stop import StopMatcher
+from services.decoder.tokenizer import Tokenizer
+
+FINISH = {"stop": decoder_pb2.FINISH_REASON_STOP, "length": decoder_pb2.FINISH_REASON_LENGTH,
+          "abort": decoder_pb2.FINISH_REASON_ABORT}
+
+
+class Choice:
+    """Text state of choice `index`. done: nothing more will be sent for it."""
+
+    def __init__(self, index: int, tokenizer: Tokenizer, stop: tuple[str, ...], include_stop: bool,
+                 want_logprobs: bool):
+        self.index = index
+        self.tokenizer = tokenizer
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.matcher = StopMatcher(stop, include_stop)
+        self.want_logprobs = want_logprobs
+        self.done = False
+        self.stopped_by_string = False
+
+    def delta(self, out: RequestOutput) -> decoder_pb2.GenerateResponse | None:
+        """The message for one engine output, or None when there is nothing to send."""
+        if self.done:
+            return None
+        tokens = out.new_tokens
+        # The eos / stop token that ended the choice is counted but not shown as text.
+        text_tokens = tokens[:-1] if out.stop_token_id is not None and tokens else tokens
+        ids = [t.token_id for t in text_tokens]
+        result = self.matcher.feed(self.detok.add(ids))
+        text = result.text
+        reason = None
+        if result.stop is not None:
+            self.stopped_by_string = True
+            reason = decoder_pb2.FINISH_REASON_STOP
+        elif out.finished:
+            text += self.matcher.feed(self.detok.finish()).text
+            text += self.matcher.flush()
+            reason = FINISH[out.finish_reason]
+        msg = decoder_pb2.GenerateResponse(index=self.index, token_ids=[t.token_id for t in tokens], text=text)
+        if self.want_logprobs:
+            msg.logprobs.extend(self._logprobs(tokens))
+        if reason is not None:
+            msg.finish_reason = reason
+            self.done = True
+        if not (msg.token_ids or msg.text or reason is not None):
+            return None
+        return msg
+
+    def _logprobs(self, tokens) -> list[decoder_pb2.TokenLogprob]:
+        decode = self.tokenizer.decode
+        return [decoder_pb2.TokenLogprob(
+            token_id=t.token_id, token=decode([t.token_id], skip_special_tokens=False),
+            logprob=t.logprob if t.logprob is not None else 0.0,
+            top=[decoder_pb2.TopLogprob(token_id=i, token=decode([i], skip_special_tokens=False), logprob=lp)
+                 for i, lp in (t.top_logprobs or [])]) for t in tokens]

@@ -1,0 +1,240 @@
+"""DecoderService over gRPC: prompt building, validation, streaming, engine stats.
+
+The model loads after the server starts, so health says NOT_SERVING while
+loading; calls made before then get UNAVAILABLE.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.common.errors import (AdapterNotFound, ContextLengthExceeded, Internal, InvalidArgument,
+                                    ModelNotFound, Unavailable, Unsupported, grpc_errors)
+from services.common.metrics import LATENCY_BUCKETS
+from services.common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
+from services.common.server import Server
+from services.decoder.async_engine import AsyncEngine
+from services.decoder.chat_template import ChatTemplate
+from services.decoder.choice import Choice
+from services.decoder.config import DecoderConfig, DecoderServerConfig
+from services.decoder.engine.config import EngineConfig
+from services.decoder.engine.engine_core import EngineCore
+from services.decoder.engine.output import EngineStats, RequestOutput
+from services.decoder.model.config import ModelConfig
+from services.decoder.runner.runner import Runner
+from services.decoder.sampling import sampling_params
+from services.decoder.tokenizer import Tokenizer
+
+log = logging.getLogger("tessera.decoder")
+SERVICE_NAME = decoder_pb2.DESCRIPTOR.services_by_name["DecoderService"].full_name
+
+_RUNNING = Gauge("tessera_decoder_running_requests", "requests running in the engine")
+_WAITING = Gauge("tessera_decoder_waiting_requests", "requests waiting for admission")
+_KV_USAGE = Gauge("tessera_decoder_kv_usage_ratio", "fraction of KV blocks in use")
+_PREFIX_QUERIES = Gauge("tessera_decoder_prefix_cache_queries_tokens", "prompt tokens looked up in the prefix cache")
+_PREFIX_HITS = Gauge("tessera_decoder_prefix_cache_hits_tokens", "prompt tokens served from the prefix cache")
+_PREEMPTIONS = Gauge("tessera_decoder_preemptions", "requests preempted so far")
+_TTFT = Histogram("tessera_decoder_time_to_first_token_seconds", "time to first token", buckets=LATENCY_BUCKETS)
+_ITL = Histogram("tessera_decoder_inter_token_latency_seconds", "time between tokens", buckets=LATENCY_BUCKETS)
+_REQUESTS = Counter("tessera_decoder_requests", "finished requests by finish reason", ["reason"])
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _export(stats: EngineStats, _outputs: list[RequestOutput]) -> None:
+    _RUNNING.set(stats.num_running)
+    _WAITING.set(stats.num_waiting)
+    _KV_USAGE.set(stats.kv_usage)
+    _PREFIX_QUERIES.set(stats.prefix_queries)
+    _PREFIX_HITS.set(stats.prefix_hits)
+    _PREEMPTIONS.set(stats.num_preemptions)
+
+
+def kv_blocks(model_cfg: ModelConfig, cfg: DecoderConfig) -> int:
+    """Blocks that fit --kv-cache-gb, unless --num-blocks is given."""
+    if cfg.num_blocks:
+        return cfg.num_blocks
+    itemsize = torch.empty((), dtype=_DTYPES[cfg.dtype]).element_size()
+    per_block = 2 * model_cfg.num_layers * cfg.block_size * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
+    return max(1, int(cfg.kv_cache_gb * 2**30) // per_block)
+
+
+@dataclass
+class Loaded:
+    """Everything the servicer needs once the model is up."""
+
+    name: str
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    template: ChatTemplate | None
+    engine_config: EngineConfig
+    runner: Runner
+
+
+def load(cfg: DecoderConfig) -> Loaded:
+    """Build tokenizer, runner and engine core (blocking; run it off the event loop)."""
+    folder = Path(cfg.model)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: no config.json (is --model an HF model folder?)")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model_cfg = ModelConfig.from_folder(folder)
+    num_blocks = kv_blocks(model_cfg, cfg)
+    runner = Runner.from_folder(folder, cfg.dtype, cfg.block_size, num_blocks, cfg.device, seed=cfg.seed)
+    tokenizer = Tokenizer.from_folder(folder)
+    template = ChatTemplate.from_folder(folder, tokenizer)
+    eos = tuple(dict.fromkeys((*runner.eos_token_ids, *tokenizer.stop_token_ids)))
+    engine_cfg = EngineConfig(
+        block_size=cfg.block_size, num_blocks=num_blocks, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or runner.max_position_embeddings,
+        enable_prefix_caching=cfg.enable_prefix_caching, eos_token_ids=eos)
+    core = EngineCore(runner, engine_cfg)
+    name = cfg.served_model_name or folder.resolve().name
+    log.info("loaded %s (%s, %s): %d KV blocks of %d tokens, max_model_len %d, chat template: %s",
+             name, model_cfg.family, cfg.dtype, num_blocks, cfg.block_size, engine_cfg.max_model_len,
+             template is not None)
+    return Loaded(name, AsyncEngine(core, on_step=_export), tokenizer, template, engine_cfg, runner)
+
+
+class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
+    def __init__(self, cfg: DecoderConfig):
+        self.cfg = cfg
+        self.state: Loaded | None = None
+
+    def _ready(self) -> Loaded:
+        if self.state is None:
+            raise Unavailable("the model is still loading")
+        return self.state
+
+    # -- prompt ------------------------------------------------------------------
+
+    def _prompt(self, st: Loaded, request) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if request.images:
+            raise Unsupported(f"model {st.name!r} is text-only and refuses image inputs", param="messages")
+        if kind == "text":
+            if not request.text:
+                raise InvalidArgument("the prompt is empty", param="prompt")
+            return st.tokenizer.encode(request.text, add_special_tokens=True)
+        if kind == "token_ids":
+            return st.tokenizer.validate_ids(list(request.token_ids.ids), limit=st.runner.vocab_size)
+        if kind == "chat":
+            if st.template is None:
+                raise InvalidArgument(f"model {st.name!r} has no chat template; send a prompt instead",
+                                      param="messages")
+            if not request.chat.messages:
+                raise InvalidArgument("messages must not be empty", param="messages")
+            messages = [{"role": m.role, "content": [_part(p) for p in m.content]} for m in request.chat.messages]
+            return st.template.encode(st.tokenizer, messages,
+                                      add_generation_prompt=request.chat.add_generation_prompt)
+        raise InvalidArgument("a prompt (text, token ids or messages) is required", param="prompt")
+
+    # -- RPCs ----------------------------------------------------------------------
+
+    @grpc_errors
+    async def Generate(self, request, context):
+        st = self._ready()
+        if request.model and request.model != st.name:
+            raise ModelNotFound(f"model {request.model!r} is not served here (serving {st.name!r})",
+                                param="model")
+        if request.adapter:
+            raise AdapterNotFound(f"adapter {request.adapter!r} is not loaded", param="model")
+        prompt = self._prompt(st, request)
+        if not prompt:
+            raise InvalidArgument("the prompt is empty", param="prompt")
+        limit = st.engine_config.max_model_len
+        if len(prompt) >= limit:
+            raise ContextLengthExceeded(
+                f"the prompt has {len(prompt)} tokens; the maximum context length is {limit}", param="prompt")
+        params, include_stop = sampling_params(
+            request.sampling, prompt_len=len(prompt), max_model_len=limit, vocab_size=st.runner.vocab_size,
+            max_n=self.cfg.max_n, max_logprobs=self.cfg.max_logprobs)
+        rid = request.request_id or uuid.uuid4().hex
+        choices = [Choice(i, st.tokenizer, params.stop, include_stop, params.logprobs is not None)
+                   for i in range(params.n)]
+        completion = [0] * params.n
+        cached = 0
+        start = last = time.monotonic()
+        first = True
+        async for out in st.engine.generate(rid, prompt, params):
+            if out.finish_reason == "error":
+                raise Internal(f"generation failed (request_id={rid}): {out.error}")
+            choice = choices[out.index]
+            completion[out.index] = out.num_completion_tokens
+            cached = max(cached, out.num_cached_tokens)
+            msg = choice.delta(out)
+            if msg is None:
+                continue
+            now = time.monotonic()
+            if msg.token_ids:
+                (_TTFT.observe(now - start) if first else _ITL.observe(now - last))
+                first, last = False, now
+            if choice.stopped_by_string and not out.finished:
+                st.engine.finish(rid, out.index)
+            if msg.finish_reason:
+                _REQUESTS.labels(decoder_pb2.FinishReason.Name(msg.finish_reason)).inc()
+            yield msg
+        yield decoder_pb2.GenerateResponse(usage=common_pb2.Usage(
+            prompt_tokens=len(prompt), completion_tokens=sum(completion),
+            total_tokens=len(prompt) + sum(completion), cached_tokens=cached))
+
+    @grpc_errors
+    async def GetModelInfo(self, request, context):
+        st = self._ready()
+        s = st.engine.stats()
+        return decoder_pb2.GetModelInfoResponse(
+            name=st.name, max_model_len=st.engine_config.max_model_len, vocab_size=st.runner.vocab_size,
+            eos_token_ids=list(st.engine_config.eos_token_ids), has_chat_template=st.template is not None,
+            supports_images=False, block_size=st.engine_config.block_size, dtype=self.cfg.dtype,
+            stats=decoder_pb2.EngineStats(
+                free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, running=s.num_running,
+                waiting=s.num_waiting, preemptions=s.num_preemptions, prefix_queries=s.prefix_queries,
+                prefix_hits=s.prefix_hits))
+
+    @grpc_errors
+    async def ListAdapters(self, request, context):
+        return decoder_pb2.ListAdaptersResponse(base_model=self._ready().name)
+
+    @grpc_errors
+    async def LoadAdapter(self, request, context):
+        self._ready()
+        raise Unsupported("LoRA adapters are not supported by this decoder build yet")
+
+    @grpc_errors
+    async def UnloadAdapter(self, request, context):
+        self._ready()
+        raise AdapterNotFound(f"adapter {request.name!r} is not loaded", param="lora_name")
+
+
+def _part(part) -> dict:
+    if part.WhichOneof("kind") == "text":
+        return {"type": "text", "text": part.text}
+    return {"type": "image"}
+
+
+async def start(server_cfg: DecoderServerConfig, cfg: DecoderConfig) -> tuple[Server, DecoderServicer]:
+    """Start the server (NOT_SERVING), load the model off the loop, then report SERVING."""
+    servicer = DecoderServicer(cfg)
+    server = Server(server_cfg, lambda s: decoder_pb2_grpc.add_DecoderServiceServicer_to_server(servicer, s),
+                    [SERVICE_NAME])
+    await server.start()
+    state = await asyncio.to_thread(load, cfg)
+    state.engine.start()
+    servicer.state = state
+    await server.set_serving(True)
+    return server, servicer
+
+
+async def serve(server_cfg: DecoderServerConfig, cfg: DecoderConfig) -> None:
+    server, servicer = await start(server_cfg, cfg)
+    try:
+        await server.serve_until_signal()
+    finally:
+        servicer.state.engine.stop()
