@@ -161,6 +161,22 @@ def timing_cases(small: bool):
     return cases
 
 
+def bench_fns(kind, y, x, A, B, meta, slots):
+    """(kernel, ref) closures; both add the correction into y in place."""
+    if kind == "decode":
+        def kernel():
+            return bgmv(y, x, A, B, meta.slots)
+    else:
+        def kernel():
+            return sgmv(y, x, A, B, meta)
+
+    def ref():
+        # The spec's grouped path regroups with torch.where on every call, as it
+        # would in every projection of every layer.
+        return y.add_(grouped_lora_ref(x, A, B, slots))
+    return kernel, ref
+
+
 def run_timing(device, small: bool, rep_ms: float, deadline: float) -> list[float]:
     timer = make_timer(device, rep_ms)
     dtype = torch.float16
@@ -182,12 +198,7 @@ def run_timing(device, small: bool, rep_ms: float, deadline: float) -> list[floa
         x, y, A, B = make_case(rows, k, d, [rank] * n, dtype, device, seed=rank + n)
         slots = torch.randint(0, n, (rows,), generator=g)
         meta = build_lora_meta(slots, device=device, decode_only=(kind == "decode"))
-        slots_dev = slots.to(device)
-        if kind == "decode":
-            kernel = lambda: bgmv(y, x, A, B, meta.slots)  # noqa: E731
-        else:
-            kernel = lambda: sgmv(y, x, A, B, meta)  # noqa: E731
-        ref = lambda: y.add_(grouped_lora_ref(x, A, B, slots_dev))  # noqa: E731
+        kernel, ref = bench_fns(kind, y, x, A, B, meta, slots.to(device))
         k_us, r_us = timer(kernel), timer(ref)
         speedups.append(r_us / k_us)
         print(f"{kind:8s} {k:5d} {d:5d} {rank:4d} {n:8d} {rows:5d} {k_us:10.1f} {r_us:10.1f} "

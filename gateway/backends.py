@@ -112,7 +112,7 @@ class Backend:
             if kind is None:
                 log.warning("%s reports model %r of unknown kind %d; not routed", self.label, info.name, info.kind)
                 continue
-            extra = {"max_model_len": info.max_model_len}
+            extra = {"max_model_len": info.max_model_len, "max_batch_size": info.max_batch_size}
             if kind == EMBEDDING:
                 extra |= {"dimensions": info.dimensions, "pooling": info.pooling, "normalize": info.normalize,
                           "matryoshka_dimensions": list(info.matryoshka_dimensions)}
@@ -165,7 +165,8 @@ class Catalog:
             failures = {}
             for backend, result in zip(self.backends, results, strict=True):
                 if isinstance(result, TesseraError):
-                    failures[backend.label] = result.message
+                    failures[backend.label] = result.message if result.message.startswith(backend.label) \
+                        else f"{backend.label}: {result.message}"
                     continue
                 if isinstance(result, BaseException):
                     raise result
@@ -178,8 +179,8 @@ class Catalog:
                 log.warning("model discovery failed for %s", failures)
 
     def _unavailable(self, what: str) -> Unavailable:
-        return Unavailable(f"{what}; unreachable backend(s): "
-                           + "; ".join(f"{k}: {v}" for k, v in self.failures.items()))
+        # Each failure message already starts with its backend's label.
+        return Unavailable(f"{what}; " + "; ".join(self.failures.values()))
 
     async def models(self) -> list[Model]:
         """Every served model, one entry per name; Unavailable when a backend could not be asked."""

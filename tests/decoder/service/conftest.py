@@ -1,0 +1,73 @@
+"""A tiny random Llama with SmolLM2's real tokenizer and chat template, and the decoder on it."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+SMOLLM2 = ROOT / "models" / "SmolLM2-135M-Instruct"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def need_smollm2() -> Path:
+    if not (SMOLLM2 / "model.safetensors").is_file():
+        pytest.fail(f"{SMOLLM2} is missing: run `make models` (make test does)")
+    return SMOLLM2
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory) -> Path:
+    """Random 2-layer Llama whose vocabulary is SmolLM2's, so the real tokenizer and template apply."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    src = need_smollm2()
+    folder = tmp_path_factory.mktemp("decoder") / "tiny-chat"
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, folder / name)
+    return folder
+
+
+class LoopThread:
+    """An asyncio loop in a thread, so sync tests can drive an in-process aio server."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout=120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def decoder_server(tiny_chat_model):
+    """The real decoder gRPC server on an ephemeral port: yields (address, servicer)."""
+    from services.decoder.config import DecoderConfig, DecoderServerConfig
+    from services.decoder.service import start
+    loop = LoopThread()
+    cfg = DecoderConfig(model=str(tiny_chat_model), num_blocks=64, block_size=4, max_num_batched_tokens=32,
+                        max_n=4)
+    server, servicer = loop.run(start(DecoderServerConfig(host="127.0.0.1", port=0), cfg))
+    yield f"127.0.0.1:{server.port}", servicer
+    loop.run(server.stop(0))
+    servicer.state.engine.stop()
+    loop.close()

@@ -1,0 +1,157 @@
+"""DecoderService over real gRPC: health, reflection, streaming order, cancellation, every error code."""
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from services.common.errors import REASON_KEY
+from services.common.pb import decoder_pb2, decoder_pb2_grpc
+
+D = decoder_pb2
+
+
+@pytest.fixture(scope="module")
+def channel(decoder_server):
+    address, _ = decoder_server
+    with grpc.insecure_channel(address) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return decoder_pb2_grpc.DecoderServiceStub(channel)
+
+
+def chat(text, **sampling):
+    return D.GenerateRequest(
+        chat=D.ChatMessages(messages=[D.ChatMessage(role="user", content=[D.ContentPart(text=text)])],
+                            add_generation_prompt=True),
+        sampling=D.SamplingParams(**sampling))
+
+
+def stats(stub):
+    return stub.GetModelInfo(D.GetModelInfoRequest()).stats
+
+
+def wait_idle(stub, timeout=20):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        s = stats(stub)
+        if s.running == 0 and s.waiting == 0 and s.free_blocks == s.total_blocks:
+            return s
+        time.sleep(0.05)
+    pytest.fail(f"engine did not return to idle: {stats(stub)}")
+
+
+def test_health_and_reflection(channel):
+    health = health_pb2_grpc.HealthStub(channel)
+    for name in ("", "tessera.decoder.v1.DecoderService"):
+        assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    reply = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert "tessera.decoder.v1.DecoderService" in names
+
+
+def test_model_info(stub, tiny_chat_model):
+    info = stub.GetModelInfo(D.GetModelInfoRequest())
+    assert info.name == tiny_chat_model.name
+    assert info.vocab_size == 49152 and info.max_model_len == 256 and info.has_chat_template
+    assert list(info.eos_token_ids) == [2]
+    assert info.stats.total_blocks == 64
+
+
+def test_stream_order_text_and_usage(stub, decoder_server):
+    _, servicer = decoder_server
+    msgs = list(stub.Generate(chat("Hello there", temperature=0, max_tokens=12, ignore_eos=True)))
+    *deltas, last = msgs
+    assert last.HasField("usage") and not last.token_ids
+    assert all(not m.HasField("usage") for m in deltas)
+    assert [bool(m.finish_reason) for m in deltas].count(True) == 1 and deltas[-1].finish_reason == D.FINISH_REASON_LENGTH
+    ids = [t for m in deltas for t in m.token_ids]
+    assert len(ids) == 12 == last.usage.completion_tokens
+    tok = servicer.state.tokenizer
+    assert "".join(m.text for m in deltas) == tok.decode(ids)
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 12
+    wait_idle(stub)
+
+
+def test_n_choices_seeded_and_logprobs(stub):
+    req = chat("Count", temperature=1.0, seed=7, max_tokens=5, n=2, logprobs=3, ignore_eos=True)
+    first = list(stub.Generate(req))
+    again = list(stub.Generate(req))
+    by_choice = {0: [], 1: []}
+    for m in first[:-1]:
+        by_choice[m.index].extend(m.token_ids)
+        for lp in m.logprobs:
+            assert len(lp.top) == 3 and lp.logprob <= 0
+    assert all(len(v) == 5 for v in by_choice.values())
+    assert [list(m.token_ids) for m in first] == [list(m.token_ids) for m in again]
+    assert first[-1].usage.completion_tokens == 10
+
+
+def test_token_id_prompt_and_prefix_cache(stub):
+    prompt = D.TokenIds(ids=list(range(100, 140)))
+    req = D.GenerateRequest(token_ids=prompt, sampling=D.SamplingParams(temperature=0, max_tokens=4))
+    a = list(stub.Generate(req))
+    b = list(stub.Generate(req))
+    assert [list(m.token_ids) for m in a[:-1]] == [list(m.token_ids) for m in b[:-1]]
+    assert b[-1].usage.cached_tokens >= 32     # 8 full blocks of 4 (never the last prompt token)
+    wait_idle(stub)
+
+
+def test_cancel_frees_blocks(channel, stub):
+    call = stub.Generate(chat("Tell me a long story", temperature=0, max_tokens=200, ignore_eos=True))
+    got = 0
+    for m in call:
+        got += len(m.token_ids)
+        if got >= 3:
+            break
+    call.cancel()
+    s = wait_idle(stub)
+    assert s.free_blocks == s.total_blocks
+
+
+def _error(stub, req):
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(req))
+    err = info.value
+    return err.code(), dict(err.trailing_metadata() or ()).get(REASON_KEY), err.details()
+
+
+@pytest.mark.parametrize("req, code, reason", [
+    (D.GenerateRequest(text="", sampling=D.SamplingParams(max_tokens=2)), "INVALID_ARGUMENT", "INVALID_ARGUMENT"),
+    (D.GenerateRequest(sampling=D.SamplingParams(max_tokens=2)), "INVALID_ARGUMENT", "INVALID_ARGUMENT"),
+    (D.GenerateRequest(token_ids=D.TokenIds(ids=list(range(300)))), "INVALID_ARGUMENT", "CONTEXT_LENGTH"),
+    (D.GenerateRequest(text="hi", sampling=D.SamplingParams(max_tokens=1000)), "INVALID_ARGUMENT",
+     "CONTEXT_LENGTH"),
+    (D.GenerateRequest(text="hi", sampling=D.SamplingParams(max_tokens=0)), "INVALID_ARGUMENT", "INVALID_ARGUMENT"),
+    (D.GenerateRequest(text="hi", sampling=D.SamplingParams(temperature=-0.5)), "INVALID_ARGUMENT",
+     "INVALID_ARGUMENT"),
+    (D.GenerateRequest(text="hi", sampling=D.SamplingParams(top_p=0)), "INVALID_ARGUMENT", "INVALID_ARGUMENT"),
+    (D.GenerateRequest(text="hi", sampling=D.SamplingParams(top_p=1.5)), "INVALID_ARGUMENT", "INVALID_ARGUMENT"),
+    (D.GenerateRequest(text="hi", sampling=D.SamplingParams(n=99)), "INVALID_ARGUMENT", "INVALID_ARGUMENT"),
+    (D.GenerateRequest(token_ids=D.TokenIds(ids=[5, 49152])), "INVALID_ARGUMENT", "INVALID_ARGUMENT"),
+    (D.GenerateRequest(token_ids=D.TokenIds(ids=[5, -1])), "INVALID_ARGUMENT", "INVALID_ARGUMENT"),
+    (D.GenerateRequest(text="hi", sampling=D.SamplingParams(stop=["s"] * 40)), "INVALID_ARGUMENT",
+     "INVALID_ARGUMENT"),
+    (D.GenerateRequest(text="hi", sampling=D.SamplingParams(stop=["x" * 1000])), "INVALID_ARGUMENT",
+     "INVALID_ARGUMENT"),
+    (D.GenerateRequest(chat=D.ChatMessages(messages=[D.ChatMessage(role="wizard", content=[
+        D.ContentPart(text="hi")])])), "INVALID_ARGUMENT", "INVALID_ARGUMENT"),
+    (D.GenerateRequest(chat=D.ChatMessages()), "INVALID_ARGUMENT", "INVALID_ARGUMENT"),
+    (D.GenerateRequest(model="nope", text="hi"), "NOT_FOUND", "MODEL_NOT_FOUND"),
+    (D.GenerateRequest(adapter="nope", text="hi"), "NOT_FOUND", "ADAPTER_NOT_FOUND"),
+    (D.GenerateRequest(text="hi", images=[D.ImageInput()]), "INVALID_ARGUMENT", "UNSUPPORTED"),
+])
+def test_bad_input_is_refused_and_server_stays_up(stub, req, code, reason):
+    got_code, got_reason, details = _error(stub, req)
+    assert (got_code.name, got_reason) == (code, reason), details
+    assert details
+    wait_idle(stub)
+    assert list(stub.Generate(D.GenerateRequest(text="ok", sampling=D.SamplingParams(max_tokens=1))))
