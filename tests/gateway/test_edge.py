@@ -42,6 +42,9 @@ class FailingPooling(pooling_pb2_grpc.PoolingServiceServicer):
                 raise error_for(text[5:], f"asked to fail with {text[5:]}", param="inputs[0]")
             if text == "sleep":
                 await asyncio.sleep(2)
+            if text == "malformed":  # a backend bug: 4 bytes for a [1, 3] float32 tensor
+                return pooling_pb2.EmbedResponse(embeddings=common_pb2.Tensor(
+                    data=b"\0" * 4, dtype=common_pb2.DTYPE_FLOAT32, shape=[1, 3]))
             rows.append([float(len(text)), 0.0, 1.0])
         data = np.asarray(rows, dtype="<f4")
         return pooling_pb2.EmbedResponse(
@@ -117,6 +120,13 @@ def test_embeddings_roundtrip_and_request_id(gateway, backend):
     # A request id that is not plain text is replaced, never echoed.
     reply = gateway.post("/v1/embeddings", json={"input": "x"}, headers={"x-request-id": "bad id;drop"})
     assert reply.headers["x-request-id"] != "bad id;drop" and len(reply.headers["x-request-id"]) == 32
+
+
+def test_malformed_backend_answer_is_500_with_request_id(gateway, caplog):
+    reply = gateway.post("/v1/embeddings", json={"input": "malformed"}, headers={"x-request-id": "bug-1"})
+    err = assert_openai_error(reply, 500, "internal")
+    assert "malformed embedding tensor" in err["message"] and err["request_id"] == "bug-1"
+    assert any("bug-1" in r.getMessage() for r in caplog.records)
 
 
 def test_deadline_is_504(gateway):
