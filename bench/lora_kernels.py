@@ -223,7 +223,7 @@ def main() -> None:
     speedups = run_timing(device, small=ARGS.dry_run, rep_ms=ARGS.rep_ms, deadline=started + ARGS.budget_s)
     print(f"\ncases: {len(speedups)}, wall {time.perf_counter() - started:.1f} s", flush=True)
     geo = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
-    print(f"geometric-mean speedup (torch grouped ref / triton kernel): {geo:.2f}x", flush=True)
+    print(f"geometric-mean speedup (torch grouped ref / triton kernel): {geo:.3g}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""The pooling service: embeddings and cross-encoder reranking with dynamic batching."""

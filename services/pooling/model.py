@@ -119,7 +119,8 @@ class Embedder(_Base):
                 if not item:
                     raise InvalidArgument(f"inputs[{i}] is an empty string", param=f"inputs[{i}]")
                 texts[i] = item.lower() if self.spec.lowercase else item
-        encoded = dict(zip(texts, (self.cut if truncate else self.full).encode_batch(list(texts.values()))))
+        tok = self.cut if truncate else self.full
+        encoded = dict(zip(texts, tok.encode_batch(list(texts.values())), strict=True))
         seqs = []
         for i, item in enumerate(inputs):
             if i in encoded:

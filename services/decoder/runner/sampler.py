@@ -96,11 +96,12 @@ class Sampler:
         if not 0 < p.top_p <= 1:
             raise InvalidArgument("top_p must be in (0, 1]", param="top_p")
         row = filter_logits(row / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(row, dim=-1)
+        # Drawn on CPU with CPU generators, so a seed gives the same tokens on every device.
+        probs = torch.softmax(row, dim=-1).cpu()
         if p.seed is None:
             generator = self.generator
         else:
-            generator = torch.Generator(device=row.device)
+            generator = torch.Generator()
             generator.manual_seed(draw_seed(p.seed, len(c.output_token_ids)))
         return int(torch.multinomial(probs, 1, generator=generator))
 

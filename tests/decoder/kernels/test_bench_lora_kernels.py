@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +25,8 @@ def test_dry_run_checks_kernels_and_prints_the_ratio_last():
     assert len(checks) == 8 and all(line.rstrip().endswith("ok") for line in checks), proc.stdout
     rows = [line for line in lines if line.startswith(("decode ", "prefill "))]
     assert len(rows) == 2 and all(line.rstrip().endswith("x") for line in rows), proc.stdout
-    last = lines[-1]
-    assert last.startswith("geometric-mean speedup") and float(last.rsplit(" ", 1)[1].rstrip("x")) > 0
+    # Interpreter timings are meaningless; only the shape of the last line is checked.
+    assert re.fullmatch(r"geometric-mean speedup \(.*\): [0-9.e+-]+x", lines[-1]), lines[-1]
 
 
 def test_without_cuda_it_exits_with_a_clear_message():

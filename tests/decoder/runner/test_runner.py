@@ -62,7 +62,7 @@ def test_chunked_prefill_then_decode_matches_transformers(folders, references, n
 def run_alone(runner: Runner, alloc: BlockAllocator, seq: Seq, steps: int) -> list[torch.Tensor]:
     """Whole prompt in one chunk, then greedy decode: the per-step sampled logits."""
     out = []
-    for i in range(steps):
+    for _ in range(steps):
         chunk = seq.chunk(len(seq.tokens), alloc, BLOCK)
         logits, _ = runner.logits(StepInput([chunk]))
         out.append(logits[0])

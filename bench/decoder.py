@@ -1,0 +1,190 @@
+"""Decoder benchmark: tessera's engine vs transformers (and vLLM with --peer vllm), side by side.
+
+Workload (issue 3): SmolLM2-135M-Instruct, 64 GSM8K chat prompts, 128 new tokens
+each, greedy, every sequence runs to max_tokens (eos ignored) so both sides emit
+the same token count; outputs are compared token for token.
+
+  (a) throughput, all prompts submitted at once, vs transformers static batches of 16
+  (b) batch-1 decode tokens/s vs transformers
+  (c) prefix cache: TTFT with a shared 1,000-token prefix vs a cold request
+  (d) headroom: tokens/s at the largest batch / the fp32 matmul bound
+  (e) --peer vllm: the same workload on vLLM in .venv-peers (make bench-peers)
+
+The last line printed holds the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.workload import ROOT, SMOLLM2, gsm8k_messages  # noqa: E402
+from services.decoder.chat_template import ChatTemplate  # noqa: E402
+from services.decoder.engine.config import EngineConfig  # noqa: E402
+from services.decoder.engine.engine_core import EngineCore  # noqa: E402
+from services.decoder.engine.step import SamplingParams  # noqa: E402
+from services.decoder.runner.runner import Runner  # noqa: E402
+from services.decoder.tokenizer import Tokenizer  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def prompts(count: int) -> list[list[int]]:
+    tok = Tokenizer.from_folder(SMOLLM2)
+    template = ChatTemplate.from_folder(SMOLLM2, tok)
+    return [template.encode(tok, m, add_generation_prompt=True) for m in gsm8k_messages(count)]
+
+
+class Tessera:
+    """The in-process engine (core + runner), as the decoder service runs it."""
+
+    def __init__(self, dtype: str, num_blocks: int = 4096, budget: int = 512, max_seqs: int = 64):
+        self.runner = Runner.from_folder(SMOLLM2, dtype, 16, num_blocks)
+        self.cfg = EngineConfig(block_size=16, num_blocks=num_blocks, max_num_batched_tokens=budget,
+                                max_num_seqs=max_seqs, max_model_len=4096)
+        self.core = EngineCore(self.runner, self.cfg)
+
+    def generate(self, batch: list[list[int]], max_tokens: int, tag: str = "r") -> tuple[list[list[int]], float]:
+        """All requests at once; (outputs, seconds)."""
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        out = {f"{tag}{i}": [] for i in range(len(batch))}
+        start = time.perf_counter()
+        for i, p in enumerate(batch):
+            self.core.add_request(f"{tag}{i}", p, sp)
+        while self.core.has_unfinished():
+            for o in self.core.step():
+                out[o.request_id].extend(o.new_token_ids)
+        return [out[f"{tag}{i}"] for i in range(len(batch))], time.perf_counter() - start
+
+    def ttft(self, prompt: list[int], tag: str) -> float:
+        sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        start = time.perf_counter()
+        self.core.add_request(tag, prompt, sp)
+        while self.core.has_unfinished():
+            self.core.step()
+        return time.perf_counter() - start
+
+
+class Transformers:
+    def __init__(self, dtype: str):
+        from transformers import AutoModelForCausalLM
+        self.model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=DTYPES[dtype]).eval()
+
+    @torch.inference_mode()
+    def generate(self, batch: list[list[int]], max_tokens: int, batch_size: int = 16):
+        """Static batches, left padded; (outputs, seconds)."""
+        outs, start = [], time.perf_counter()
+        for s in range(0, len(batch), batch_size):
+            group = batch[s:s + batch_size]
+            width = max(map(len, group))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in group])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+            gen = self.model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens,
+                                      min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+            outs.extend(gen[:, width:].tolist())
+        return outs, time.perf_counter() - start
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def matmul_flops(threads: int) -> float:
+    """Measured fp32 GEMM FLOP/s on this machine at `threads` threads."""
+    x, w = torch.randn(256, 1024), torch.randn(1024, 4096)
+    for _ in range(3):
+        x @ w
+    reps, start = 50, time.perf_counter()
+    for _ in range(reps):
+        x @ w
+    return reps * 2 * 256 * 1024 * 4096 / (time.perf_counter() - start)
+
+
+def run_vllm(dtype: str, batch: list[list[int]], max_tokens: int, threads: int) -> dict:
+    python = ROOT / ".venv-peers" / "bin" / "python"
+    if not python.exists():
+        raise SystemExit("the vLLM peer venv is missing: run `make bench-peers`")
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="4",
+               OMP_NUM_THREADS=str(threads))
+    proc = subprocess.run([str(python), str(ROOT / "bench" / "peers" / "vllm_decoder.py"), "--dtype", dtype,
+                           "--max-tokens", str(max_tokens), "--model", str(SMOLLM2)],
+                          input=json.dumps(batch), capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"vLLM peer failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32,bf16")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads for every engine")
+    ap.add_argument("--parts", default="a,b,c,d", help="which parts to run (a,b,c,d)")
+    ap.add_argument("--peer", choices=("vllm",), help="also run the workload on vLLM (part e)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    parts = set(args.parts.split(","))
+    batch = prompts(args.prompts)
+    ratios = []
+    best_tps = {}
+    for dtype in args.dtypes.split(","):
+        ours = Tessera(dtype)
+        if "a" in parts or args.peer:
+            ours.generate(batch[:2], 4, tag="warm")
+            mine, t_ours = ours.generate(batch, args.max_tokens)
+            tps = len(batch) * args.max_tokens / t_ours
+            best_tps[dtype] = tps
+            print(f"(a) {dtype} tessera: {tps:.1f} tok/s ({t_ours:.1f}s)")
+            if "a" in parts:
+                ref = Transformers(dtype)
+                theirs, t_ref = ref.generate(batch, args.max_tokens)
+                ref_tps = len(batch) * args.max_tokens / t_ref
+                print(f"(a) {dtype} transformers static batches of 16: {ref_tps:.1f} tok/s ({t_ref:.1f}s); "
+                      f"identical outputs {agreement(mine, theirs):.0%}")
+                ratios.append(f"throughput_{dtype}={tps / ref_tps:.2f}x")
+            if args.peer == "vllm":
+                peer = run_vllm(dtype, batch, args.max_tokens, args.threads)
+                print(f"(e) {dtype} vLLM: {peer['tok_s']:.1f} tok/s; identical outputs "
+                      f"{agreement(mine, peer['outputs']):.0%}")
+                ratios.append(f"vs_vllm_{dtype}={tps / peer['tok_s']:.2f}x")
+        if "b" in parts:
+            one = batch[:1]
+            _, t1 = ours.generate(one, 1, tag="b1")
+            _, tn = ours.generate(one, args.max_tokens, tag="bn")
+            ours_b1 = (args.max_tokens - 1) / (tn - t1)
+            ref = Transformers(dtype)
+            _, r1 = ref.generate(one, 1)
+            _, rn = ref.generate(one, args.max_tokens)
+            ref_b1 = (args.max_tokens - 1) / (rn - r1)
+            print(f"(b) {dtype} batch-1 decode: tessera {ours_b1:.1f} tok/s, transformers {ref_b1:.1f} tok/s")
+            ratios.append(f"batch1_{dtype}={ours_b1 / ref_b1:.2f}x")
+        if "c" in parts and dtype == "fp32":
+            text = [t for p in batch for t in p]
+            prefix_a, prefix_b = text[:1000], text[1000:2000]
+            ours.ttft(prefix_a + batch[0][-20:], "c-warmup")       # caches prefix_a
+            cold = ours.ttft(prefix_b + batch[1][-20:], "c-cold")
+            warm = ours.ttft(prefix_a + batch[2][-20:], "c-warm")
+            print(f"(c) TTFT with a cached 1,000-token prefix: {warm * 1e3:.1f} ms vs cold {cold * 1e3:.1f} ms")
+            ratios.append(f"prefix_ttft={warm / cold:.3f}x")
+        del ours
+    if "d" in parts and "fp32" in best_tps:
+        flops = matmul_flops(args.threads)
+        params = sum(p.numel() for p in Runner.from_folder(SMOLLM2, "fp32", 16, 1).model.parameters())
+        bound = flops / (2 * params)
+        print(f"(d) fp32 GEMM {flops / 1e9:.1f} GFLOP/s -> bound {bound:.0f} tok/s for {params / 1e6:.0f}M params; "
+              f"largest batch reached {best_tps['fp32']:.1f} tok/s")
+        ratios.append(f"headroom_fp32={best_tps['fp32'] / bound:.2f}")
+    print("ratios: " + " ".join(ratios))
+
+
+if __name__ == "__main__":
+    main()

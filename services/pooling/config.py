@@ -1,0 +1,48 @@
+"""Configuration of the pooling service: server options plus models and batching."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import option
+from services.common.server import ServerConfig
+
+
+@dataclass(frozen=True)
+class PoolingServerConfig(ServerConfig):
+    """gRPC server options"""
+
+    port: int = option(50053, "port to bind; 0 picks a free one")
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    """models and dynamic batching"""
+
+    embedding_model: str = option("", "embedding model folder (HF or sentence-transformers: config.json, "
+                                  "*.safetensors, tokenizer.json)", metavar="DIR")
+    embedding_name: str = option("", "name clients use for the embedding model; default: folder name")
+    reranker_model: str = option("", "cross-encoder folder (*ForSequenceClassification, one label); "
+                                 "empty serves no reranker", metavar="DIR")
+    reranker_name: str = option("", "name clients use for the reranker; default: folder name")
+    pooling: str = option("", "pooling when the folder declares none: mean | cls | last "
+                          "(default: last for decoders, mean otherwise)", choices=("", "mean", "cls", "last"))
+    normalize: bool | None = option(None, "unit-normalise embeddings when the folder declares nothing "
+                                    "(sentence-transformers files win; default off)")
+    max_model_len: int = option(0, "longest input in tokens; 0 = the folder's limit")
+    max_request_inputs: int = option(256, "most inputs (or documents) in one request")
+    max_batch_size: int = option(64, "most sequences per forward; 1 turns dynamic batching off")
+    max_batch_tokens: int = option(16384, "padded tokens (rows x longest) per forward")
+    max_wait_ms: float = option(2.0, "how long a sequence may wait for others to share its forward")
+    max_queue: int = option(2048, "sequences waiting per model; beyond it calls get RESOURCE_EXHAUSTED")
+    threads: int = option(0, "torch intra-op threads; 0 keeps torch's default")
+    dtype: str = option("float32", "weights and activations dtype", choices=("float32", "bfloat16"))
+    packed: bool = option(True, "use the packed (padding-free) BERT forward where the architecture allows")
+
+    def __post_init__(self):
+        if not self.embedding_model:
+            raise ValueError("--embedding-model is required")
+        for name in ("max_request_inputs", "max_batch_size", "max_batch_tokens", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.max_wait_ms < 0 or self.max_model_len < 0 or self.threads < 0:
+            raise ValueError("max_wait_ms, max_model_len and threads must be >= 0")

@@ -1,0 +1,23 @@
+"""The pooling service's Prometheus metrics, in a registry of its own per service instance,
+so that several services started in one process (tests) never collide."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+from services.common.metrics import LATENCY_BUCKETS
+
+_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class PoolingMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.queue_depth = Gauge("tessera_pooling_queue_depth", "sequences waiting for a forward",
+                                 ["model"], registry=self.registry)
+        self.batch_size = Histogram("tessera_pooling_batch_size", "sequences per forward", ["model"],
+                                    buckets=_SIZE_BUCKETS, registry=self.registry)
+        self.batch_tokens = Histogram("tessera_pooling_batch_tokens", "real tokens per forward",
+                                      ["model"], buckets=_TOKEN_BUCKETS, registry=self.registry)
+        self.latency = Histogram("tessera_pooling_request_seconds", "request latency", ["rpc", "code"],
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)

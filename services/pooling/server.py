@@ -1,0 +1,91 @@
+"""Start the pooling service: bind (health NOT_SERVING), load models off the event loop,
+start one batcher per model sharing one forward thread, then report SERVING."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from services.common import metrics as common_metrics
+from services.common.pb import pooling_pb2_grpc
+from services.common.server import Server, ServerConfig
+
+from .batcher import Batcher, BatchLimits
+from .config import PoolingConfig
+from .folder import read_spec
+from .metrics import PoolingMetrics
+from .model import Embedder, Reranker
+from .servicer import SERVICE_NAME, PoolingServicer, Served
+
+log = logging.getLogger("tessera.pooling")
+
+
+def load_models(cfg: PoolingConfig) -> list:
+    """[(spec, runner)] for the configured folders (blocking; run it in a thread)."""
+    spec = read_spec(cfg.embedding_model, name=cfg.embedding_name, kind="embedding",
+                     pooling=cfg.pooling, normalize=cfg.normalize, max_model_len=cfg.max_model_len)
+    loaded = [(spec, Embedder(spec, dtype=cfg.dtype, fast=cfg.packed))]
+    if cfg.reranker_model:
+        rspec = read_spec(cfg.reranker_model, name=cfg.reranker_name, kind="rerank",
+                          max_model_len=cfg.max_model_len)
+        if rspec.name == spec.name:
+            raise ValueError(f"embedding and reranker are both named {spec.name!r}; "
+                             "set --embedding-name or --reranker-name")
+        loaded.append((rspec, Reranker(rspec, dtype=cfg.dtype)))
+    return loaded
+
+
+@dataclass
+class PoolingServer:
+    """A running pooling service. `loaded` finishes when models are served (or failed)."""
+
+    server: Server
+    servicer: PoolingServicer
+    metrics: PoolingMetrics
+    executor: ThreadPoolExecutor
+    port: int = 0
+    loaded: asyncio.Task | None = field(default=None, repr=False)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain in-flight calls, then stop the batchers and the forward thread."""
+        if self.loaded and not self.loaded.done():
+            self.loaded.cancel()
+        await self.server.stop(grace)
+        await asyncio.gather(*(s.batcher.close() for s in self.servicer.models.values()))
+        self.executor.shutdown(wait=True)
+
+
+async def _load(handle: PoolingServer, cfg: PoolingConfig) -> None:
+    limits = BatchLimits(cfg.max_batch_size, cfg.max_batch_tokens, cfg.max_wait_ms, cfg.max_queue)
+    loaded = await asyncio.to_thread(load_models, cfg)
+    models = {}
+    for spec, runner in loaded:
+        batcher = Batcher(spec.name, runner.forward, limits, handle.executor, handle.metrics)
+        batcher.start()
+        models[spec.name] = Served(spec, runner, batcher)
+        handle.servicer.defaults[spec.kind] = spec.name
+    handle.servicer.models = models
+    await handle.server.set_serving(True)
+    log.info("serving %s on port %d", ", ".join(models), handle.port)
+
+
+async def start_server(server_cfg: ServerConfig, cfg: PoolingConfig, *, wait: bool = True) -> PoolingServer:
+    """Bind and start loading. wait=True returns once SERVING (raising if loading failed);
+    wait=False returns right after binding, with health NOT_SERVING until `loaded` ends."""
+    metrics = PoolingMetrics()
+    servicer = PoolingServicer(metrics, cfg.max_request_inputs)
+    server = Server(server_cfg, lambda s: pooling_pb2_grpc.add_PoolingServiceServicer_to_server(servicer, s),
+                    [SERVICE_NAME])
+    # One thread: one forward at a time on the device, never on the event loop.
+    handle = PoolingServer(server, servicer, metrics, ThreadPoolExecutor(1, thread_name_prefix="forward"))
+    handle.port = await server.start()
+    common_metrics.serve(server_cfg.metrics_port, registry=metrics.registry)
+    handle.loaded = asyncio.get_running_loop().create_task(_load(handle, cfg))
+    if wait:
+        try:
+            await handle.loaded
+        except BaseException:
+            await handle.stop(0)
+            raise
+    return handle
