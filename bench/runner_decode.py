@@ -1,10 +1,10 @@
 """Quick runner-level decode check: tessera's Runner vs transformers' generate, same random model.
 
-A SmolLM2-135M-shaped Llama with random weights (no hub), fp32, greedy. Measures batch-1 and
+A SmolLM2-135M-shaped Llama with random weights (no hub), fp32 or bf16, greedy. Measures batch-1 and
 16-request decode tokens/s end to end (prefill included for both). Not the issue's full
 benchmark (bench/decoder.py drives the engine); this isolates the model/attention/runner.
 
-    .venv/bin/python bench/runner_decode.py [--threads 2] [--new 64] [--prompt 64]
+    .venv/bin/python bench/runner_decode.py [--threads 2] [--new 64] [--prompt 64] [--dtype fp32|bf16]
 """
 from __future__ import annotations
 
@@ -61,13 +61,15 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
     with tempfile.TemporaryDirectory() as tmp:
         write_model(Path(tmp))
-        runner = Runner.from_folder(tmp, "fp32", block_size=16, num_blocks=2048)
-        ref = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        runner = Runner.from_folder(tmp, args.dtype, block_size=16, num_blocks=2048)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+        ref = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(4, 49152, (args.batch, args.prompt), generator=g).tolist()
     ours(runner, prompts[:1], 4)                                 # warm-up both

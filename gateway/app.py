@@ -42,4 +42,19 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                         app.openapi_url, app.docs_url, app.redoc_url])
     app.add_middleware(Edge, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, routes=routes)
     app.state.config = cfg
+    app.openapi = _without_422(app.openapi)
     return app
+
+
+def _without_422(build_openapi):
+    """FastAPI documents 422 for every body; validation failures here are 400s (gateway/errors.py)."""
+
+    def openapi() -> dict:
+        schema = build_openapi()  # FastAPI caches it, so this edit runs on the cached copy once
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+    return openapi

@@ -14,7 +14,7 @@ from services.common.tensors import from_proto
 
 from ..backends import EMBEDDING
 from ..errors import request_id
-from .common import INT32_MAX, StrictBody, catalog
+from .common import ERROR_RESPONSES, INT32_MAX, StrictBody, catalog
 
 router = APIRouter()
 
@@ -68,7 +68,7 @@ def to_inputs(value) -> list[pooling_pb2.EmbedInput]:
             pooling_pb2.EmbedInput(tokens=pooling_pb2.TokenIds(ids=x)) for x in value]
 
 
-@router.post("/v1/embeddings", tags=["embeddings"])
+@router.post("/v1/embeddings", tags=["embeddings"], responses=ERROR_RESPONSES)
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict:
     """Embed a text, a batch of texts, or token ids; float lists or base64 float32."""
     model = await catalog(request).resolve(body.model, EMBEDDING)

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from services.common.errors import ModelNotFound
 
 from ..backends import Model
-from .common import catalog
+from .common import ERROR_RESPONSES, catalog
 
 router = APIRouter()
 
@@ -17,13 +17,13 @@ def model_card(model: Model, created: int) -> dict:
             "kind": model.kind, **model.extra}
 
 
-@router.get("/v1/models", tags=["models"])
+@router.get("/v1/models", tags=["models"], responses=ERROR_RESPONSES)
 async def list_models(request: Request) -> dict:
     created = request.app.state.started
     return {"object": "list", "data": [model_card(m, created) for m in await catalog(request).models()]}
 
 
-@router.get("/v1/models/{model_id:path}", tags=["models"])
+@router.get("/v1/models/{model_id:path}", tags=["models"], responses=ERROR_RESPONSES)
 async def get_model(model_id: str, request: Request) -> dict:
     for m in await catalog(request).models():
         if m.name == model_id:

@@ -11,7 +11,7 @@ from services.common.pb import pooling_pb2
 
 from ..backends import RERANK
 from ..errors import request_id
-from .common import INT32_MAX, StrictBody, catalog
+from .common import ERROR_RESPONSES, INT32_MAX, StrictBody, catalog
 
 router = APIRouter()
 
@@ -48,9 +48,9 @@ class RerankRequest(StrictBody):
     truncate: bool = Field(False, description="extension: cut over-length pairs instead of refusing them")
 
 
-@router.post("/v1/rerank", tags=["rerank"])
-@router.post("/v2/rerank", tags=["rerank"])
-@router.post("/rerank", tags=["rerank"])
+@router.post("/v1/rerank", tags=["rerank"], responses=ERROR_RESPONSES)
+@router.post("/v2/rerank", tags=["rerank"], responses=ERROR_RESPONSES)
+@router.post("/rerank", tags=["rerank"], responses=ERROR_RESPONSES)
 async def rerank(body: RerankRequest, request: Request) -> dict:
     """Score each document against the query with a cross-encoder; results sorted by descending score."""
     model = await catalog(request).resolve(body.model, RERANK)

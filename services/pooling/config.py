@@ -44,5 +44,7 @@ class PoolingConfig:
         for name in ("max_request_inputs", "max_batch_size", "max_batch_tokens", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.max_queue < self.max_request_inputs:
+            raise ValueError("max_queue must be at least max_request_inputs, or a full request could never run")
         if self.max_wait_ms < 0 or self.max_model_len < 0 or self.threads < 0:
             raise ValueError("max_wait_ms, max_model_len and threads must be >= 0")

@@ -15,11 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_steps_are_atomic_and_idempotent(tmp_path, monkeypatch):
     calls = []
 
-    def good(dest: Path):
+    def good(dest: Path, out: Path):
         calls.append("good")
         (dest / "weights").write_text("ok")
 
-    def interrupted(dest: Path):
+    def interrupted(dest: Path, out: Path):
         calls.append("interrupted")
         (dest / "half").write_text("partial")
         raise KeyboardInterrupt

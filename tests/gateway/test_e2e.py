@@ -48,9 +48,10 @@ def cross_encoder(tmp_path_factory, minilm):
 def fleet(tmp_path_factory, minilm, cross_encoder):
     logs = tmp_path_factory.mktemp("logs")
     pool_port, gw_port = free_port(), free_port()
-    pooling = python_module("services.pooling", ["--embedding-model", str(minilm), "--reranker-model",
-                                                 str(cross_encoder), "--host", "127.0.0.1", "--port",
-                                                 str(pool_port)], logs / "pooling.log")
+    # The package folder is called "model"; the name clients use is given explicitly.
+    pooling = python_module("services.pooling", [
+        "--embedding-model", str(minilm), "--embedding-name", EMBEDDER, "--reranker-model", str(cross_encoder),
+        "--host", "127.0.0.1", "--port", str(pool_port)], logs / "pooling.log")
     gateway = python_module("gateway", ["--host", "127.0.0.1", "--port", str(gw_port), "--pooling",
                                         f"127.0.0.1:{pool_port}", "--api-key", KEY, "--max-body-bytes", str(LIMIT),
                                         "--health-timeout-s", "1"], logs / "gateway.log")
@@ -108,6 +109,14 @@ def test_token_inputs(client, minilm):
     assert one.usage.prompt_tokens == len(ids[0])
 
 
+def test_truncate_opts_into_cutting_long_inputs(http):
+    long = "word " * 600
+    assert http.post("/v1/embeddings", json={"input": long}).status_code == 400
+    reply = http.post("/v1/embeddings", json={"input": long, "truncate": True})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == 256  # MiniLM's max_seq_length
+
+
 def test_rerank_matches_cross_encoder_on_every_alias(http, cross_encoder):
     want = CrossEncoder(str(cross_encoder), device="cpu").predict([("capital of France?", d) for d in DOCS])
     order = sorted(range(len(DOCS)), key=lambda i: -want[i])
@@ -124,6 +133,10 @@ def test_rerank_matches_cross_encoder_on_every_alias(http, cross_encoder):
     top = http.post("/v1/rerank", json={"query": "capital of France?", "documents": DOCS, "top_n": 1,
                                         "return_documents": False, "model": RERANKER}).json()
     assert [r["index"] for r in top["results"]] == order[:1] and "document" not in top["results"][0]
+    raw = http.post("/rerank", json={"query": "capital of France?", "documents": DOCS, "raw_scores": True}).json()
+    # The folder declares no activation, so sentence-transformers' one-label default (sigmoid) was applied above.
+    np.testing.assert_allclose([1 / (1 + np.exp(-r["relevance_score"])) for r in raw["results"]],
+                               [want[i] for i in order], atol=1e-5)
 
 
 def test_models_health_ready_metrics_openapi(client, http, fleet):

@@ -234,6 +234,10 @@ def test_models_metrics_openapi(gateway):
             "/metrics"} <= set(spec["paths"])
     schema = spec["components"]["schemas"]["EmbeddingRequest"]["properties"]["input"]
     assert len(schema["anyOf"]) == 4
+    # Validation failures are documented as the 400s they are, never FastAPI's 422.
+    responses = spec["paths"]["/v1/embeddings"]["post"]["responses"]
+    assert "422" not in responses and responses["400"]["content"]["application/json"]["schema"] == \
+        {"$ref": "#/components/schemas/ErrorBody"}
 
 
 def test_ready_follows_backend_health(gateway, backend):
@@ -254,3 +258,59 @@ def test_ready_follows_backend_health(gateway, backend):
         err = assert_openai_error(gateway.post("/v1/embeddings", json=req), 503, "unavailable")
         assert f"127.0.0.1:{server.port}" in err["message"]
     assert_openai_error(gateway.get("/v1/models"), 503, "unavailable")
+
+
+def test_ready_covers_decoder_and_vision_backends():
+    """--decoder and --vision backends count for /ready by their own health names."""
+    from services.common.pb import decoder_pb2
+
+    loop = LoopThread()
+    name = decoder_pb2.DESCRIPTOR.services_by_name["DecoderService"].full_name
+
+    async def start():
+        server = Server(ServerConfig(host="127.0.0.1", port=free_port(), drain_seconds=0), lambda s: None, [name])
+        await server.start()
+        await server.set_serving(True)
+        return server
+    server = loop.run(start())
+    dead = free_port()
+    try:
+        cfg = GatewayConfig(port=free_port(), decoder=(f"127.0.0.1:{server.port}",), vision=f"127.0.0.1:{dead}",
+                            health_timeout_s=0.5)
+        with GatewayThread(cfg) as gw:
+            reply = httpx.get(gw.url + "/ready", timeout=10)
+            assert reply.status_code == 503
+            backends = reply.json()["backends"]
+            assert backends[f"decoder@127.0.0.1:{server.port}"] == "SERVING"
+            assert backends[f"vision@127.0.0.1:{dead}"].startswith("UNREACHABLE")
+            assert f"vision@127.0.0.1:{dead}" in reply.json()["error"]["message"]
+    finally:
+        loop.run(server.stop(0))
+        loop.close()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({}, "at least one backend"),
+    ({"pooling": "nohost"}, "HOST:PORT"),
+    ({"pooling": "h:0"}, "HOST:PORT"),
+    ({"pooling": "h:1", "api_key": ""}, "api_key"),
+    ({"pooling": "h:1", "grpc_timeout_s": 0}, "grpc_timeout_s"),
+])
+def test_config_is_validated(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GatewayConfig(**kwargs)
+
+
+def test_flags_override_env_override_defaults():
+    from gateway.config import ENV_PREFIX
+    from services.common.config import load
+
+    env = {"TESSERA_GATEWAY_POOLING": "a:1", "TESSERA_GATEWAY_DECODER": "d:1,d:2", "TESSERA_API_KEY": "k",
+           "TESSERA_GATEWAY_PORT": "9000"}
+    (cfg,) = load((GatewayConfig,), ["--pooling", "b:2"], prog="gw", description="", env_prefix=ENV_PREFIX,
+                  environ=env)
+    assert (cfg.pooling, cfg.decoder, cfg.api_key, cfg.port, cfg.max_body_bytes) == \
+        ("b:2", ("d:1", "d:2"), "k", 9000, 16 * 1024 * 1024)
+    with pytest.raises(SystemExit):
+        load((GatewayConfig,), ["--pooling", "nope"], prog="gw", description="", env_prefix=ENV_PREFIX,
+             environ={})

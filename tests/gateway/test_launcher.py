@@ -3,16 +3,21 @@ exactly what `up` started."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
+import pytest
 
 from deploy import launcher
 from deploy.models import MINILM, package_dir
 from tests.conftest import free_port
-from tests.gateway.fleet import ROOT, stop, wait_http
+from tests.gateway.fleet import ROOT, stop
 
 
 def test_argv_for_fills_the_table_and_env_flags(tmp_path):
@@ -48,10 +53,16 @@ def test_up_serves_embeddings_and_down_stops_everything(tmp_path):
     ports = {"redis": free_port(), "pooling": free_port(), "gateway": free_port()}
     argv = [sys.executable, "-m", "deploy.launcher", "up", "--run-dir", str(run), "--models", str(models),
             "--drain-seconds", "10", *[f"--port={n}={p}" for n, p in ports.items()]]
-    up = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = tmp_path / "up.out"
+    up = subprocess.Popen(argv, cwd=ROOT, stdout=out.open("wb"), stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{ports['gateway']}"
-        wait_http(f"{url}/ready", up, timeout=120)
+        deadline = time.monotonic() + 120
+        while "tessera is up" not in out.read_text():
+            assert up.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.2)
+        assert f"{url} (OpenAI base_url {url}/v1)" in out.read_text()
+        assert httpx.get(f"{url}/ready").status_code == 200
         reply = httpx.post(f"{url}/v1/embeddings", json={"input": "hello", "model": MINILM}, timeout=30)
         assert reply.status_code == 200 and len(reply.json()["data"][0]["embedding"]) == 384
         # No reranker folder given: rerank says so.
@@ -66,10 +77,39 @@ def test_up_serves_embeddings_and_down_stops_everything(tmp_path):
                               capture_output=True, text=True, timeout=120)
         assert down.returncode == 0, down.stdout + down.stderr
         assert up.wait(30) == 0
-        out = up.stdout.read()
-        assert "tessera is up" in out and f"{url} (OpenAI base_url {url}/v1)" in out
-        time.sleep(0.2)
         assert not any(launcher.alive(p) for p in recorded["processes"])
         assert not (run / "fleet.json").exists()
     finally:
         stop(up)
+
+
+def test_a_dead_process_stops_the_fleet(tmp_path, monkeypatch, capsys):
+    """Supervision: when one process dies, the launcher stops the others and exits non-zero, naming it."""
+    redis = next(s for s in launcher.TOPOLOGY if s.name == "redis")
+    monkeypatch.setattr(launcher, "TOPOLOGY", (redis, launcher.Service("doomed", redis.argv, 0, "redis", "-")))
+    run = tmp_path / "run"
+    ports = {"redis": free_port(), "doomed": free_port()}
+
+    def kill_doomed_once_serving():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            entries = json.loads((run / "fleet.json").read_text())["processes"] if (run / "fleet.json").exists() \
+                else []
+            doomed = [e for e in entries if e["name"] == "doomed"]
+            if doomed and launcher.healthy(launcher.TOPOLOGY[1], "127.0.0.1", ports["doomed"]):
+                time.sleep(1.0)  # let the launcher see it healthy and start supervising
+                os.kill(doomed[0]["pid"], signal.SIGKILL)
+                return
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_doomed_once_serving, daemon=True)
+    killer.start()
+    rc = launcher.main(["up", "--run-dir", str(run), "--drain-seconds", "5",
+                        *[f"--port={n}={p}" for n, p in ports.items()]])
+    killer.join(10)
+    out = capsys.readouterr()
+    assert rc == 1
+    assert "tessera is up" in out.out and "doomed exited with code -9; stopping the fleet" in out.err
+    assert not (run / "fleet.json").exists()
+    with pytest.raises(OSError):  # the surviving redis was stopped too
+        socket.create_connection(("127.0.0.1", ports["redis"]), timeout=1).close()

@@ -102,6 +102,11 @@ class RunningServer:
     def call(self, coro, timeout: float = 120):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def wait_loaded(self, timeout: float = 120):
+        async def loaded():
+            await self.handle.loaded
+        self.call(loaded(), timeout)
+
     def close(self):
         self.call(self.handle.stop(0))
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -11,6 +11,7 @@ from torch import nn
 
 from services.decoder.model.config import ModelConfig
 from services.decoder.model.layers import AttentionFn, DecoderLayer, RMSNorm
+from services.decoder.model.linear import Linear
 from services.decoder.model.rotary import Rotary
 
 
@@ -27,7 +28,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Plain object, not a buffer: it is not in checkpoints and must not be created on meta.
         self.rotary: Rotary | None = None
 

@@ -12,6 +12,7 @@ import torch
 from services.common.errors import InvalidArgument
 from services.decoder.engine.step import StepInput, StepOutput
 from services.decoder.model.decoder import CausalLM
+from services.decoder.model.linear import pack_linears
 from services.decoder.model.loader import load_model
 from services.decoder.runner.attention import PagedAttention, Workspace
 from services.decoder.runner.batch import StepBatch
@@ -20,8 +21,11 @@ from services.decoder.runner.sampler import Sampler
 
 
 class Runner:
-    def __init__(self, model: CausalLM, block_size: int, num_blocks: int, seed: int | None = None):
+    def __init__(self, model: CausalLM, block_size: int, num_blocks: int, seed: int | None = None,
+                 pack: bool = True):
         self.model = model
+        # "onednn-packed" on CPU (see model/linear.py), else "torch"; logged by the service.
+        self.linear_backend = pack_linears(model) if pack else "torch"
         self.config = cfg = model.config
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype

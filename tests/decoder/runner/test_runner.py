@@ -119,3 +119,16 @@ def test_bad_steps_are_refused(folders):
     image = Seq("i", [5, 6], features={"mrope_positions": torch.zeros(3, 2, dtype=torch.long), "mrope_delta": 0})
     with pytest.raises(Unsupported, match="M-RoPE"):
         runner.execute(StepInput([image.chunk(2, alloc, BLOCK)]))
+
+
+def test_bf16_runner_tracks_fp32(folders, references):
+    """bf16 weights, KV cache and packed matmuls: close to the fp32 reference, same first token."""
+    name = "llama_gqa4_tied_sharded"
+    runner = Runner.from_folder(folders[name], "bf16", block_size=BLOCK, num_blocks=32)
+    assert runner.linear_backend == "onednn-packed" and runner.cache.k[0].dtype == torch.bfloat16
+    alloc, seq = BlockAllocator(32), Seq("a", prompt(13, 4))
+    runner.logits(StepInput([seq.chunk(6, alloc, BLOCK)]))
+    logits, _ = runner.logits(StepInput([seq.chunk(7, alloc, BLOCK)]))
+    expected = hf_last_logits(references[name], seq.tokens)
+    assert (logits[0] - expected).abs().max() < 0.05 * expected.abs().max()
+    assert int(logits[0].argmax()) == int(expected.argmax())

@@ -1,0 +1,136 @@
+"""A loaded encoder: recipe + model + revision, behind one interface for the service.
+
+    enc = load(folder, dtype="fp32", device="cpu")
+    prepared = enc.recipe(rgb)                 # per image, CPU
+    rows = enc.encode([prepared, ...])         # list of [t*h*w, hidden] float32 CPU, one forward
+    enc.merged_grid(prepared.grid)             # the grid Encode returns (t*h*w == rows)
+
+The revision is a sha256 over the encoder's tensors (names, dtypes, shapes,
+bytes as stored), computed once at load: the content hash changes whenever the
+weights do, whatever the folder is called.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors import safe_open
+
+from services.vision import demo, qwen2_vl
+from services.vision.recipes import DemoRecipe, Prepared, Qwen2VLRecipe
+
+log = logging.getLogger("tessera.vision.encoder")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+VISUAL_PREFIXES = ("visual.", "model.visual.")
+
+
+class Recipe(Protocol):
+    name: str
+
+    def config(self) -> dict: ...
+
+    def __call__(self, rgb) -> Prepared: ...
+
+
+def weights_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over sorted (name, dtype, shape, raw bytes)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def read_tensors(folder: Path, prefixes: tuple[str, ...] = ("",)) -> dict[str, torch.Tensor]:
+    """Tensors whose key starts with one of prefixes (prefix stripped), from model*.safetensors."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights")
+    out: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                prefix = next((p for p in prefixes if key.startswith(p)), None)
+                if prefix is not None:
+                    out[key[len(prefix):]] = f.get_tensor(key)
+    return out
+
+
+@dataclass
+class Encoder:
+    name: str
+    recipe: Recipe
+    model: torch.nn.Module
+    revision: str
+    hidden_size: int
+    merge_size: int  # 1 for encoders whose patches are rows
+
+    def merged_grid(self, grid: tuple[int, int, int]) -> tuple[int, int, int]:
+        """Pre-merge patch grid -> the grid of returned rows (t, h/m, w/m)."""
+        t, h, w = grid
+        return t, h // self.merge_size, w // self.merge_size
+
+    @torch.inference_mode()
+    def encode(self, batch: list[Prepared]) -> list[torch.Tensor]:
+        """Prepared images -> per image float32 CPU rows [t*h*w (merged), hidden], in one forward."""
+        device = next(self.model.parameters()).device
+        if isinstance(self.model, qwen2_vl.Qwen2VLTower):
+            rows = self.model(torch.cat([p.pixels for p in batch]).to(device), [p.grid for p in batch])
+            sizes = [t * h * w for t, h, w in (self.merged_grid(p.grid) for p in batch)]
+            parts = rows.split(sizes)
+        else:
+            parts = self.model(torch.stack([p.pixels for p in batch]).to(device)).unbind(0)
+        return [p.float().cpu().contiguous() for p in parts]
+
+
+def load(folder: str | Path, dtype: str = "fp32", device: str = "cpu", recipe: str = "auto") -> Encoder:
+    """Load a Qwen2-VL checkpoint's vision tower or a demo encoder folder (blocking)."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{folder}: no config.json")
+    model_type = json.loads(config_path.read_text()).get("model_type", "")
+    kind = recipe if recipe != "auto" else ("demo" if model_type == demo.MODEL_TYPE else "qwen2_vl")
+    if kind == "demo":
+        if model_type != demo.MODEL_TYPE:
+            raise ValueError(f"{folder}: recipe demo needs a {demo.MODEL_TYPE} folder, not {model_type!r}")
+        cfg = demo.DemoConfig.from_config_json(config_path)
+        tensors = read_tensors(folder)
+        model = demo.DemoEncoder(cfg)
+        model.load_state_dict(tensors, strict=True)
+        enc = Encoder(folder.resolve().name, DemoRecipe(cfg.image_size, cfg.patch_size),
+                      model.to(device=device, dtype=DTYPES[dtype]).eval(), weights_digest(tensors),
+                      cfg.output_width, 1)
+    else:
+        if model_type not in ("qwen2_vl", ""):
+            raise ValueError(f"{folder}: model_type {model_type!r} is not a Qwen2-VL checkpoint")
+        cfg = qwen2_vl.TowerConfig.from_config_json(config_path)
+        rec = Qwen2VLRecipe.from_folder(folder)
+        if (rec.patch_size, rec.temporal_patch_size, rec.merge_size) != \
+                (cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size):
+            raise ValueError(f"{folder}: preprocessor patch/merge sizes do not match vision_config")
+        tensors = read_tensors(folder, VISUAL_PREFIXES)
+        if not tensors:
+            raise ValueError(f"{folder}: no visual.* or model.visual.* tensors")
+        model = qwen2_vl.build(cfg, tensors, DTYPES[dtype], device)
+        enc = Encoder(folder.resolve().name, rec, model, weights_digest(tensors), cfg.hidden_size,
+                      cfg.spatial_merge_size)
+    log.info("loaded %s encoder from %s: hidden %d, revision %s", kind, folder, enc.hidden_size, enc.revision[:16])
+    return enc
+
+
+def content_hash(data: bytes, recipe_config: dict, revision: str) -> str:
+    """sha256 over the image bytes, the canonical-JSON preprocessing config and the encoder revision."""
+    h = hashlib.sha256()
+    for part in (json.dumps(recipe_config, sort_keys=True, separators=(",", ":")).encode(), revision.encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    h.update(data)
+    return h.hexdigest()
