@@ -10,7 +10,7 @@ port and the vision service as a subprocess, then times Encode through gRPC:
   hit:  the same bytes again -> hash, lookup, rows back.
 Medians over --rounds per photo; the last line is the hit/miss ratio (goal <= 0.1x).
 
-    python bench/vision.py [--depth 4] [--rounds 3] [--threads 0]
+    python bench/vision.py [--depth 4] [--rounds 2] [--threads 0]
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def timed(stub, data: bytes) -> tuple[float, bool]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--depth", type=int, default=4, help="vision blocks (Qwen2-VL-2B has 32)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0, help="torch threads of the service; 0 = torch default")
     args = ap.parse_args()
     data_dir = Path(importlib.util.find_spec("skimage").origin).parent / "data"

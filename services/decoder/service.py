@@ -15,8 +15,16 @@ from pathlib import Path
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.common.errors import (AdapterNotFound, ContextLengthExceeded, Internal, InvalidArgument,
-                                    ModelNotFound, Unavailable, Unsupported, grpc_errors)
+from services.common.errors import (
+    AdapterNotFound,
+    ContextLengthExceeded,
+    Internal,
+    InvalidArgument,
+    ModelNotFound,
+    Unavailable,
+    Unsupported,
+    grpc_errors,
+)
 from services.common.metrics import LATENCY_BUCKETS
 from services.common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
 from services.common.server import Server

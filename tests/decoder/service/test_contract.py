@@ -72,7 +72,8 @@ def test_stream_order_text_and_usage(stub, decoder_server):
     *deltas, last = msgs
     assert last.HasField("usage") and not last.token_ids
     assert all(not m.HasField("usage") for m in deltas)
-    assert [bool(m.finish_reason) for m in deltas].count(True) == 1 and deltas[-1].finish_reason == D.FINISH_REASON_LENGTH
+    assert [bool(m.finish_reason) for m in deltas].count(True) == 1
+    assert deltas[-1].finish_reason == D.FINISH_REASON_LENGTH
     ids = [t for m in deltas for t in m.token_ids]
     assert len(ids) == 12 == last.usage.completion_tokens
     tok = servicer.state.tokenizer
