@@ -72,8 +72,8 @@ class AttentionPlan:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold {start + length} positions")
             bt = torch.tensor(table[:needed], dtype=torch.long, device=device)
             if length > 1 and start > 0:
-                context = slots_of(bt, torch.arange(start + length, device=device), block_size)
                 key_pos = torch.arange(start + length, device=device)
+                context = slots_of(bt, key_pos, block_size)
                 query_pos = torch.arange(start, start + length, device=device)
                 mask = key_pos[None, :] <= query_pos[:, None]
                 prefills.append(PrefillSpan(offset, offset + length, context, mask))
