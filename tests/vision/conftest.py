@@ -1,13 +1,12 @@
 """Vision fixtures: a tiny Qwen2-VL checkpoint, a demo encoder, real photos, an in-process server."""
 from __future__ import annotations
 
-import asyncio
 import importlib.util
-import threading
 from pathlib import Path
 
 import pytest
 
+from tests.loops import LoopThread
 from tests.vision.checkpoints import write_qwen2_vl
 
 PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg")
@@ -37,20 +36,6 @@ def demo_ckpt(tmp_path_factory) -> Path:
     return demo.save(tmp_path_factory.mktemp("vision") / "demo")
 
 
-class LoopThread:
-    """An asyncio loop in a thread, so sync tests can drive an in-process aio server."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout=120):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture

@@ -1,13 +1,13 @@
 """A tiny random Llama with SmolLM2's real tokenizer and chat template, and the decoder on it."""
 from __future__ import annotations
 
-import asyncio
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.loops import LoopThread
 
 ROOT = Path(__file__).resolve().parents[3]
 SMOLLM2 = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -42,20 +42,6 @@ def tiny_chat_model(tmp_path_factory) -> Path:
     return folder
 
 
-class LoopThread:
-    """An asyncio loop in a thread, so sync tests can drive an in-process aio server."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout=120):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
