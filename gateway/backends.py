@@ -4,7 +4,8 @@
 of calls in flight). `Catalog` asks every model-serving backend's GetModelInfo
 which models it serves, caches the answer for `model_refresh_s`, and resolves a
 request's `model` to a backend. A name may be served by several replicas; the
-replica with the fewest calls in flight is picked.
+replica with the fewest calls in flight (a generation stream counts until it
+ends) is picked.
 """
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.errors import InvalidArgument, ModelNotFound, TesseraError, Unavailable, from_rpc_error
-from services.common.pb import decoder_pb2, pooling_pb2, pooling_pb2_grpc, vision_pb2
+from services.common.pb import decoder_pb2, decoder_pb2_grpc, pooling_pb2, pooling_pb2_grpc, vision_pb2
 
 from .config import GatewayConfig
 
@@ -31,11 +33,12 @@ HEALTH_NAMES = {
     "vision": vision_pb2.DESCRIPTOR.services_by_name["VisionService"].full_name,
 }
 
-EMBEDDING, RERANK = "embedding", "rerank"
+EMBEDDING, RERANK, GENERATION = "embedding", "rerank", "generation"
 _POOLING_KINDS = {pooling_pb2.MODEL_KIND_EMBEDDING: EMBEDDING, pooling_pb2.MODEL_KIND_RERANK: RERANK}
 # Where each kind of model is used, for "wrong endpoint" messages.
-ENDPOINTS = {EMBEDDING: "/v1/embeddings", RERANK: "/v1/rerank"}
+ENDPOINTS = {EMBEDDING: "/v1/embeddings", RERANK: "/v1/rerank", GENERATION: "/v1/chat/completions or /v1/completions"}
 NO_MODEL_OF_KIND = {
+    GENERATION: "no language model is configured: start the gateway with --decoder HOST:PORT",
     EMBEDDING: "no embedding model is configured: start the pooling service with --embedding-model DIR",
     RERANK: "no reranker is configured: start the pooling service with --reranker-model DIR"
             " (make up: RERANKER_MODEL=DIR make up)",
@@ -66,6 +69,8 @@ class Backend:
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         if self.role == "pooling":
             self.pooling = pooling_pb2_grpc.PoolingServiceStub(self.channel)
+        elif self.role == "decoder":
+            self.decoder = decoder_pb2_grpc.DecoderServiceStub(self.channel)
 
     async def close(self) -> None:
         if self.channel is not None:
@@ -80,29 +85,56 @@ class Backend:
             return f"UNREACHABLE ({exc.code().name}: {exc.details()})"
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
-    async def call(self, method, request, request_id: str, fields: dict[str, str] | None = None):
-        """Await a unary RPC with the per-call deadline; a failed call raises its typed error.
+    def _typed(self, exc: grpc.aio.AioRpcError, fields: dict[str, str] | None) -> TesseraError:
+        """The typed error of a failed call; fields renames proto field names to the HTTP body's
+        (e.g. inputs -> input) in the error's param, which names the top-level field only
+        ("inputs[3]" -> "input"; the message keeps the detail)."""
+        err = from_rpc_error(exc)
+        if err.reason == "UNAVAILABLE":
+            err = Unavailable(f"{self.label}: {err.message}", param=err.param)
+        if err.param:
+            head = re.split(r"[\[.]", err.param, maxsplit=1)[0]
+            err.param = (fields or {}).get(head, head)
+        return err
 
-        fields renames proto field names to the HTTP body's (e.g. inputs -> input) in the error's param,
-        which names the top-level field only ("inputs[3]" -> "input"; the message keeps the detail).
-        """
+    async def call(self, method, request, request_id: str, fields: dict[str, str] | None = None):
+        """Await a unary RPC with the per-call deadline; a failed call raises its typed error."""
         self.in_flight += 1
         try:
             return await method(request, timeout=self.cfg.grpc_timeout_s,
                                 metadata=(("x-request-id", request_id),))
         except grpc.aio.AioRpcError as exc:
-            err = from_rpc_error(exc)
-            if err.reason == "UNAVAILABLE":
-                err = Unavailable(f"{self.label}: {err.message}", param=err.param)
-            if err.param:
-                head = re.split(r"[\[.]", err.param, maxsplit=1)[0]
-                err.param = (fields or {}).get(head, head)
-            raise err from None
+            raise self._typed(exc, fields) from None
         finally:
             self.in_flight -= 1
 
+    async def stream(self, method, request, request_id: str, fields: dict[str, str] | None = None,
+                     ) -> AsyncIterator:
+        """Iterate a server-streaming RPC under the whole-generation deadline; a failure raises its typed error.
+
+        Closing the iterator early (the HTTP client left, a sibling call failed) cancels the call, which
+        makes the decoder abort the request and free its blocks; close it with contextlib.aclosing or
+        aclose(), never by dropping it.
+        """
+        self.in_flight += 1
+        call = method(request, timeout=self.cfg.generate_timeout_s, metadata=(("x-request-id", request_id),))
+        try:
+            async for message in call:
+                yield message
+        except grpc.aio.AioRpcError as exc:
+            raise self._typed(exc, fields) from None
+        finally:
+            call.cancel()  # a no-op once the call has ended
+            self.in_flight -= 1
+
     async def models(self) -> list[Model]:
-        """The models this backend serves, from its GetModelInfo (only the pooling service is routed to now)."""
+        """The models this backend serves, from its GetModelInfo (vision serves none by name)."""
+        if self.role == "decoder":
+            info = await self.call(self.decoder.GetModelInfo, decoder_pb2.GetModelInfoRequest(), "model-discovery")
+            return [Model(info.name, GENERATION, self, {
+                "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
+                "has_chat_template": info.has_chat_template, "supports_images": info.supports_images,
+                "dtype": info.dtype})]
         if self.role != "pooling":
             return []
         reply = await self.call(self.pooling.GetModelInfo, pooling_pb2.GetModelInfoRequest(), "model-discovery")

@@ -28,6 +28,8 @@ class GatewayConfig:
                                  env="TESSERA_API_KEY")
     max_body_bytes: int = option(16 * 1024 * 1024, "largest request body accepted; larger ones get 413")
     grpc_timeout_s: float = option(30.0, "deadline of each backend call in seconds; past it the answer is 504")
+    generate_timeout_s: float = option(600.0, "deadline of a whole generation (chat, completions) in seconds;"
+                                              " past it the answer is 504, or an error event mid-stream")
     health_timeout_s: float = option(2.0, "deadline of each backend health check made by /ready, in seconds")
     model_refresh_s: float = option(10.0, "how long discovered model names are trusted before asking the"
                                           " backends' GetModelInfo again")
@@ -48,7 +50,7 @@ class GatewayConfig:
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
-        for name in ("grpc_timeout_s", "health_timeout_s"):
+        for name in ("grpc_timeout_s", "generate_timeout_s", "health_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.model_refresh_s < 0:

@@ -14,40 +14,25 @@ from services.common.tensors import from_proto
 
 from ..backends import EMBEDDING
 from ..errors import request_id
-from .common import ERROR_RESPONSES, INT32_MAX, StrictBody, catalog
+from .common import (
+    ERROR_RESPONSES,
+    INT32_MAX,
+    TEXT_OR_TOKENS,
+    TEXT_OR_TOKENS_SCHEMA,
+    StrictBody,
+    as_batch,
+    catalog,
+    check_text_or_tokens,
+)
 
 router = APIRouter()
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-INPUT_SHAPES = "a string, an array of strings, an array of token ids or an array of token-id arrays"
-
-
-def _token_list(value) -> bool:
-    return isinstance(value, list) and all(type(t) is int for t in value)
-
-
-def _check_input(value):
-    """Accept exactly OpenAI's four input shapes; token ids must fit int64 (the service judges their range)."""
-    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(x, str) for x in value)):
-        return value
-    if isinstance(value, list) and (_token_list(value) or all(_token_list(x) for x in value)):
-        for ids in value if value and isinstance(value[0], list) else [value]:
-            if any(not INT64_MIN <= t <= INT64_MAX for t in ids):
-                raise ValueError("token ids must be 64-bit integers")
-        return value
-    raise ValueError(f"must be {INPUT_SHAPES}")
-
-
-_INPUT_SCHEMA = {"anyOf": [
-    {"type": "string"},
-    {"type": "array", "items": {"type": "string"}},
-    {"type": "array", "items": {"type": "integer"}},
-    {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
-], "description": f"{INPUT_SHAPES}; the batch bound and context length are the model's"}
+_INPUT_SCHEMA = {**TEXT_OR_TOKENS_SCHEMA,
+                 "description": f"{TEXT_OR_TOKENS}; the batch bound and context length are the model's"}
 
 
 class EmbeddingRequest(StrictBody):
-    input: Annotated[object, PlainValidator(_check_input), WithJsonSchema(_INPUT_SCHEMA)]
+    input: Annotated[object, PlainValidator(check_text_or_tokens), WithJsonSchema(_INPUT_SCHEMA)]
     model: str | None = Field(None, description="a model from /v1/models; omitted: the served embedding model")
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: each vector as little-endian float32 bytes")
@@ -60,12 +45,8 @@ class EmbeddingRequest(StrictBody):
 
 def to_inputs(value) -> list[pooling_pb2.EmbedInput]:
     """OpenAI `input` -> EmbedInput list; `[]` stays empty so the service refuses the empty batch."""
-    if isinstance(value, str):
-        return [pooling_pb2.EmbedInput(text=value)]
-    if value and _token_list(value):
-        return [pooling_pb2.EmbedInput(tokens=pooling_pb2.TokenIds(ids=value))]
     return [pooling_pb2.EmbedInput(text=x) if isinstance(x, str) else
-            pooling_pb2.EmbedInput(tokens=pooling_pb2.TokenIds(ids=x)) for x in value]
+            pooling_pb2.EmbedInput(tokens=pooling_pb2.TokenIds(ids=x)) for x in as_batch(value)]
 
 
 @router.post("/v1/embeddings", tags=["embeddings"], responses=ERROR_RESPONSES)

@@ -2,10 +2,8 @@
 pooling server on an ephemeral port running in a background event loop."""
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import torch
 
 from services.pooling.config import PoolingConfig, PoolingServerConfig
 from services.pooling.server import start_server
+from tests.loops import LoopThread
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
@@ -92,15 +91,13 @@ class RunningServer:
     """A pooling server on its own event loop in a thread (so sync gRPC clients can call it)."""
 
     def __init__(self, wait: bool = True, **cfg):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        self.loops = LoopThread()
         self.handle = self.call(start_server(PoolingServerConfig(host="127.0.0.1", port=0),
                                              PoolingConfig(**cfg), wait=wait))
         self.port = self.handle.port
 
     def call(self, coro, timeout: float = 120):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return self.loops.run(coro, timeout)
 
     def wait_loaded(self, timeout: float = 120):
         async def loaded():
@@ -109,6 +106,4 @@ class RunningServer:
 
     def close(self):
         self.call(self.handle.stop(0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
+        self.loops.close()

@@ -17,6 +17,7 @@ large buffers per layer.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -124,9 +125,7 @@ class Workspace:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        numel = 1
-        for s in shape:
-            numel *= s
+        numel = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
             buf = torch.empty(numel, dtype=like.dtype, device=like.device)

@@ -54,3 +54,9 @@ def test_paged_attention_equals_causal_attention():
             ref = F.scaled_dot_product_attention(sq, sk, sv, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
             torch.testing.assert_close(out[row:row + b - a], ref[a:b], rtol=1e-5, atol=1e-5)
             row += b - a
+
+
+def test_kv_cache_size():
+    cache = KVCache(3, 10, BS, 2, 8, torch.bfloat16)
+    assert cache.k[0].shape == (10, BS, 2, 8)
+    assert cache.bytes == 10 * KVCache.bytes_per_block(3, BS, 2, 8, torch.bfloat16) == 10 * 2 * 3 * BS * 2 * 8 * 2

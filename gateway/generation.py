@@ -1,0 +1,170 @@
+"""What /v1/completions and /v1/chat/completions share: sampling fields, the decoder calls, choices, usage.
+
+A request becomes one decoder Generate call per prompt (completions fans a list of prompts out).
+`Generation.start` waits for every call's first message, so a refused request is a plain HTTP error
+before any byte of the answer is sent; after that the calls' messages arrive merged, as
+(prompt index, GenerateResponse). Choice `j` of prompt `i` is choice `i * n + j` of the answer, as
+OpenAI numbers them. Closing a Generation cancels every call still running, which makes the decoder
+abort those requests and free their KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from services.common.errors import Internal, InvalidArgument, TesseraError
+from services.common.pb import decoder_pb2
+
+from .backends import Backend
+from .routes.common import INT32_MAX, StrictBody
+
+UINT64_MAX = 2**64 - 1
+FINISH_REASONS = {decoder_pb2.FINISH_REASON_STOP: "stop", decoder_pb2.FINISH_REASON_LENGTH: "length",
+                  decoder_pb2.FINISH_REASON_ABORT: "abort"}
+
+
+class StreamOptions(StrictBody):
+    include_usage: bool = Field(False, description="end the stream with a chunk carrying usage (choices: [])")
+
+
+class SamplingFields(StrictBody):
+    """The request fields both generation endpoints take; ranges are judged by the decoder (one rule book)."""
+
+    model: str | None = Field(None, description="a model from /v1/models; omitted: the served language model")
+    n: int = Field(1, ge=1, le=INT32_MAX, description="choices per prompt (the decoder's --max-n bounds it)")
+    temperature: float | None = Field(None, description="0 is greedy; omitted: 1")
+    top_p: float | None = Field(None, description="nucleus mass in (0, 1]; omitted: 1")
+    seed: int | None = Field(None, ge=0, le=UINT64_MAX, description="makes sampling reproducible")
+    stop: str | list[str] | None = Field(None, description="up to 16 strings of at most 256 characters;"
+                                                           " the text ends before the first one generated")
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = Field(False, description="answer as server-sent events, ending with `data: [DONE]`")
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, description="accepted for OpenAI compatibility; not used")
+
+    @model_validator(mode="after")
+    def _options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None) -> decoder_pb2.SamplingParams:
+        """The decoder's SamplingParams; None leaves a field unset (the decoder's default)."""
+        params = decoder_pb2.SamplingParams(
+            n=self.n, stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+        for name, value in (("temperature", self.temperature), ("top_p", self.top_p), ("seed", self.seed),
+                            ("max_tokens", max_tokens), ("logprobs", logprobs)):
+            if value is not None:
+                setattr(params, name, value)
+        return params
+
+
+def finish_reason(message: decoder_pb2.GenerateResponse) -> str | None:
+    return FINISH_REASONS.get(message.finish_reason)
+
+
+@dataclass
+class Usage:
+    """Token counts summed over a request's calls."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, usage) -> None:
+        self.prompt_tokens += usage.prompt_tokens
+        self.completion_tokens += usage.completion_tokens
+        self.cached_tokens += usage.cached_tokens
+
+    def to_json(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class Collected:
+    """One whole choice: its text, its tokens' logprobs (decoder TokenLogprob) and why it ended."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Generation:
+    """The Generate calls of one HTTP request, merged. Use: `await start()`, iterate, always `aclose()`."""
+
+    def __init__(self, backend: Backend, requests: list[decoder_pb2.GenerateRequest], request_id: str,
+                 n: int, fields: dict[str, str]):
+        self.n = n
+        self.usage = Usage()
+        self._streams = [backend.stream(backend.decoder.Generate, r, request_id, fields) for r in requests]
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def num_choices(self) -> int:
+        return len(self._streams) * self.n
+
+    async def start(self) -> None:
+        """Wait for every call's first message; if any call is refused, cancel the rest and raise its error."""
+        firsts = await asyncio.gather(*(anext(s, None) for s in self._streams), return_exceptions=True)
+        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failed is not None:
+            await self.aclose()
+            raise failed
+        self._tasks = [asyncio.create_task(self._pump(i, first, stream))
+                       for i, (first, stream) in enumerate(zip(firsts, self._streams, strict=True))]
+
+    async def _pump(self, prompt: int, first, stream) -> None:
+        try:
+            if first is None:
+                raise Internal("the decoder ended a generation without answering")
+            await self._queue.put((prompt, first))
+            async for message in stream:
+                await self._queue.put((prompt, message))
+            await self._queue.put((prompt, None))
+        except TesseraError as err:
+            await self._queue.put((prompt, err))
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, decoder_pb2.GenerateResponse]]:
+        """(choice index, delta) for each delta; usage messages are summed into self.usage, not yielded."""
+        live = len(self._tasks)
+        while live:
+            prompt, item = await self._queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, TesseraError):
+                raise item
+            elif item.HasField("usage"):
+                self.usage.add(item.usage)
+            else:
+                yield prompt * self.n + item.index, item
+
+    async def collect(self) -> list[Collected]:
+        """Every choice whole (the non-streaming answer)."""
+        choices = [Collected() for _ in range(self.num_choices)]
+        async for index, delta in self:
+            choice = choices[index]
+            choice.text.append(delta.text)
+            choice.logprobs.extend(delta.logprobs)
+            choice.finish_reason = finish_reason(delta) or choice.finish_reason
+        return choices
+
+    async def aclose(self) -> None:
+        """Cancel whatever still runs (a no-op for calls that ended)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for stream in self._streams:
+            await stream.aclose()
