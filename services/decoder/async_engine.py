@@ -103,7 +103,12 @@ class AsyncEngine:
                 if self._stopping:
                     break
                 if self.core.has_unfinished():
+                    before = self.core.num_steps
                     outputs = self.core.step()
+                    if not outputs and self.core.num_steps == before:
+                        # Nothing could be scheduled (e.g. every waiting request needs an adapter
+                        # slot that is leased): wait for a command instead of spinning.
+                        self._drain_commands(block=True, timeout=0.01)
                     self._stats = self.core.stats()
                     if self.on_step is not None:
                         self.on_step(self._stats, outputs)
@@ -114,9 +119,9 @@ class AsyncEngine:
             self.failed = f"{type(exc).__name__}: {exc}"
             self._loop.call_soon_threadsafe(self._fail_all)
 
-    def _drain_commands(self, block: bool) -> None:
+    def _drain_commands(self, block: bool, timeout: float = 0.5) -> None:
         try:
-            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            cmd = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:

@@ -1,0 +1,113 @@
+"""POST /v1/completions in OpenAI's (legacy) text-completion shape, served by the decoder's Generate.
+
+`prompt` takes OpenAI's four shapes; a list of prompts fans out into one Generate call per prompt
+(at most MAX_PROMPTS), and their choices are numbered `prompt * n + j` in one answer.
+"""
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Request
+from pydantic import Field, PlainValidator, WithJsonSchema
+
+from services.common.errors import InvalidArgument
+from services.common.pb import decoder_pb2
+
+from .. import sse
+from ..backends import GENERATION
+from ..errors import request_id
+from ..generation import Generation, SamplingFields, finish_reason
+from .common import ERROR_RESPONSES, INT32_MAX, TEXT_OR_TOKENS, TEXT_OR_TOKENS_SCHEMA, as_batch, catalog, \
+    check_text_or_tokens
+
+router = APIRouter()
+
+MAX_PROMPTS = 16
+_PROMPT_SCHEMA = {**TEXT_OR_TOKENS_SCHEMA,
+                  "description": f"{TEXT_OR_TOKENS}; a list fans out into one generation per prompt"
+                                 f" (at most {MAX_PROMPTS})"}
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Annotated[object, PlainValidator(check_text_or_tokens), WithJsonSchema(_PROMPT_SCHEMA)]
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX,
+                                   description="tokens to generate per choice (OpenAI's default 16);"
+                                               " null: up to the context length")
+    logprobs: int | None = Field(None, ge=0, le=INT32_MAX,
+                                 description="return each token's logprob and this many top alternatives")
+    echo: bool = Field(False, description="not supported: true is refused")
+    best_of: int | None = Field(None, ge=1, le=INT32_MAX, description="only best_of == n is supported")
+    suffix: str | None = Field(None, description="not supported: a suffix is refused")
+
+
+def _logprobs(entries, offset: int) -> tuple[dict, int]:
+    """OpenAI's completion logprobs for decoder TokenLogprobs, text offsets counted from `offset`
+    (characters into the choice's text); returns the object and the offset after it."""
+    tokens, offsets = [], []
+    for entry in entries:
+        tokens.append(entry.token)
+        offsets.append(offset)
+        offset += len(entry.token)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+            "text_offset": offsets}, offset
+
+
+def _refuse_unsupported(body: CompletionRequest) -> None:
+    # Accepted for OpenAI compatibility only at their neutral values; anything else would be silently dropped.
+    if body.echo:
+        raise InvalidArgument("echo is not supported: the answer never repeats the prompt", param="echo")
+    if body.suffix:
+        raise InvalidArgument("suffix (insertion) is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise InvalidArgument("best_of is not supported (only best_of == n, which returns every choice)",
+                              param="best_of")
+
+
+@router.post("/v1/completions", tags=["generation"], responses=ERROR_RESPONSES)
+async def create_completion(body: CompletionRequest, request: Request):
+    """Continue a text or token-id prompt (or a list of them); whole, or streamed as server-sent events."""
+    _refuse_unsupported(body)
+    prompts = as_batch(body.prompt)
+    if not prompts:
+        raise InvalidArgument("prompt must not be empty", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidArgument(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
+    model = await catalog(request).resolve(body.model, GENERATION)
+    rid = request_id(request)
+    sampling = body.sampling(body.max_tokens, body.logprobs)
+    requests = [decoder_pb2.GenerateRequest(
+        request_id=rid if len(prompts) == 1 else f"{rid}-{i}", model=model.name, sampling=sampling,
+        **({"text": p} if isinstance(p, str) else {"token_ids": decoder_pb2.TokenIds(ids=p)}))
+        for i, p in enumerate(prompts)]
+    generation = Generation(model.backend, requests, rid, body.n, fields={})
+    await generation.start()
+    head = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": model.name}
+    want_logprobs = body.logprobs is not None
+    if body.stream:
+        return sse.stream(generation, _chunks(generation, head, want_logprobs, body.include_usage), rid)
+    choices = await sse.collect(request, generation)
+    if not isinstance(choices, list):
+        return choices
+    return {**head, "choices": [{
+        "index": i, "text": "".join(c.text), "finish_reason": c.finish_reason,
+        "logprobs": _logprobs(c.logprobs, 0)[0] if want_logprobs else None,
+    } for i, c in enumerate(choices)], "usage": generation.usage.to_json()}
+
+
+async def _chunks(generation: Generation, head: dict, want_logprobs: bool, include_usage: bool):
+    """text_completion chunks: one per delta that carries text, logprobs or a finish reason; then usage."""
+    offsets = [0] * generation.num_choices
+    extra = {"usage": None} if include_usage else {}
+    async for index, delta in generation:
+        reason = finish_reason(delta)
+        if not (delta.text or reason or (want_logprobs and delta.logprobs)):
+            continue  # tokens still held back (a possible stop string, an unfinished UTF-8 character)
+        logprobs = None
+        if want_logprobs:
+            logprobs, offsets[index] = _logprobs(delta.logprobs, offsets[index])
+        yield {**head, "choices": [{"index": index, "text": delta.text, "logprobs": logprobs,
+                                    "finish_reason": reason}], **extra}
+    if include_usage:
+        yield {**head, "choices": [], "usage": generation.usage.to_json()}
