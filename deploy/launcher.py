@@ -42,7 +42,7 @@ class Service:
     env_flags: tuple[tuple[str, str], ...] = ()
 
 
-# The topology: later issues add vision and decoder as rows. deploy/docker-compose.yml mirrors it.
+# The topology: a later issue adds vision as a row. deploy/docker-compose.yml mirrors it.
 # This machine already runs a redis on 6379, so ours defaults to 6380.
 TOPOLOGY: tuple[Service, ...] = (
     Service("redis", ("redis-server", "--bind", "{host}", "--port", "{port}", "--save", "", "--appendonly", "no",
@@ -52,8 +52,11 @@ TOPOLOGY: tuple[Service, ...] = (
                         "--embedding-model", "{models}/all-MiniLM-L6-v2", "--embedding-name", "all-MiniLM-L6-v2"),
             50053, "grpc:tessera.pooling.v1.PoolingService", "{host}:{port} (gRPC)",
             env_flags=(("--reranker-model", "RERANKER_MODEL"),)),
+    Service("decoder", ("{python}", "-m", "services.decoder", "--host", "{host}", "--port", "{port}",
+                        "--model", "{models}/SmolLM2-135M-Instruct"),
+            50052, "grpc:tessera.decoder.v1.DecoderService", "{host}:{port} (gRPC)"),
     Service("gateway", ("{python}", "-m", "gateway", "--host", "{host}", "--port", "{port}",
-                        "--pooling", "{host}:{pooling_port}"),
+                        "--pooling", "{host}:{pooling_port}", "--decoder", "{host}:{decoder_port}"),
             8000, "http:/ready", "http://{host}:{port} (OpenAI base_url http://{host}:{port}/v1)"),
 )
 

@@ -1,4 +1,4 @@
-"""python -m gateway --port P --pooling HOST:PORT [--decoder HOST:PORT]... [--vision HOST:PORT]"""
+"""python -m gateway --port P [--pooling HOST:PORT] [--decoder HOST:PORT]... [--vision HOST:PORT]"""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,8 @@ from services.common.config import load, log_config
 from .app import create_app
 from .config import ENV_PREFIX, GatewayConfig
 
-DESCRIPTION = ("tessera's OpenAI-compatible HTTP gateway: /v1/embeddings, /v1/rerank (/rerank, /v2/rerank), "
+DESCRIPTION = ("tessera's OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/embeddings, "
+               "/v1/rerank (/rerank, /v2/rerank), "
                "/v1/models, /health, /ready, /metrics, /openapi.json, in front of the gRPC services.")
 
 

@@ -10,9 +10,9 @@ from . import errors
 from .backends import Catalog, build_backends
 from .config import GatewayConfig
 from .edge import Edge
-from .routes import embeddings, health, models, rerank
+from .routes import chat, completions, embeddings, health, models, rerank
 
-ROUTERS = (embeddings.router, rerank.router, models.router, health.router)
+ROUTERS = (chat.router, completions.router, embeddings.router, rerank.router, models.router, health.router)
 
 
 def create_app(cfg: GatewayConfig) -> FastAPI:

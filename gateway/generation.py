@@ -6,17 +6,20 @@ before any byte of the answer is sent; after that the calls' messages arrive mer
 (prompt index, GenerateResponse). Choice `j` of prompt `i` is choice `i * n + j` of the answer, as
 OpenAI numbers them. Closing a Generation cancels every call still running, which makes the decoder
 abort those requests and free their KV blocks.
+
+Each call gets its own decoder request id, `<HTTP request id>-<random>`: the HTTP id may come from the
+caller (x-request-id), and two live calls under one id would collide in the engine.
 """
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal
 
 from pydantic import Field, model_validator
 
-from services.common.errors import Internal, InvalidArgument, TesseraError
+from services.common.errors import Internal, TesseraError
 from services.common.pb import decoder_pb2
 
 from .backends import Backend
@@ -105,9 +108,11 @@ class Generation:
     """The Generate calls of one HTTP request, merged. Use: `await start()`, iterate, always `aclose()`."""
 
     def __init__(self, backend: Backend, requests: list[decoder_pb2.GenerateRequest], request_id: str,
-                 n: int, fields: dict[str, str]):
+                 n: int, fields: dict[str, str] | None = None):
         self.n = n
         self.usage = Usage()
+        for request in requests:
+            request.request_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
         self._streams = [backend.stream(backend.decoder.Generate, r, request_id, fields) for r in requests]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []

@@ -18,8 +18,15 @@ from .. import sse
 from ..backends import GENERATION
 from ..errors import request_id
 from ..generation import Generation, SamplingFields, finish_reason
-from .common import ERROR_RESPONSES, INT32_MAX, TEXT_OR_TOKENS, TEXT_OR_TOKENS_SCHEMA, as_batch, catalog, \
-    check_text_or_tokens
+from .common import (
+    ERROR_RESPONSES,
+    INT32_MAX,
+    TEXT_OR_TOKENS,
+    TEXT_OR_TOKENS_SCHEMA,
+    as_batch,
+    catalog,
+    check_text_or_tokens,
+)
 
 router = APIRouter()
 
@@ -78,10 +85,10 @@ async def create_completion(body: CompletionRequest, request: Request):
     rid = request_id(request)
     sampling = body.sampling(body.max_tokens, body.logprobs)
     requests = [decoder_pb2.GenerateRequest(
-        request_id=rid if len(prompts) == 1 else f"{rid}-{i}", model=model.name, sampling=sampling,
+        model=model.name, sampling=sampling,
         **({"text": p} if isinstance(p, str) else {"token_ids": decoder_pb2.TokenIds(ids=p)}))
-        for i, p in enumerate(prompts)]
-    generation = Generation(model.backend, requests, rid, body.n, fields={})
+        for p in prompts]
+    generation = Generation(model.backend, requests, rid, body.n)
     await generation.start()
     head = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": model.name}
     want_logprobs = body.logprobs is not None

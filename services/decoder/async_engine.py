@@ -61,7 +61,7 @@ class AsyncEngine:
     # -- requests ---------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, *,
-                       extra_keys: tuple = (), features: dict[str, Any] | None = None
+                       extra_keys: tuple = (), span_keys: tuple = (), features: dict[str, Any] | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs (all choices interleaved) until every choice finished.
 
@@ -73,7 +73,7 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         accepted = self._loop.create_future()
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_ids, sampling, extra_keys, features, accepted))
+        self._commands.put(("add", request_id, prompt_ids, sampling, extra_keys, span_keys, features, accepted))
         try:
             await accepted
             remaining = sampling.n
@@ -134,9 +134,10 @@ class AsyncEngine:
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, sampling, extra_keys, features, accepted = cmd
+            _, rid, prompt, sampling, extra_keys, span_keys, features, accepted = cmd
             try:
-                self.core.add_request(rid, prompt, sampling, extra_keys=extra_keys, features=features)
+                self.core.add_request(rid, prompt, sampling, extra_keys=extra_keys, span_keys=span_keys,
+                                      features=features)
             except TesseraError as exc:
                 self._loop.call_soon_threadsafe(_settle, accepted, exc)
             else:

@@ -34,11 +34,12 @@ class DecoderConfig:
     max_n: int = option(16, "largest `n` (choices per request)")
     max_logprobs: int = option(20, "largest number of top logprobs per token")
     seed: int = option(0, "base seed for unseeded sampling")
+    max_images: int = option(8, "most images per request (vision-language models)")
 
     def __post_init__(self):
         if not self.model:
             raise ValueError("--model DIR is required")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_n"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_n", "max_images"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("num_blocks", "max_model_len", "threads", "max_logprobs"):

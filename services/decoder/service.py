@@ -36,6 +36,7 @@ from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.output import EngineStats, RequestOutput
 from services.decoder.model.config import ModelConfig
+from services.decoder.multimodal.request import place_images, request_images
 from services.decoder.runner.runner import Runner
 from services.decoder.sampling import sampling_params
 from services.decoder.tokenizer import Tokenizer
@@ -125,8 +126,6 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
     def _prompt(self, st: Loaded, request) -> list[int]:
         kind = request.WhichOneof("prompt")
-        if request.images:
-            raise Unsupported(f"model {st.name!r} is text-only and refuses image inputs", param="messages")
         if kind == "text":
             if not request.text:
                 raise InvalidArgument("the prompt is empty", param="prompt")
@@ -154,7 +153,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                                 param="model")
         if request.adapter:
             raise AdapterNotFound(f"adapter {request.adapter!r} is not loaded", param="model")
-        prompt = self._prompt(st, request)
+        # Images are checked before rendering and expanded after it, before any length check (invariant 1).
+        images = request_images(request, st.runner.config, max_images=self.cfg.max_images, model=st.name)
+        placed = place_images(self._prompt(st, request), images, st.runner.config)
+        prompt = placed.token_ids
         if not prompt:
             raise InvalidArgument("the prompt is empty", param="prompt")
         limit = st.engine_config.max_model_len
@@ -171,7 +173,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         cached = 0
         start = last = time.monotonic()
         first = True
-        async for out in st.engine.generate(rid, prompt, params):
+        async for out in st.engine.generate(rid, prompt, params, features=placed.features,
+                                            span_keys=placed.span_keys):
             if out.finish_reason == "error":
                 raise Internal(f"generation failed (request_id={rid}): {out.error}")
             choice = choices[out.index]
@@ -200,7 +203,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         return decoder_pb2.GetModelInfoResponse(
             name=st.name, max_model_len=st.engine_config.max_model_len, vocab_size=st.runner.vocab_size,
             eos_token_ids=list(st.engine_config.eos_token_ids), has_chat_template=st.template is not None,
-            supports_images=False, block_size=st.engine_config.block_size, dtype=self.cfg.dtype,
+            supports_images=st.runner.config.vision is not None, block_size=st.engine_config.block_size,
+            dtype=self.cfg.dtype,
             stats=decoder_pb2.EngineStats(
                 free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, running=s.num_running,
                 waiting=s.num_waiting, preemptions=s.num_preemptions, prefix_queries=s.prefix_queries,

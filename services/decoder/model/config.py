@@ -14,6 +14,24 @@ from pathlib import Path
 from services.common.errors import InvalidArgument, Unsupported
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+# Vision-language checkpoints whose text model is one of FAMILIES: model_type -> text family.
+# The decoder loads only the text model; the vision service loads the tower from the same folder.
+VISION_LANGUAGE = {"qwen2_vl": "qwen2"}
+
+
+@dataclass(frozen=True)
+class VisionTokens:
+    """A vision-language checkpoint's image-token ids (config.json) and vision merge size.
+
+    image_token_id is the placeholder the chat template writes once per image and the prompt
+    builder expands to t*h*w rows (the post-merge grid); vision_start/end frame it.
+    """
+
+    image_token_id: int
+    video_token_id: int | None
+    vision_start_token_id: int | None
+    vision_end_token_id: int | None
+    spatial_merge_size: int
 
 
 @dataclass(frozen=True)
@@ -37,6 +55,7 @@ class ModelConfig:
     mrope_sections: tuple[int, int, int] | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    vision: VisionTokens | None = None    # set for vision-language checkpoints (images accepted)
 
     @staticmethod
     def from_folder(folder: str | Path) -> ModelConfig:
@@ -51,6 +70,9 @@ class ModelConfig:
 
     @staticmethod
     def from_dict(raw: dict, generation: dict | None = None) -> ModelConfig:
+        vision = None
+        if raw.get("model_type") in VISION_LANGUAGE:
+            raw, vision = _text_of_vision_language(raw)
         family = raw.get("model_type")
         if family not in FAMILIES:
             raise Unsupported(f"model_type {family!r} is not supported (supported: {', '.join(FAMILIES)})")
@@ -92,7 +114,41 @@ class ModelConfig:
             mrope_sections=sections,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            vision=vision,
         )
+
+
+def _text_of_vision_language(raw: dict) -> tuple[dict, VisionTokens]:
+    """A Qwen2-VL config.json -> (a flat text-model config in FAMILIES' terms, its image tokens).
+
+    transformers 5 writes the text model under "text_config" (model_type "qwen2_vl_text") and keeps the
+    image-token ids and tie_word_embeddings at the top; transformers 4 wrote one flat dict (with
+    rope_scaling {"type": "mrope", ...}). Both become the same flat dict: top-level keys first, then
+    text_config's over them, except tie_word_embeddings, which transformers reads from the top.
+    """
+    kind = raw["model_type"]
+    text = raw.get("text_config")
+    flat = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+    if isinstance(text, dict):
+        flat.update(text)
+        if "tie_word_embeddings" in raw:
+            flat["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    flat["model_type"] = VISION_LANGUAGE[kind]
+    if _rope(flat)[1] is None:
+        # Without sections an image's [3, T] positions could not be applied; refuse at load, not per request.
+        raise InvalidArgument(f"{kind} config has no rope mrope_section")
+    image = raw.get("image_token_id", flat.get("image_token_id"))
+    if not isinstance(image, int) or isinstance(image, bool):
+        raise InvalidArgument(f"{kind} config has no integer image_token_id")
+    merge = int((raw.get("vision_config") or {}).get("spatial_merge_size", 2))
+
+    def _id(name: str) -> int | None:
+        value = raw.get(name, flat.get(name))
+        return None if value is None else int(value)
+
+    return flat, VisionTokens(image_token_id=image, video_token_id=_id("video_token_id"),
+                              vision_start_token_id=_id("vision_start_token_id"),
+                              vision_end_token_id=_id("vision_end_token_id"), spatial_merge_size=merge)
 
 
 def _refuse_sliding_window(raw: dict) -> None:

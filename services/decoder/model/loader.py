@@ -57,12 +57,15 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "fp32",
     loaded: set[str] = set()
     for path in checkpoint_files(folder):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = _text_model_name(stored) if cfg.vision is not None else stored
+                if name is None:
+                    continue  # the vision tower's tensors: the vision service loads those
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue  # transformers ties it to the embedding and ignores the stored copy
                 if name not in expected:
                     raise InvalidArgument(f"unexpected tensor {name!r} in {path.name} for a {cfg.family} model")
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(stored)
                 if tensor.shape != expected[name]:
                     raise InvalidArgument(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
                                           f"expected {tuple(expected[name])}")
@@ -75,6 +78,21 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "fp32",
         model.lm_head.weight = model.model.embed_tokens.weight
     model.setup_rotary(device)
     return model.eval()
+
+
+# Qwen2-VL checkpoints: transformers 5 keeps the text model under model.language_model. in memory but
+# save_pretrained writes the legacy names (model.layers.*, visual.*); both spellings are accepted.
+_VISION_PREFIXES = ("visual.", "model.visual.")
+_TEXT_PREFIX = "model.language_model."
+
+
+def _text_model_name(stored: str) -> str | None:
+    """A vision-language checkpoint key -> our CausalLM name, or None for a vision-tower tensor."""
+    if stored.startswith(_VISION_PREFIXES):
+        return None
+    if stored.startswith(_TEXT_PREFIX):
+        return "model." + stored[len(_TEXT_PREFIX):]
+    return stored
 
 
 def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

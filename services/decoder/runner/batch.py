@@ -9,7 +9,7 @@ prefix hit, or a recompute after preemption.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,9 @@ class StepBatch:
     sample_rows: torch.Tensor                     # [M] rows whose logits are sampled
     sampled: list[ScheduledChunk]                 # the M chunks, in the same order
     image_rows: list[tuple[int, torch.Tensor]]    # (row in the step, embedding [hidden])
+    # (first row, rows, slot) per chunk whose request leased an adapter slot; empty
+    # for a base-only step, which then does no LoRA work at all.
+    lora_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     @staticmethod
     def build(step: StepInput, block_size: int, device: torch.device,
@@ -33,7 +36,7 @@ class StepBatch:
         chunks = step.chunks
         if not chunks or any(not c.token_ids for c in chunks):
             raise InvalidArgument("a step needs at least one chunk and every chunk at least one token")
-        ids, physical, sample_rows, sampled, images = [], [], [], [], []
+        ids, physical, sample_rows, sampled, images, lora = [], [], [], [], [], []
         offset = 0
         for c in chunks:
             n = len(c.token_ids)
@@ -42,8 +45,9 @@ class StepBatch:
             if c.sample:
                 sample_rows.append(offset + n - 1)
                 sampled.append(c)
-            if c.features.get("lora_slot", -1) != -1:
-                raise Unsupported("LoRA adapters are not available in this runner yet")
+            slot = c.features.get("lora_slot", -1)
+            if slot != -1:
+                lora.append((offset, n, slot))   # every row of the chunk uses its request's slot
             for pos, row in c.features.get("image_rows", {}).items():
                 if c.start <= pos < c.start + n:
                     images.append((offset + pos - c.start, row))
@@ -54,7 +58,8 @@ class StepBatch:
         plan = AttentionPlan.build([(c.start, len(c.token_ids), c.block_table) for c in chunks],
                                    block_size, device)
         return StepBatch(torch.tensor(ids, dtype=torch.long, device=device), positions, plan,
-                         torch.tensor(sample_rows, dtype=torch.long, device=device), sampled, images)
+                         torch.tensor(sample_rows, dtype=torch.long, device=device), sampled, images,
+                         lora_spans=lora)
 
 
 def _mrope_positions(chunks: list[ScheduledChunk], physical: torch.Tensor,

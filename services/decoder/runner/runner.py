@@ -5,11 +5,13 @@ rows alike), the LM head only over the rows that are sampled, then the sampler.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Unsupported
 from services.decoder.engine.step import StepInput, StepOutput
 from services.decoder.model.decoder import CausalLM
 from services.decoder.model.linear import pack_linears
@@ -18,6 +20,9 @@ from services.decoder.runner.attention import PagedAttention, Workspace
 from services.decoder.runner.batch import StepBatch
 from services.decoder.runner.kv_cache import KVCache
 from services.decoder.runner.sampler import Sampler
+
+if TYPE_CHECKING:
+    from services.decoder.lora.bank import AdapterBank
 
 
 class Runner:
@@ -34,6 +39,16 @@ class Runner:
                              self.dtype, self.device)
         self.workspace = Workspace()
         self.sampler = Sampler(seed)
+        # The adapter bank installed on self.model, if any (attach_lora); chunks whose
+        # features carry a "lora_slot" need it.
+        self.lora: AdapterBank | None = None
+
+    def attach_lora(self, bank: AdapterBank) -> None:
+        """Use `bank` (already installed on self.model) for chunks with a lora_slot."""
+        name, layer = next(iter(bank.layers.items()))
+        if self.model.get_submodule(name) is not layer:
+            raise ValueError("the adapter bank is not installed on this runner's model")
+        self.lora = bank
 
     @classmethod
     def from_folder(cls, folder: str | Path, dtype: str | torch.dtype = "fp32", block_size: int = 16,
@@ -63,7 +78,13 @@ class Runner:
         if batch.image_rows:
             rows, values = zip(*batch.image_rows, strict=True)
             embeds[list(rows)] = torch.stack(values).to(embeds)
-        hidden = self.model(embeds, batch.positions, PagedAttention(self.cache, batch.plan, self.workspace))
+        if batch.lora_spans and self.lora is None:
+            raise Unsupported("LoRA adapters need an adapter bank; this runner has none (--max-loras 0)")
+        # The per-step adapter grouping is built once here and shared by every layer.
+        scope = self.lora.activate(batch.lora_spans, len(batch.input_ids)) if self.lora is not None \
+            else nullcontext()
+        with scope:
+            hidden = self.model(embeds, batch.positions, PagedAttention(self.cache, batch.plan, self.workspace))
         return self.model.logits(hidden.index_select(0, batch.sample_rows)), batch
 
     @torch.inference_mode()

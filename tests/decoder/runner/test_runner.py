@@ -114,7 +114,7 @@ def test_bad_steps_are_refused(folders):
     with pytest.raises(InvalidArgument):
         runner.execute(StepInput([Seq("a", [5, 999]).chunk(2, alloc, BLOCK)]))
     lora = Seq("l", [5, 6], features={"lora_slot": 0})
-    with pytest.raises(Unsupported, match="LoRA"):
+    with pytest.raises(Unsupported, match="LoRA adapters need an adapter bank"):
         runner.execute(StepInput([lora.chunk(2, alloc, BLOCK)]))
     image = Seq("i", [5, 6], features={"mrope_positions": torch.zeros(3, 2, dtype=torch.long), "mrope_delta": 0})
     with pytest.raises(Unsupported, match="M-RoPE"):

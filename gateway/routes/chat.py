@@ -1,0 +1,144 @@
+"""POST /v1/chat/completions in OpenAI's shape, served by the decoder's Generate with the model's chat template.
+
+Messages travel as role + content parts; the decoder renders its own template (with the generation
+prompt) and validates roles and content again. Image parts are refused here until the vision path
+exists: a remote URL always (nothing is ever fetched), a data URI for a text-only model or without one.
+"""
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import Field, model_validator
+
+from services.common.errors import InvalidArgument, Unsupported
+from services.common.pb import decoder_pb2
+
+from .. import sse
+from ..backends import GENERATION, Model
+from ..errors import request_id
+from ..generation import Generation, SamplingFields, finish_reason
+from .common import ERROR_RESPONSES, INT32_MAX, StrictBody, catalog
+
+router = APIRouter()
+
+
+class TextPart(StrictBody):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(StrictBody):
+    url: str = Field(description="a data: URI (base64 image); http(s) URLs are refused, nothing is fetched")
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(StrictBody):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class Message(StrictBody):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+
+
+class ChatRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="deprecated by OpenAI for"
+                                                                         " max_completion_tokens; same meaning")
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX,
+                                              description="tokens to generate per choice; omitted: up to the"
+                                                          " context length")
+    logprobs: bool = Field(False, description="return each content token's logprob")
+    top_logprobs: int | None = Field(None, ge=0, le=INT32_MAX,
+                                     description="alternatives per token (needs logprobs: true)")
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if None not in (self.max_tokens, self.max_completion_tokens) and \
+                self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+        return self
+
+
+def _refuse_images(messages: list[Message], model: Model) -> None:
+    for i, message in enumerate(messages):
+        for part in message.content if isinstance(message.content, list) else ():
+            if not isinstance(part, ImagePart):
+                continue
+            where = f"messages[{i}]"
+            scheme = part.image_url.url.partition(":")[0].lower()
+            if scheme in ("http", "https"):
+                raise Unsupported(f"{where}: remote image URLs are refused (nothing is fetched);"
+                                  " send the image inline as a data: URI", param="messages")
+            if scheme != "data":
+                raise InvalidArgument(f"{where}: image_url.url must be a data: URI", param="messages")
+            if not model.extra.get("supports_images"):
+                raise Unsupported(f"{where}: model {model.name!r} is text-only and refuses image inputs",
+                                  param="messages")
+            raise Unsupported(f"{where}: this gateway does not pass images to the decoder yet", param="messages")
+
+
+def _to_proto(message: Message) -> decoder_pb2.ChatMessage:
+    parts = [message.content] if isinstance(message.content, str) else [p.text for p in message.content]
+    return decoder_pb2.ChatMessage(role=message.role, content=[decoder_pb2.ContentPart(text=t) for t in parts])
+
+
+def _logprobs(entries) -> dict:
+    """OpenAI's chat logprobs for decoder TokenLogprobs."""
+    def one(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t.token, t.logprob) for t in e.top]}
+                        for e in entries], "refusal": None}
+
+
+@router.post("/v1/chat/completions", tags=["generation"], responses=ERROR_RESPONSES)
+async def create_chat_completion(body: ChatRequest, request: Request):
+    """Answer a conversation with the model's chat template; whole, or streamed as chat.completion.chunk events."""
+    model = await catalog(request).resolve(body.model, GENERATION)
+    _refuse_images(body.messages, model)
+    rid = request_id(request)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    chat = decoder_pb2.ChatMessages(messages=[_to_proto(m) for m in body.messages], add_generation_prompt=True)
+    generate = decoder_pb2.GenerateRequest(model=model.name, chat=chat, sampling=body.sampling(max_tokens, logprobs))
+    # The decoder names its own fields; the caller should read the ones it sent.
+    fields = {"prompt": "messages", "logprobs": "top_logprobs",
+              "max_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens"}
+    generation = Generation(model.backend, [generate], rid, body.n, fields)
+    await generation.start()
+    head = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()), "model": model.name}
+    if body.stream:
+        return sse.stream(generation, _chunks(generation, head, body.logprobs, body.include_usage), rid)
+    choices = await sse.collect(request, generation)
+    if not isinstance(choices, list):
+        return choices
+    return {**head, "choices": [{
+        "index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+        "logprobs": _logprobs(c.logprobs) if body.logprobs else None, "finish_reason": c.finish_reason,
+    } for i, c in enumerate(choices)], "usage": generation.usage.to_json()}
+
+
+async def _chunks(generation: Generation, head: dict, want_logprobs: bool, include_usage: bool):
+    """chat.completion.chunk events: the role for every choice, content deltas, a finish chunk per choice,
+    then (include_usage) a last chunk with usage and no choices."""
+    head = {**head, "object": "chat.completion.chunk", **({"usage": None} if include_usage else {})}
+
+    def chunk(index: int, delta: dict, logprobs=None, reason: str | None = None) -> dict:
+        return {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": reason}]}
+
+    for index in range(generation.num_choices):
+        yield chunk(index, {"role": "assistant", "content": ""})
+    async for index, delta in generation:
+        if delta.text or (want_logprobs and delta.logprobs):
+            yield chunk(index, {"content": delta.text}, _logprobs(delta.logprobs) if want_logprobs else None)
+        reason = finish_reason(delta)
+        if reason:
+            yield chunk(index, {}, reason=reason)
+    if include_usage:
+        yield {**head, "choices": [], "usage": generation.usage.to_json()}

@@ -1,0 +1,121 @@
+"""The adapter bank: resident device slots for LoRA weights, installed on a CausalLM.
+
+Slots are storage only. Which adapter a slot holds, who leases it and when it may be
+refilled is the registry's business (lora/registry.py); the bank writes and clears
+slots and, for the duration of one forward, publishes the step's row grouping.
+
+Every write goes through `write(slot, weights)` with LoraWeights that
+`prepare_weights` already validated against `shapes`, so a write cannot fail halfway
+for a reason the caller could have caught.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from services.decoder.kernels.lora import backend_name
+from services.decoder.kernels.lora_meta import LoraBatchMeta, build_lora_meta
+from services.decoder.lora.layer import LoraLinear
+from services.decoder.lora.weights import TARGETS, LoraWeights, leaf
+from services.decoder.model.linear import Linear
+
+# (first row in the step, number of rows, slot): one per chunk that uses an adapter.
+RowSpan = tuple[int, int, int]
+
+
+class AdapterBank:
+    """num_slots device slots of rank max_rank on the `targets` projections of `model`.
+
+    layers: module name -> LoraLinear (every wrapped projection of every layer).
+    meta: the current step's LoraBatchMeta while `activate` is open with adapter rows,
+    else None (the wrapped layers then do base work only).
+    """
+
+    def __init__(self, model: nn.Module, targets: Sequence[str] = TARGETS, num_slots: int = 4,
+                 max_rank: int = 16):
+        unknown = sorted(set(targets) - set(TARGETS))
+        if unknown or not targets:
+            raise ValueError(f"LoRA targets must be a non-empty subset of {', '.join(TARGETS)}; got {list(targets)}")
+        if num_slots < 1 or max_rank < 1:
+            raise ValueError("the adapter bank needs at least one slot and a rank of at least 1")
+        if any(isinstance(m, LoraLinear) for m in model.modules()):
+            raise ValueError("an adapter bank is already installed on this model")
+        self.num_slots, self.max_rank, self.targets = num_slots, max_rank, tuple(t for t in TARGETS if t in targets)
+        self.layers: dict[str, LoraLinear] = {}
+        for name, module in list(model.named_modules()):
+            if leaf(name) in self.targets and isinstance(module, Linear):
+                self.layers[name] = LoraLinear.install(module, self, num_slots, max_rank)
+        if not self.layers:
+            raise ValueError(f"the model has no projections named {', '.join(self.targets)}")
+        first = next(iter(self.layers.values()))
+        self.device, self.dtype = first.weight.device, first.weight.dtype
+        self.backend = backend_name(self.device)
+        self.meta: LoraBatchMeta | None = None
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """module name -> (in_features, out_features), what prepare_weights checks against."""
+        return {name: (m.in_features, m.out_features) for name, m in self.layers.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.lora_A.numel() * m.lora_A.element_size() + m.lora_B.numel() * m.lora_B.element_size()
+                   for m in self.layers.values())
+
+    # -- slots ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def write(self, slot: int, weights: LoraWeights) -> None:
+        """Fill `slot` with `weights` (validated by prepare_weights against self.shapes);
+        modules the adapter does not cover, and ranks above its own, are zeroed."""
+        self._check_slot(slot)
+        if weights.rank > self.max_rank or set(weights.modules) - set(self.layers):
+            raise ValueError("weights were not prepared for this bank")  # a caller bug, not user input
+        r = weights.rank
+        for name, layer in self.layers.items():
+            layer.lora_A[slot].zero_()
+            layer.lora_B[slot].zero_()
+            pair = weights.modules.get(name)
+            if pair is not None:
+                layer.lora_A[slot, :r].copy_(pair[0])
+                layer.lora_B[slot, :, :r].copy_(pair[1])
+
+    @torch.no_grad()
+    def clear(self, slot: int) -> None:
+        """Zero a slot (an emptied slot then adds exactly nothing if ever selected)."""
+        self._check_slot(slot)
+        for layer in self.layers.values():
+            layer.lora_A[slot].zero_()
+            layer.lora_B[slot].zero_()
+
+    def _check_slot(self, slot: int) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot!r} out of range for {self.num_slots} slots")
+
+    # -- one forward ----------------------------------------------------------------
+
+    @contextmanager
+    def activate(self, spans: Sequence[RowSpan], num_rows: int) -> Iterator[LoraBatchMeta | None]:
+        """Publish the step's grouping to every wrapped layer for one forward.
+
+        spans: (first row, rows, slot) per chunk that uses an adapter; every other row
+        is base only. With no spans nothing is built and the layers skip LoRA entirely.
+        The meta is built once here and reused by all layers and projections.
+        """
+        if self.meta is not None:
+            raise RuntimeError("adapter bank activated twice (nested forwards)")
+        if not spans:
+            yield None
+            return
+        slots = torch.full((num_rows,), -1, dtype=torch.int64)
+        for start, n, slot in spans:
+            self._check_slot(slot)
+            slots[start:start + n] = slot
+        self.meta = build_lora_meta(slots, device=self.device, num_slots=self.num_slots)
+        try:
+            yield self.meta
+        finally:
+            self.meta = None

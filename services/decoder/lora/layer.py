@@ -1,0 +1,59 @@
+"""A projection that adds each row's own LoRA correction to the shared base output.
+
+The base projection runs once over all rows (the packed oneDNN linear on CPU); then
+`lora_apply` adds B_s (A_s x) for every row whose slot s >= 0 (DESIGN invariant 6).
+The per-step grouping (`LoraBatchMeta`) lives on the bank and is shared by every layer;
+when no row of the step uses an adapter the bank holds no meta and this layer costs one
+attribute read over the plain Linear.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.decoder.kernels.lora import lora_apply
+from services.decoder.model.linear import Linear
+
+if TYPE_CHECKING:
+    from services.decoder.lora.bank import AdapterBank
+
+
+class LoraLinear(Linear):
+    """A Linear with resident slot buffers.
+
+    lora_A [S, R, in_features], lora_B [S, out_features, R]: slot s holds one adapter,
+    rank padded to R with zeros, scale folded into B. Plain attributes, not buffers,
+    so the module's state_dict keys stay the checkpoint's.
+    """
+
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+    lora_bank: AdapterBank
+
+    @classmethod
+    def install(cls, linear: Linear, bank: AdapterBank, num_slots: int, max_rank: int) -> LoraLinear:
+        """Turn `linear` into a LoraLinear in place and give it zeroed slot buffers.
+
+        Swapping the class (rather than wrapping in a new module) keeps the module's
+        name and parameters, its packed oneDNN weight, and avoids one more nn.Module
+        call per projection per layer on the base-only path.
+        """
+        if type(linear) is not Linear:
+            raise ValueError(f"cannot install LoRA on {type(linear).__name__}; expected a plain Linear")
+        weight = linear.weight
+        linear.__class__ = cls
+        linear.lora_A = torch.zeros((num_slots, max_rank, linear.in_features), dtype=weight.dtype,
+                                    device=weight.device)
+        linear.lora_B = torch.zeros((num_slots, linear.out_features, max_rank), dtype=weight.dtype,
+                                    device=weight.device)
+        linear.lora_bank = bank
+        return linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in_features] -> [N, out_features]: W x (+ bias) + per-row B_s A_s x."""
+        y = super().forward(x)
+        meta = self.lora_bank.meta
+        if meta is None:
+            return y
+        return lora_apply(y, x, self.lora_A, self.lora_B, meta, backend=self.lora_bank.backend)

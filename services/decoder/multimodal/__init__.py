@@ -1,0 +1,1 @@
+"""Multimodal prefill: validated image inputs, placeholder expansion with M-RoPE positions, cache salts."""

@@ -1,0 +1,40 @@
+"""The real SmolLM2-135M-Instruct behind the decoder service and the gateway answers sensibly through the
+official `openai` client (the `make up` path, with the model `make models` prepares)."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from gateway.config import GatewayConfig
+from tests.conftest import free_port
+from tests.decoder.service.conftest import need_smollm2
+from tests.gateway.fleet import GatewayThread, python_module, stop, wait_serving
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    port = free_port()
+    decoder = python_module("services.decoder", [
+        "--model", str(need_smollm2()), "--host", "127.0.0.1", "--port", str(port), "--num-blocks", "64",
+        "--threads", "1"], tmp_path_factory.mktemp("logs") / "decoder.log")
+    try:
+        wait_serving(f"127.0.0.1:{port}", "tessera.decoder.v1.DecoderService", decoder)
+        cfg = GatewayConfig(host="127.0.0.1", port=free_port(), decoder=(f"127.0.0.1:{port}",))
+        with GatewayThread(cfg) as gw:
+            yield openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    finally:
+        stop(decoder)
+
+
+def test_capital_of_france_is_paris(client):
+    whole = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
+    answer = whole.choices[0].message.content
+    assert "Paris" in answer, answer
+    streamed = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0,
+                                              stream=True, stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again hits the prefix cache
