@@ -94,6 +94,19 @@ class AsyncEngine:
         """End one choice early (a stop string was seen in its text)."""
         self._commands.put(("finish", request_id, index, reason))
 
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn() on the engine thread between two steps and return its result.
+
+        For state the engine thread also touches (the adapter registry and its device
+        slots): run there, a mutation can never interleave with a step. fn's exception
+        is re-raised here; the engine keeps running.
+        """
+        if not self.alive:
+            raise Unavailable(f"engine is not running: {self.failed or 'stopped'}")
+        done = self._loop.create_future()
+        self._commands.put(("call", fn, done))
+        return await done
+
     # -- the engine thread ------------------------------------------------------
 
     def _run(self) -> None:
@@ -146,6 +159,16 @@ class AsyncEngine:
             self.core.abort(cmd[1])
         elif kind == "finish":
             self.core.finish(cmd[1], cmd[2], cmd[3])
+        elif kind == "call":
+            _, fn, done = cmd
+            try:
+                result = fn()
+            except Exception as exc:  # noqa: BLE001 - the caller gets it; the engine must stay up
+                if not isinstance(exc, TesseraError):
+                    log.exception("engine-thread call failed")
+                self._loop.call_soon_threadsafe(_settle, done, exc)
+            else:
+                self._loop.call_soon_threadsafe(_settle_value, done, result)
 
     # -- on the event loop --------------------------------------------------------
 
@@ -161,6 +184,11 @@ class AsyncEngine:
     def _fail_all(self) -> None:
         for stream in self._streams.values():
             stream.put_nowait(_FAILED)
+
+
+def _settle_value(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def _settle(future: asyncio.Future, exc: BaseException | None) -> None:

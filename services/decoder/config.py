@@ -6,6 +6,10 @@ from dataclasses import dataclass
 from services.common.config import option
 from services.common.server import ServerConfig
 
+# The projections an adapter may target (services.decoder.lora.weights.TARGETS; not
+# imported here so reading the config never imports torch).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 
 @dataclass(frozen=True)
 class DecoderServerConfig(ServerConfig):
@@ -35,6 +39,15 @@ class DecoderConfig:
     max_logprobs: int = option(20, "largest number of top logprobs per token")
     seed: int = option(0, "base seed for unseeded sampling")
     max_images: int = option(8, "most images per request (vision-language models)")
+    # LoRA adapters (services/decoder/lora). --max-loras 0 installs no bank at all.
+    max_loras: int = option(4, "adapter slots resident on the device (adapters in one batch); 0 disables LoRA")
+    max_lora_rank: int = option(16, "largest adapter rank; every slot is padded to it")
+    max_cpu_loras: int = option(16, "adapters registered on the host (>= --max-loras); the rest wait for a slot")
+    lora_targets: tuple[str, ...] = option(LORA_TARGETS, "projections that can carry adapters (repeatable)",
+                                           metavar="PROJ")
+    lora_root: str = option("", "folder that LoadAdapter paths are confined to; empty refuses runtime loads",
+                            metavar="DIR")
+    lora: tuple[str, ...] = option((), "preload an adapter at start: NAME=DIR (repeatable)", metavar="NAME=DIR")
 
     def __post_init__(self):
         if not self.model:
@@ -47,3 +60,26 @@ class DecoderConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.kv_cache_gb <= 0:
             raise ValueError("kv_cache_gb must be positive")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError("max_loras must be >= 0 and max_lora_rank at least 1")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        bad = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+        if bad or not self.lora_targets:
+            raise ValueError(f"lora_targets {bad or '(empty)'}: choose from {', '.join(LORA_TARGETS)}")
+        names = [item.partition("=")[0] for item in self.lora]
+        if any("=" not in item or not n or not item.partition("=")[2] for item, n in zip(self.lora, names,
+                                                                                     strict=True)):
+            raise ValueError(f"lora: expected NAME=DIR, got {list(self.lora)}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora: a name is given twice in {names}")
+        if self.lora and not self.max_loras:
+            raise ValueError("lora: preloading adapters needs --max-loras >= 1")
+
+    @property
+    def preload_adapters(self) -> list[tuple[str, str]]:
+        """(name, folder) of every --lora NAME=DIR."""
+        return [tuple(item.split("=", 1)) for item in self.lora]

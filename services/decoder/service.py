@@ -28,6 +28,7 @@ from services.common.errors import (
 from services.common.metrics import LATENCY_BUCKETS
 from services.common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
 from services.common.server import Server
+from services.decoder.adapters import Adapters, adapter_info
 from services.decoder.async_engine import AsyncEngine
 from services.decoder.chat_template import ChatTemplate
 from services.decoder.choice import Choice
@@ -35,6 +36,7 @@ from services.decoder.config import DecoderConfig, DecoderServerConfig
 from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.output import EngineStats, RequestOutput
+from services.decoder.lora.registry import check_name
 from services.decoder.model.config import ModelConfig
 from services.decoder.multimodal.request import place_images, request_images
 from services.decoder.runner.runner import Runner
@@ -85,6 +87,7 @@ class Loaded:
     template: ChatTemplate | None
     engine_config: EngineConfig
     runner: Runner
+    adapters: Adapters | None = None     # None with --max-loras 0
 
 
 def load(cfg: DecoderConfig) -> Loaded:
@@ -104,12 +107,18 @@ def load(cfg: DecoderConfig) -> Loaded:
         block_size=cfg.block_size, num_blocks=num_blocks, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or runner.max_position_embeddings,
         enable_prefix_caching=cfg.enable_prefix_caching, eos_token_ids=eos)
-    core = EngineCore(runner, engine_cfg)
+    adapters = Adapters(cfg, runner) if cfg.max_loras else None
+    core = EngineCore(runner, engine_cfg, leases=adapters.leases if adapters else None)
     name = cfg.served_model_name or folder.resolve().name
     log.info("loaded %s (%s, %s): %d KV blocks of %d tokens, max_model_len %d, chat template: %s",
              name, model_cfg.family, cfg.dtype, num_blocks, cfg.block_size, engine_cfg.max_model_len,
              template is not None)
-    return Loaded(name, AsyncEngine(core, on_step=_export), tokenizer, template, engine_cfg, runner)
+    on_step = _export
+    if adapters is not None:
+        def on_step(stats: EngineStats, outputs: list[RequestOutput]) -> None:
+            _export(stats, outputs)
+            adapters.export(core)
+    return Loaded(name, AsyncEngine(core, on_step=on_step), tokenizer, template, engine_cfg, runner, adapters)
 
 
 class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
@@ -151,8 +160,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         if request.model and request.model != st.name:
             raise ModelNotFound(f"model {request.model!r} is not served here (serving {st.name!r})",
                                 param="model")
-        if request.adapter:
-            raise AdapterNotFound(f"adapter {request.adapter!r} is not loaded", param="model")
+        # The adapter's content digest salts the request's block hashes; the slot is leased at admission.
+        lora_features, lora_keys = self._adapter_request(st, request.adapter) if request.adapter else ({}, ())
         # Images are checked before rendering and expanded after it, before any length check (invariant 1).
         images = request_images(request, st.runner.config, max_images=self.cfg.max_images, model=st.name)
         placed = place_images(self._prompt(st, request), images, st.runner.config)
@@ -173,8 +182,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         cached = 0
         start = last = time.monotonic()
         first = True
-        async for out in st.engine.generate(rid, prompt, params, features=placed.features,
-                                            span_keys=placed.span_keys):
+        features = {**(placed.features or {}), **lora_features} if lora_features else placed.features
+        async for out in st.engine.generate(rid, prompt, params, features=features, span_keys=placed.span_keys,
+                                            extra_keys=lora_keys):
             if out.finish_reason == "error":
                 raise Internal(f"generation failed (request_id={rid}): {out.error}")
             choice = choices[out.index]
@@ -205,24 +215,64 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             eos_token_ids=list(st.engine_config.eos_token_ids), has_chat_template=st.template is not None,
             supports_images=st.runner.config.vision is not None, block_size=st.engine_config.block_size,
             dtype=self.cfg.dtype,
+            lora_backend=st.adapters.bank.backend if st.adapters else "",
+            max_loras=self.cfg.max_loras if st.adapters else 0, max_lora_rank=self.cfg.max_lora_rank,
             stats=decoder_pb2.EngineStats(
                 free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, running=s.num_running,
                 waiting=s.num_waiting, preemptions=s.num_preemptions, prefix_queries=s.prefix_queries,
-                prefix_hits=s.prefix_hits))
+                prefix_hits=s.prefix_hits,
+                adapter_refs=st.adapters.registry.total_refs if st.adapters else 0))
+
+    # -- adapters (services/decoder/adapters.py) ------------------------------------
+
+    def _adapter_request(self, st: Loaded, name: str) -> tuple[dict, tuple]:
+        if st.adapters is None:
+            raise AdapterNotFound(f"adapter {name!r} is not loaded (LoRA is disabled: --max-loras 0)",
+                                  param="model")
+        return st.adapters.request(name)
+
+    def _lora(self, st: Loaded) -> Adapters:
+        if st.adapters is None:
+            raise Unsupported("LoRA is disabled on this decoder (started with --max-loras 0)", param="lora_name")
+        return st.adapters
 
     @grpc_errors
     async def ListAdapters(self, request, context):
-        return decoder_pb2.ListAdaptersResponse(base_model=self._ready().name)
+        st = self._ready()
+        listed = await st.engine.call(st.adapters.registry.list) if st.adapters else []
+        return decoder_pb2.ListAdaptersResponse(base_model=st.name, adapters=[adapter_info(a) for a in listed])
 
     @grpc_errors
     async def LoadAdapter(self, request, context):
-        self._ready()
-        raise Unsupported("LoRA adapters are not supported by this decoder build yet")
+        """Validate the folder fully off the engine thread, then register it there (between steps)."""
+        st = self._ready()
+        adapters = self._lora(st)
+        check_name(request.name)
+        if request.name == st.name:
+            raise InvalidArgument(f"adapter name {request.name!r} is the base model's name", param="lora_name")
+        folder = adapters.resolve_path(request.path)
+        weights = await asyncio.to_thread(adapters.read, folder)
+
+        def register():
+            status = adapters.registry.register(request.name, weights)
+            adapters.export_registry()
+            return status
+        status = await st.engine.call(register)
+        log.info("loaded adapter %s from %s: rank %d on %s, slot %d, digest %s", status.name, request.path,
+                 status.rank, ",".join(status.targets), status.slot, status.digest[:12])
+        return decoder_pb2.LoadAdapterResponse(adapter=adapter_info(status))
 
     @grpc_errors
     async def UnloadAdapter(self, request, context):
-        self._ready()
-        raise AdapterNotFound(f"adapter {request.name!r} is not loaded", param="lora_name")
+        st = self._ready()
+        adapters = self._lora(st)
+
+        def unregister():
+            adapters.registry.unregister(request.name)
+            adapters.export_registry()
+        await st.engine.call(unregister)
+        log.info("unloaded adapter %s", request.name)
+        return decoder_pb2.UnloadAdapterResponse()
 
 
 def _part(part) -> dict:

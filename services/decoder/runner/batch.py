@@ -48,9 +48,14 @@ class StepBatch:
             slot = c.features.get("lora_slot", -1)
             if slot != -1:
                 lora.append((offset, n, slot))   # every row of the chunk uses its request's slot
-            for pos, row in c.features.get("image_rows", {}).items():
-                if c.start <= pos < c.start + n:
-                    images.append((offset + pos - c.start, row))
+            rows = c.features.get("image_rows")
+            if rows:
+                # Look up the chunk's own positions, not every saved row: a decode step of a request
+                # with a large image then costs O(1) here instead of O(rows).
+                for pos in range(c.start, c.start + n):
+                    row = rows.get(pos)
+                    if row is not None:
+                        images.append((offset + pos - c.start, row))
             offset += n
         positions = torch.cat(physical)
         if any("mrope_positions" in c.features for c in chunks):
