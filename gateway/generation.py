@@ -123,7 +123,11 @@ class Generation:
 
     async def start(self) -> None:
         """Wait for every call's first message; if any call is refused, cancel the rest and raise its error."""
-        firsts = await asyncio.gather(*(anext(s, None) for s in self._streams), return_exceptions=True)
+        try:
+            firsts = await asyncio.gather(*(anext(s, None) for s in self._streams), return_exceptions=True)
+        except asyncio.CancelledError:
+            await self.aclose()
+            raise
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failed is not None:
             await self.aclose()
@@ -151,9 +155,11 @@ class Generation:
                 live -= 1
             elif isinstance(item, TesseraError):
                 raise item
-            elif item.HasField("usage"):
-                self.usage.add(item.usage)
             else:
+                if item.HasField("usage"):
+                    self.usage.add(item.usage)
+                    if not (item.token_ids or item.text or item.finish_reason):
+                        continue  # the call's closing message: usage only
                 yield prompt * self.n + item.index, item
 
     async def collect(self) -> list[Collected]:

@@ -13,7 +13,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from services.common.errors import TesseraError, Unavailable
+from services.common.errors import InvalidArgument, TesseraError, Unavailable
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.output import EngineStats, RequestOutput
 from services.decoder.engine.step import SamplingParams
@@ -70,6 +70,9 @@ class AsyncEngine:
         """
         if not self.alive:
             raise Unavailable(f"engine is not running: {self.failed or 'stopped'}")
+        if request_id in self._streams:
+            # Refused here, before its queue could replace the live request's.
+            raise InvalidArgument(f"request id {request_id!r} is already in flight", param="request_id")
         stream: asyncio.Queue = asyncio.Queue()
         accepted = self._loop.create_future()
         self._streams[request_id] = stream

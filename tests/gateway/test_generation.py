@@ -98,7 +98,9 @@ def events(lines) -> list:
     return out
 
 
-def test_models_lists_the_decoder_model(client):
+def test_models_lists_the_decoder_model(client, http):
+    paths = http.get("/openapi.json").json()["paths"]
+    assert {"/v1/chat/completions", "/v1/completions"} <= set(paths)
     card = client.models.retrieve(MODEL)
     assert card.model_extra["kind"] == "generation" and card.model_extra["max_model_len"] == MAX_LEN
     assert card.model_extra["has_chat_template"] is True and card.model_extra["supports_images"] is False

@@ -6,6 +6,8 @@ arrivals, prefill chunks cut by a tiny token budget) must equal peft's generate.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -30,9 +32,21 @@ def setup(request, tmp_path_factory):
     return base, folders, peft_mixed(base, folders)
 
 
-def test_mixed_batch_logits_match_peft(setup):
+@pytest.mark.parametrize("path", ["dense", "segments"])
+def test_mixed_batch_logits_match_peft(setup, path):
+    """Both CPU forms: the dense masked GEMMs (small steps) and lora_apply's per-segment GEMMs."""
     base, folders, peft = setup
     core, registry = lora_engine(base)
+    registry.bank.dense_max_work = 10**9 if path == "dense" else 0
+    seen = []
+    real_activate = registry.bank.activate
+
+    @contextmanager
+    def spy(spans, num_rows):
+        with real_activate(spans, num_rows) as meta:
+            seen.append(registry.bank.dense_mask is not None)    # which form this forward really takes
+            yield meta
+    registry.bank.activate = spy
     for name, folder in folders.items():
         register(registry, name, folder)
     runner = core.runner
@@ -49,6 +63,7 @@ def test_mixed_batch_logits_match_peft(setup):
         want = peft(input_ids=prompts, adapter_names=rows).logits[:, -1].float()
         base_only = peft(input_ids=prompts, adapter_names=["__base__"] * len(rows)).logits[:, -1].float()
     assert (got - want).abs().max() < 2e-4 * want.abs().max()
+    assert seen == [path == "dense"]
     # The adapters matter: adapter rows differ from the base clearly, base rows do not at all.
     for i, n in enumerate(rows):
         diff = (want[i] - base_only[i]).abs().max()

@@ -156,3 +156,15 @@ def test_bad_input_is_refused_and_server_stays_up(stub, req, code, reason):
     assert details
     wait_idle(stub)
     assert list(stub.Generate(D.GenerateRequest(text="ok", sampling=D.SamplingParams(max_tokens=1))))
+
+
+def test_duplicate_live_request_id_is_refused_and_the_first_finishes(stub):
+    first = stub.Generate(D.GenerateRequest(request_id="dup", text="hello", sampling=D.SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True)))
+    next(first)   # the first request is live
+    code, reason, _ = _error(stub, D.GenerateRequest(request_id="dup", text="hi",
+                                                     sampling=D.SamplingParams(max_tokens=2)))
+    assert (code.name, reason) == ("INVALID_ARGUMENT", "INVALID_ARGUMENT")
+    rest = list(first)
+    assert rest[-1].usage.completion_tokens == 40
+    wait_idle(stub)
