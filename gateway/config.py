@@ -33,7 +33,12 @@ class GatewayConfig:
     health_timeout_s: float = option(2.0, "deadline of each backend health check made by /ready, in seconds")
     model_refresh_s: float = option(10.0, "how long discovered model names are trusted before asking the"
                                           " backends' GetModelInfo again")
-    max_message_mb: int = option(64, "largest gRPC message sent to or accepted from a backend, in MiB")
+    # A large image's rows travel vision -> gateway -> decoder: a full-size Qwen2-VL image is ~96 MiB.
+    max_message_mb: int = option(256, "largest gRPC message sent to or accepted from a backend, in MiB (image"
+                                      " rows pass through: the decoder's --max-message-mb must be as large)")
+    max_images_per_request: int = option(8, "most image_url parts in one chat request; more get 400")
+    max_image_bytes: int = option(10 * 2**20, "largest decoded image in an image_url data URI, in bytes; larger"
+                                              " ones get 413 (the body is bounded by --max-body-bytes too)")
     log_level: str = option("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     def __post_init__(self):
@@ -57,3 +62,5 @@ class GatewayConfig:
             raise ValueError("model_refresh_s must be >= 0")
         if self.max_message_mb < 1:
             raise ValueError("max_message_mb must be at least 1")
+        if self.max_images_per_request < 1 or self.max_image_bytes < 1:
+            raise ValueError("max_images_per_request and max_image_bytes must be at least 1")

@@ -1,8 +1,10 @@
 """POST /v1/chat/completions in OpenAI's shape, served by the decoder's Generate with the model's chat template.
 
 Messages travel as role + content parts; the decoder renders its own template (with the generation
-prompt) and validates roles and content again. Image parts are refused here until the vision path
-exists: a remote URL always (nothing is ever fetched), a data URI for a text-only model or without one.
+prompt) and validates roles and content again. `image_url` parts must be inline data: URIs (nothing is
+ever fetched): gateway/images.py checks them, sends the bytes to the vision service in one Encode
+call, and the decoder gets the rows, grids and hashes as GenerateRequest.images, each part naming its
+image by ContentPart.image_index in message order.
 """
 from __future__ import annotations
 
@@ -12,11 +14,11 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 
-from services.common.errors import InvalidArgument, Unsupported
 from services.common.pb import decoder_pb2
 
+from .. import images as image_inputs
 from .. import sse
-from ..backends import GENERATION, Model
+from ..backends import GENERATION
 from ..errors import request_id
 from ..generation import Generation, SamplingFields, finish_reason
 from .common import ERROR_RESPONSES, INT32_MAX, StrictBody, catalog
@@ -30,8 +32,10 @@ class TextPart(StrictBody):
 
 
 class ImageURL(StrictBody):
-    url: str = Field(description="a data: URI (base64 image); http(s) URLs are refused, nothing is fetched")
-    detail: Literal["auto", "low", "high"] | None = None
+    url: str = Field(description="a data: URI (base64 PNG, JPEG, WebP or GIF); http(s) URLs are refused,"
+                                 " nothing is fetched")
+    # The resolution comes from the checkpoint's preprocessor config; "low"/"high" would be silently ignored.
+    detail: Literal["auto"] | None = Field(None, description="only auto: the model's preprocessor sets the size")
 
 
 class ImagePart(StrictBody):
@@ -65,27 +69,45 @@ class ChatRequest(SamplingFields):
         return self
 
 
-def _refuse_images(messages: list[Message], model: Model) -> None:
-    for i, message in enumerate(messages):
-        for part in message.content if isinstance(message.content, list) else ():
-            if not isinstance(part, ImagePart):
-                continue
-            where = f"messages[{i}]"
-            scheme = part.image_url.url.partition(":")[0].lower()
-            if scheme in ("http", "https"):
-                raise Unsupported(f"{where}: remote image URLs are refused (nothing is fetched);"
-                                  " send the image inline as a data: URI", param="messages")
-            if scheme != "data":
-                raise InvalidArgument(f"{where}: image_url.url must be a data: URI", param="messages")
-            if not model.extra.get("supports_images"):
-                raise Unsupported(f"{where}: model {model.name!r} is text-only and refuses image inputs",
-                                  param="messages")
-            raise Unsupported(f"{where}: this gateway does not pass images to the decoder yet", param="messages")
+def _image_refs(messages: list[Message]) -> list[image_inputs.ImageRef]:
+    """Every image_url part, in message order: the order of GenerateRequest.images."""
+    return [image_inputs.ImageRef(f"messages[{i}].content[{j}]", part.image_url.url)
+            for i, message in enumerate(messages) if isinstance(message.content, list)
+            for j, part in enumerate(message.content) if isinstance(part, ImagePart)]
 
 
-def _to_proto(message: Message) -> decoder_pb2.ChatMessage:
-    parts = [message.content] if isinstance(message.content, str) else [p.text for p in message.content]
-    return decoder_pb2.ChatMessage(role=message.role, content=[decoder_pb2.ContentPart(text=t) for t in parts])
+def _to_proto(message: Message, first_image: int) -> decoder_pb2.ChatMessage:
+    """The message's parts; image parts name their image by index, counting from first_image."""
+    if isinstance(message.content, str):
+        return decoder_pb2.ChatMessage(role=message.role, content=[decoder_pb2.ContentPart(text=message.content)])
+    parts, index = [], first_image
+    for part in message.content:
+        if isinstance(part, ImagePart):
+            parts.append(decoder_pb2.ContentPart(image_index=index))
+            index += 1
+        else:
+            parts.append(decoder_pb2.ContentPart(text=part.text))
+    return decoder_pb2.ChatMessage(role=message.role, content=parts)
+
+
+def _chat(messages: list[Message]) -> decoder_pb2.ChatMessages:
+    out, images = [], 0
+    for message in messages:
+        out.append(_to_proto(message, images))
+        images += sum(1 for p in out[-1].content if p.WhichOneof("kind") == "image_index")
+    return decoder_pb2.ChatMessages(messages=out, add_generation_prompt=True)
+
+
+async def _images(request: Request, refs: list[image_inputs.ImageRef], model, rid: str
+                  ) -> list[decoder_pb2.ImageInput]:
+    """The rows of the request's images, or a clear refusal before any vision work is wasted."""
+    if not refs:
+        return []
+    cfg = request.app.state.config
+    vision = next((b for b in request.app.state.backends if b.role == "vision"), None)
+    image_inputs.check_urls(refs, cfg.max_images_per_request, model, vision)
+    data = image_inputs.decode_uris(refs, cfg.max_image_bytes)
+    return await image_inputs.encode(vision, refs, data, rid)
 
 
 def _logprobs(entries) -> dict:
@@ -100,12 +122,12 @@ def _logprobs(entries) -> dict:
 async def create_chat_completion(body: ChatRequest, request: Request):
     """Answer a conversation with the model's chat template; whole, or streamed as chat.completion.chunk events."""
     model = await catalog(request).resolve(body.model, GENERATION)
-    _refuse_images(body.messages, model)
     rid = request_id(request)
+    images = await _images(request, _image_refs(body.messages), model, rid)
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    chat = decoder_pb2.ChatMessages(messages=[_to_proto(m) for m in body.messages], add_generation_prompt=True)
-    generate = decoder_pb2.GenerateRequest(model=model.name, chat=chat, sampling=body.sampling(max_tokens, logprobs))
+    generate = decoder_pb2.GenerateRequest(model=model.name, chat=_chat(body.messages), images=images,
+                                           sampling=body.sampling(max_tokens, logprobs))
     # The decoder names its own fields; the caller should read the ones it sent.
     fields = {"prompt": "messages", "logprobs": "top_logprobs",
               "max_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens"}

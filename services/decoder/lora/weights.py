@@ -88,7 +88,7 @@ def prepare_weights(raw: Mapping[str, tuple[torch.Tensor, torch.Tensor]], *,
         if not (a.is_floating_point() and b.is_floating_point()):
             raise InvalidArgument(f"{source}: {name}: weights must be floating point", param="lora_path")
         ranks.add(rank)
-        scale = 1.0
+        scale = 1.0 if alpha is None else alpha / rank
         a32, b32 = a.detach().to("cpu", torch.float32), b.detach().to("cpu", torch.float32) * scale
         a_eff, b_eff = a32.to(dtype).contiguous(), b32.to(dtype).contiguous()
         # Check after scaling and the cast too: a large alpha or a bf16/fp16 cast can overflow.
