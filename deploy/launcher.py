@@ -42,12 +42,16 @@ class Service:
     env_flags: tuple[tuple[str, str], ...] = ()
 
 
-# The topology: a later issue adds vision as a row. deploy/docker-compose.yml mirrors it.
-# This machine already runs a redis on 6379, so ours defaults to 6380.
+# The topology. deploy/docker-compose.yml and deploy/k8s mirror it (tests/deploy checks they agree).
+# This machine already runs a redis on 6379, so ours defaults to 6380. Two decoders: SmolLM2 (text) and
+# qwen2-vl-random (images; RANDOM weights, plumbing only); the gateway routes by model name across them.
 TOPOLOGY: tuple[Service, ...] = (
     Service("redis", ("redis-server", "--bind", "{host}", "--port", "{port}", "--save", "", "--appendonly", "no",
                       "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru", "--dir", "{run}"),
             6380, "redis", "redis://{host}:{port}/0"),
+    Service("vision", ("{python}", "-m", "services.vision", "--host", "{host}", "--port", "{port}",
+                       "--model", "{models}/qwen2-vl-random", "--redis-url", "redis://{host}:{redis_port}/0"),
+            50051, "grpc:tessera.vision.v1.VisionService", "{host}:{port} (gRPC)"),
     Service("pooling", ("{python}", "-m", "services.pooling", "--host", "{host}", "--port", "{port}",
                         "--embedding-model", "{models}/all-MiniLM-L6-v2", "--embedding-name", "all-MiniLM-L6-v2"),
             50053, "grpc:tessera.pooling.v1.PoolingService", "{host}:{port} (gRPC)",
@@ -55,8 +59,13 @@ TOPOLOGY: tuple[Service, ...] = (
     Service("decoder", ("{python}", "-m", "services.decoder", "--host", "{host}", "--port", "{port}",
                         "--model", "{models}/SmolLM2-135M-Instruct"),
             50052, "grpc:tessera.decoder.v1.DecoderService", "{host}:{port} (gRPC)"),
+    # A small random model needs little KV; the default 1 GiB pool would only take memory.
+    Service("decoder-vl", ("{python}", "-m", "services.decoder", "--host", "{host}", "--port", "{port}",
+                           "--model", "{models}/qwen2-vl-random", "--kv-cache-gb", "0.25"),
+            50054, "grpc:tessera.decoder.v1.DecoderService", "{host}:{port} (gRPC, qwen2-vl-random: random weights)"),
     Service("gateway", ("{python}", "-m", "gateway", "--host", "{host}", "--port", "{port}",
-                        "--pooling", "{host}:{pooling_port}", "--decoder", "{host}:{decoder_port}"),
+                        "--pooling", "{host}:{pooling_port}", "--decoder", "{host}:{decoder_port}",
+                        "--decoder", "{host}:{decoder-vl_port}", "--vision", "{host}:{vision_port}"),
             8000, "http:/ready", "http://{host}:{port} (OpenAI base_url http://{host}:{port}/v1)"),
 )
 
@@ -213,7 +222,7 @@ def up(args) -> int:
             proc = fleet.start(service, argv)
             fleet.wait_healthy(service, proc, ports[service.name], args.start_timeout, stopping)
         if not stopping:
-            urls = "".join(f"  {s.name:<8} {s.url.format(host=args.host, port=ports[s.name])}\n" for s in TOPOLOGY)
+            urls = "".join(f"  {s.name:<10} {s.url.format(host=args.host, port=ports[s.name])}\n" for s in TOPOLOGY)
             print(f"\ntessera is up:\n{urls}logs in {run / 'logs'}; stop with Ctrl-C or `make down`\n", flush=True)
         while not stopping:
             gone = fleet.dead()
