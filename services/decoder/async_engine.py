@@ -24,11 +24,19 @@ _FAILED = object()   # sentinel pushed to every stream when the engine dies
 
 
 class AsyncEngine:
-    """Owns the engine thread. `on_step(stats, outputs)` runs on that thread after each step."""
+    """Owns the engine thread. `on_step(stats, outputs)` runs on that thread after each step.
 
-    def __init__(self, core: EngineCore, on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None):
+    A step that fails (the runner raised) kills the engine: every in-flight request
+    fails, their blocks and leases are returned, new requests get UNAVAILABLE and
+    `on_failure(reason)` runs on the event loop.
+    """
+
+    def __init__(self, core: EngineCore, on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None,
+                 on_failure: Callable[[str], None] | None = None):
         self.core = core
         self.on_step = on_step
+        # Called on the event loop once, when the engine dies (health -> NOT_SERVING).
+        self.on_failure = on_failure
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -130,10 +138,26 @@ class AsyncEngine:
                         self.on_step(self._stats, outputs)
                     if outputs:
                         self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                    errors = [o.error for o in outputs if o.finish_reason == "error"]
+                    if errors:
+                        # A forward that raised leaves the device in an unknown state: stop
+                        # serving rather than keep answering from it (restart the process).
+                        self._die(f"engine step failed: {errors[0]}")
+                        return
         except Exception as exc:  # noqa: BLE001 - the thread must report, not vanish
             log.exception("engine loop died")
-            self.failed = f"{type(exc).__name__}: {exc}"
-            self._loop.call_soon_threadsafe(self._fail_all)
+            self._die(f"{type(exc).__name__}: {exc}")
+
+    def _die(self, reason: str) -> None:
+        """Fail every in-flight request, return their blocks and leases, report the failure."""
+        self.failed = reason
+        log.error("engine failed, no longer serving: %s", reason)
+        for rid in list(self.core.scheduler.requests):
+            self.core.scheduler.abort(rid)
+        self._stats = self.core.stats()
+        self._loop.call_soon_threadsafe(self._fail_all)
+        if self.on_failure is not None:
+            self._loop.call_soon_threadsafe(self.on_failure, reason)
 
     def _drain_commands(self, block: bool, timeout: float = 0.5) -> None:
         try:

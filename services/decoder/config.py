@@ -38,6 +38,8 @@ class DecoderConfig:
     max_n: int = option(16, "largest `n` (choices per request)")
     max_logprobs: int = option(20, "largest number of top logprobs per token")
     seed: int = option(0, "base seed for unseeded sampling")
+    fault_fail_at_step: int = option(0, "TESTING ONLY: make the forward of engine step N raise, to exercise "
+                                        "failure handling (requests fail, health goes NOT_SERVING); 0 disables")
     max_images: int = option(8, "most images per request (vision-language models)")
     # LoRA adapters (services/decoder/lora). --max-loras 0 installs no bank at all.
     max_loras: int = option(4, "adapter slots resident on the device (adapters in one batch); 0 disables LoRA")

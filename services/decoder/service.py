@@ -108,6 +108,8 @@ def load(cfg: DecoderConfig) -> Loaded:
         max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or runner.max_position_embeddings,
         enable_prefix_caching=cfg.enable_prefix_caching, eos_token_ids=eos)
     adapters = Adapters(cfg, runner) if cfg.max_loras else None
+    if cfg.fault_fail_at_step:
+        inject_fault(runner, cfg.fault_fail_at_step)
     core = EngineCore(runner, engine_cfg, leases=adapters.leases if adapters else None)
     name = cfg.served_model_name or folder.resolve().name
     log.info("loaded %s (%s, %s): %d KV blocks of %d tokens, max_model_len %d, chat template: %s",
@@ -281,6 +283,19 @@ def _part(part) -> dict:
     return {"type": "image"}
 
 
+def inject_fault(runner: Runner, step: int) -> None:
+    """--fault-fail-at-step: the step-th forward raises (fault tests drive a real process this way)."""
+    execute, calls = runner.execute, [0]
+    log.warning("fault injection armed: engine step %d will raise", step)
+
+    def failing(step_input):
+        calls[0] += 1
+        if calls[0] == step:
+            raise RuntimeError(f"injected fault at engine step {step}")
+        return execute(step_input)
+    runner.execute = failing
+
+
 async def start(server_cfg: DecoderServerConfig, cfg: DecoderConfig) -> tuple[Server, DecoderServicer]:
     """Start the server (NOT_SERVING), load the model off the loop, then report SERVING."""
     servicer = DecoderServicer(cfg)
@@ -288,6 +303,8 @@ async def start(server_cfg: DecoderServerConfig, cfg: DecoderConfig) -> tuple[Se
                     [SERVICE_NAME])
     await server.start()
     state = await asyncio.to_thread(load, cfg)
+    # A dead engine must not look healthy to a load balancer.
+    state.engine.on_failure = lambda reason: asyncio.ensure_future(server.set_serving(False))
     state.engine.start()
     servicer.state = state
     await server.set_serving(True)
