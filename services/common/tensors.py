@@ -28,7 +28,8 @@ def to_proto(tensor: torch.Tensor) -> common_pb2.Tensor:
     if tensor.dtype not in _TO_PROTO:
         raise InvalidArgument(f"dtype {tensor.dtype} cannot travel as a Tensor")
     t = tensor.detach().to("cpu").contiguous()
-    data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    # reshape(-1) first: a 0-d tensor cannot be viewed as bytes directly.
+    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
     return common_pb2.Tensor(data=data, dtype=_TO_PROTO[t.dtype], shape=list(t.shape))
 
 
