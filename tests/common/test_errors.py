@@ -7,8 +7,16 @@ import grpc
 import pytest
 
 from services.common import errors
-from services.common.errors import (TABLE, InvalidArgument, Overloaded, TesseraError, error_for, from_rpc_error,
-                                    grpc_errors, http_error)
+from services.common.errors import (
+    TABLE,
+    InvalidArgument,
+    Overloaded,
+    TesseraError,
+    error_for,
+    from_rpc_error,
+    grpc_errors,
+    http_error,
+)
 from services.common.pb import common_pb2
 
 EXPECTED = {
