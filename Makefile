@@ -37,7 +37,7 @@ $(GEN_STAMP): $(PROTOS) $(STAMP)
 	touch $@
 
 models: $(MODELS_STAMP)
-$(MODELS_STAMP): deploy/models.py $(STAMP)
+$(MODELS_STAMP): deploy/models.py deploy/adapters.py $(STAMP)
 	$(PY) -m deploy.models --out models
 	touch $@
 
@@ -56,8 +56,16 @@ up: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
 down:
 	$(PY) -m deploy.launcher down
 
+# Every benchmark in bench/ (workload.py is their shared data; runner_decode.py a quick runner check).
+# The LoRA kernels need CUDA; elsewhere they run their CPU dry run (Triton interpreter, tiny shapes).
+BENCHES := bench/pooling.py bench/decoder.py bench/vision.py
 bench: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
-	@for b in bench/pooling.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in $(BENCHES); do echo "== $$b"; $(PY) $$b || exit 1; done
+	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		echo "== bench/lora_kernels.py"; $(PY) bench/lora_kernels.py; \
+	else \
+		echo "== bench/lora_kernels.py --dry-run (no CUDA here)"; $(PY) bench/lora_kernels.py --dry-run; \
+	fi
 
 # The peer engine for side-by-side benchmarks; never needed by make test.
 bench-peers: .venv-peers/.installed-stamp

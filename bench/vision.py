@@ -1,21 +1,30 @@
-"""Vision benchmark (a): Encode latency on a Redis feature-cache hit vs a miss, on real photos.
+"""Vision benchmarks: (a) Encode on a Redis feature-cache hit vs a miss; (b) TTFT of a repeated image chat vs cold.
 
-The bench writes a random-weight Qwen2-VL checkpoint whose vision tower has Qwen2-VL-2B's
-width (embed 1280, 16 heads, MLP x4, merger to 1536) and its default preprocessing
-(max_pixels 12845056, so a 512x512 photo is 36x36 patches -> 324 rows), but only --depth
-blocks (default 4 of the real 32, to fit a 2-core machine: a miss would be ~8x slower at
-full depth, which only improves the ratio). It starts a private redis-server on a free
-port and the vision service as a subprocess, then times Encode through gRPC:
+Both write random-weight Qwen2-VL checkpoints whose vision tower has Qwen2-VL-2B's width (embed 1280, 16
+heads, MLP x4, merger to 1536) and its default preprocessing (max_pixels 12845056, so a 512x512 photo is
+36x36 patches -> 324 rows), but only --depth blocks (default 4 of the real 32, to fit a 2-core machine: a
+miss would be ~8x slower at full depth, which only improves the ratios). Each starts a private
+redis-server on a free port and the services as subprocesses.
+
+(a) times Encode through gRPC on real photos:
   miss: Redis flushed first -> hash, lookup, decode, preprocess, encode, store;
   hit:  the same bytes again -> hash, lookup, rows back.
-Medians over --rounds per photo; the last line is the hit/miss ratio (goal <= 0.1x).
+(b) adds a decoder on the same checkpoint (text model at Qwen2-VL-2B's width, --text-layers of its 28
+  layers) and the gateway, and times the first streamed event of /v1/chat/completions (the gateway sends
+  it once the decoder's first token arrives) with the official `openai` client:
+  cold: a photo never seen (one pixel changed: a new content hash) -> vision miss, prefill of every
+        image row (only the system prompt's blocks are a prefix hit);
+  warm: the same image and prompt again -> feature-cache hit and a prefix-cache hit over the image.
+Medians over --rounds per photo; the last line holds both ratios ((a) goal <= 0.1x; (b) reported).
 
-    python bench/vision.py [--depth 4] [--rounds 2] [--threads 0]
+    python bench/vision.py [--depth 4] [--text-layers 2] [--rounds 2] [--threads 0] [--part a|b|both]
 """
 from __future__ import annotations
 
 import argparse
+import base64
 import importlib.util
+import io
 import shutil
 import socket
 import statistics
@@ -31,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 import redis  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from PIL import Image  # noqa: E402
 
 from services.common.pb import vision_pb2, vision_pb2_grpc  # noqa: E402
 from tests.vision.checkpoints import write_qwen2_vl  # noqa: E402  (the same builder the tests use)
@@ -39,6 +49,9 @@ PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg")
 QWEN2_VL_2B_VISION = dict(embed_dim=1280, num_heads=16, mlp_ratio=4)
 QWEN2_VL_2B_TEXT = dict(hidden_size=1536, intermediate_size=256, num_hidden_layers=1, num_attention_heads=12,
                         num_key_value_heads=2)
+# (b) runs the text model too: Qwen2-VL-2B's real widths, fewer layers.
+QWEN2_VL_2B_TEXT_FULL = dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
+                             max_position_embeddings=4096)
 
 
 def free_port() -> int:
@@ -65,7 +78,7 @@ def wait_serving(channel: grpc.Channel, proc: subprocess.Popen, seconds: float =
     deadline = time.time() + seconds
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"vision service exited with {proc.returncode}")
+            raise RuntimeError(f"{proc.args[2]} exited with {proc.returncode}")
         try:
             if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
                     health_pb2.HealthCheckResponse.SERVING:
@@ -73,7 +86,7 @@ def wait_serving(channel: grpc.Channel, proc: subprocess.Popen, seconds: float =
         except grpc.RpcError:
             pass
         time.sleep(0.2)
-    raise RuntimeError("vision service never reported SERVING")
+    raise RuntimeError(f"{proc.args[2]} never reported SERVING")
 
 
 def timed(stub, data: bytes) -> tuple[float, bool]:
@@ -82,65 +95,183 @@ def timed(stub, data: bytes) -> tuple[float, bool]:
     return time.perf_counter() - start, out.images[0].cached
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--depth", type=int, default=4, help="vision blocks (Qwen2-VL-2B has 32)")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads of the service; 0 = torch default")
-    args = ap.parse_args()
-    data_dir = Path(importlib.util.find_spec("skimage").origin).parent / "data"
-    photos = {n: (data_dir / n).read_bytes() for n in PHOTOS}
+def start_redis(tmp: str) -> tuple[subprocess.Popen, str]:
     redis_bin = shutil.which("redis-server")
     if redis_bin is None:
         sys.exit("redis-server is not installed")
+    port = free_port()
+    proc = subprocess.Popen([redis_bin, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", tmp], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_port(port, proc)
+    return proc, f"redis://127.0.0.1:{port}/0"
 
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = write_qwen2_vl(Path(tmp) / "qwen2-vl-2b-vision-random",
-                              vision={**QWEN2_VL_2B_VISION, "depth": args.depth},
-                              text=QWEN2_VL_2B_TEXT, mrope_section=(16, 24, 24), min_pixels=56 * 56,
-                              max_pixels=28 * 28 * 16384, tokenizer=False, weight_std=0.02)
-        rport, vport = free_port(), free_port()
-        procs = [subprocess.Popen([redis_bin, "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
-                                   "--appendonly", "no", "--dir", tmp],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-        try:
-            wait_port(rport, procs[0])
-            url = f"redis://127.0.0.1:{rport}/0"
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "services.vision", "--model", str(ckpt), "--port", str(vport),
-                 "--host", "127.0.0.1", "--redis-url", url, "--threads", str(args.threads), "--log-level", "WARNING"],
-                cwd=ROOT))
-            with grpc.insecure_channel(f"127.0.0.1:{vport}", options=[
-                    ("grpc.max_receive_message_length", 256 << 20)]) as channel:
-                wait_serving(channel, procs[1])
-                stub = vision_pb2_grpc.VisionServiceStub(channel)
-                timed(stub, photos["chelsea.png"])  # warm-up (allocators, thread pools)
-                flush = redis.Redis.from_url(url)
-                miss: dict[str, list[float]] = {n: [] for n in photos}
-                hit: dict[str, list[float]] = {n: [] for n in photos}
-                for r in range(args.rounds):
-                    flush.flushdb()
-                    for name, data in photos.items():
+
+def start_vision(ckpt: Path, url: str, threads: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.vision", "--model", str(ckpt), "--port", str(port), "--host", "127.0.0.1",
+         "--redis-url", url, "--threads", str(threads), "--log-level", "WARNING"], cwd=ROOT)
+    return proc, f"127.0.0.1:{port}"
+
+
+def part_a(args, photos: dict[str, bytes], tmp: str) -> float:
+    """Encode hit/miss; returns the median hit/miss ratio."""
+    ckpt = write_qwen2_vl(Path(tmp) / "qwen2-vl-2b-vision-random",
+                          vision={**QWEN2_VL_2B_VISION, "depth": args.depth},
+                          text=QWEN2_VL_2B_TEXT, mrope_section=(16, 24, 24), min_pixels=56 * 56,
+                          max_pixels=28 * 28 * 16384, tokenizer=False, weight_std=0.02)
+    procs = []
+    try:
+        rproc, url = start_redis(tmp)
+        procs.append(rproc)
+        vproc, address = start_vision(ckpt, url, args.threads)
+        procs.append(vproc)
+        with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 256 << 20)]) as channel:
+            wait_serving(channel, vproc)
+            stub = vision_pb2_grpc.VisionServiceStub(channel)
+            timed(stub, photos["chelsea.png"])  # warm-up (allocators, thread pools)
+            flush = redis.Redis.from_url(url)
+            miss: dict[str, list[float]] = {n: [] for n in photos}
+            hit: dict[str, list[float]] = {n: [] for n in photos}
+            for r in range(args.rounds):
+                flush.flushdb()
+                for name, data in photos.items():
+                    seconds, cached = timed(stub, data)
+                    assert not cached, "a miss was served from the cache"
+                    miss[name].append(seconds)
+                    for _ in range(3):
                         seconds, cached = timed(stub, data)
-                        assert not cached, "a miss was served from the cache"
-                        miss[name].append(seconds)
-                        for _ in range(3):
-                            seconds, cached = timed(stub, data)
-                            assert cached, "a repeat was not served from the cache"
-                            hit[name].append(seconds)
-                    print(f"round {r + 1}/{args.rounds} done", flush=True)
-            for name in photos:
-                m, h = statistics.median(miss[name]), statistics.median(hit[name])
-                print(f"{name:14s} miss {m * 1000:8.1f} ms   hit {h * 1000:6.1f} ms   {h / m:.3f}x")
-            m_all = statistics.median([v for vs in miss.values() for v in vs])
-            h_all = statistics.median([v for vs in hit.values() for v in vs])
-            print(f"vision (a) tower depth {args.depth}/32 at Qwen2-VL-2B width; median miss {m_all * 1000:.1f} ms, "
-                  f"median hit {h_all * 1000:.1f} ms")
-            print(f"vision ratios: (a) hit/miss {h_all / m_all:.3f}x (goal <= 0.1x)")
-        finally:
-            for proc in reversed(procs):
-                proc.terminate()
-                proc.wait(timeout=30)
+                        assert cached, "a repeat was not served from the cache"
+                        hit[name].append(seconds)
+                print(f"(a) round {r + 1}/{args.rounds} done", flush=True)
+    finally:
+        stop_all(procs)
+    for name in photos:
+        m, h = statistics.median(miss[name]), statistics.median(hit[name])
+        print(f"{name:14s} miss {m * 1000:8.1f} ms   hit {h * 1000:6.1f} ms   {h / m:.3f}x")
+    m_all = statistics.median([v for vs in miss.values() for v in vs])
+    h_all = statistics.median([v for vs in hit.values() for v in vs])
+    print(f"vision (a) tower depth {args.depth}/32 at Qwen2-VL-2B width; median miss {m_all * 1000:.1f} ms, "
+          f"median hit {h_all * 1000:.1f} ms")
+    return h_all / m_all
+
+
+def variant(data: bytes, k: int) -> bytes:
+    """The photo with one pixel changed: the same size (the same prompt length), a new content hash."""
+    im = Image.open(io.BytesIO(data)).convert("RGB")
+    im.putpixel((0, 0), (k % 256, (k // 256) % 256, 7))
+    out = io.BytesIO()
+    im.save(out, "PNG")
+    return out.getvalue()
+
+
+def ttft(client, model: str, data: bytes) -> tuple[float, int, int]:
+    """(seconds to the first streamed event, prompt tokens, cached prompt tokens) of a one-token image chat."""
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "Describe this picture."}]}]
+    start = time.perf_counter()
+    first, usage = None, None
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}):
+        first = first if first is not None else time.perf_counter() - start
+        usage = chunk.usage or usage
+    return first, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
+
+
+def part_b(args, photos: dict[str, bytes], tmp: str) -> float:
+    """TTFT through the gateway, warm (feature-cache + prefix hit) vs cold; returns the median warm/cold ratio."""
+    import httpx
+    import openai
+
+    model = "qwen2-vl-2b-width-random"
+    ckpt = write_qwen2_vl(Path(tmp) / model, vision={**QWEN2_VL_2B_VISION, "depth": args.depth},
+                          text={**QWEN2_VL_2B_TEXT_FULL, "num_hidden_layers": args.text_layers},
+                          mrope_section=(16, 24, 24), min_pixels=56 * 56, max_pixels=28 * 28 * 16384,
+                          tokenizer=True, weight_std=0.02)
+    procs = []
+    try:
+        rproc, url = start_redis(tmp)
+        procs.append(rproc)
+        vproc, vision = start_vision(ckpt, url, args.threads)
+        procs.append(vproc)
+        dport = free_port()
+        dproc = subprocess.Popen([sys.executable, "-m", "services.decoder", "--model", str(ckpt), "--host", "127.0.0.1",
+                                  "--port", str(dport), "--threads", str(args.threads), "--kv-cache-gb", "0.5",
+                                  "--log-level", "WARNING"], cwd=ROOT)
+        procs.append(dproc)
+        for address, proc in ((vision, vproc), (f"127.0.0.1:{dport}", dproc)):
+            with grpc.insecure_channel(address) as channel:
+                wait_serving(channel, proc)
+        gport = free_port()
+        gproc = subprocess.Popen([sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", str(gport),
+                                  "--decoder", f"127.0.0.1:{dport}", "--vision", vision, "--log-level", "WARNING"],
+                                 cwd=ROOT)
+        procs.append(gproc)
+        base = f"http://127.0.0.1:{gport}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(base + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if gproc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("the gateway never became ready")
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+        ttft(client, model, variant(photos["chelsea.png"], 0))  # warm-up (allocators, thread pools)
+        names = ("astronaut.png", "chelsea.png")
+        cold: dict[str, list[float]] = {n: [] for n in names}
+        warm: dict[str, list[float]] = {n: [] for n in names}
+        k = 1
+        for r in range(args.rounds):
+            for name in names:
+                data = variant(photos[name], k)
+                k += 1
+                seconds, prompt, cached = ttft(client, model, data)
+                assert cached < prompt // 2, f"a cold request hit the prefix cache ({cached}/{prompt})"
+                cold[name].append(seconds)
+                for _ in range(2):
+                    seconds, prompt, cached = ttft(client, model, data)
+                    assert cached >= prompt - 16, f"a repeat missed the prefix cache ({cached}/{prompt})"
+                    warm[name].append(seconds)
+            print(f"(b) round {r + 1}/{args.rounds} done", flush=True)
+    finally:
+        stop_all(procs)
+    for name in names:
+        c, w = statistics.median(cold[name]), statistics.median(warm[name])
+        print(f"{name:14s} cold TTFT {c * 1000:8.1f} ms   warm TTFT {w * 1000:7.1f} ms   {w / c:.3f}x")
+    c_all = statistics.median([v for vs in cold.values() for v in vs])
+    w_all = statistics.median([v for vs in warm.values() for v in vs])
+    print(f"vision (b) through the gateway, tower depth {args.depth}/32, text {args.text_layers}/28 layers at "
+          f"Qwen2-VL-2B width; median cold TTFT {c_all * 1000:.1f} ms, median warm TTFT {w_all * 1000:.1f} ms")
+    return w_all / c_all
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for proc in reversed(procs):
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--depth", type=int, default=4, help="vision blocks (Qwen2-VL-2B has 32)")
+    ap.add_argument("--text-layers", type=int, default=2, help="(b) text layers (Qwen2-VL-2B has 28)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads of each service; 0 = torch default")
+    ap.add_argument("--part", choices=("a", "b", "both"), default="both")
+    args = ap.parse_args()
+    data_dir = Path(importlib.util.find_spec("skimage").origin).parent / "data"
+    photos = {n: (data_dir / n).read_bytes() for n in PHOTOS}
+    ratios = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.part in ("a", "both"):
+            ratios.append(f"(a) hit/miss {part_a(args, photos, tmp):.3f}x (goal <= 0.1x)")
+        if args.part in ("b", "both"):
+            ratios.append(f"(b) warm/cold TTFT {part_b(args, photos, tmp):.3f}x")
+    print("vision ratios: " + "; ".join(ratios))
 
 
 if __name__ == "__main__":

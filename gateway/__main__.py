@@ -21,7 +21,8 @@ def main(argv=None) -> None:
                   env_prefix=ENV_PREFIX)
     logs.setup(cfg.log_level)
     # The key itself never reaches a log.
-    log_config(dataclasses.replace(cfg, api_key="<set>") if cfg.api_key else cfg)
+    # (Distinct placeholders: the config refuses an admin key equal to the API key.)
+    log_config(dataclasses.replace(cfg, **{k: f"<{k} set>" for k in ("api_key", "admin_key") if getattr(cfg, k)}))
     # Our edge middleware logs each request with its id, so uvicorn's access log is off.
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
                 access_log=False, log_config=None)

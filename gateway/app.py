@@ -10,6 +10,7 @@ from . import errors
 from .backends import Catalog, build_backends
 from .config import GatewayConfig
 from .edge import Edge
+from .limits import ConcurrencyLimit
 from .routes import chat, completions, embeddings, health, models, rerank
 
 ROUTERS = (chat.router, completions.router, embeddings.router, rerank.router, models.router, health.router)
@@ -40,6 +41,8 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     # Known paths label the metrics; anything else is "other", so scanners cannot blow up the label set.
     routes = frozenset([*(r.path for router in ROUTERS for r in router.routes),
                         app.openapi_url, app.docs_url, app.redoc_url])
+    # Added first, so it runs inside Edge (the last added is outermost): refusals get ids, logs and metrics.
+    app.add_middleware(ConcurrencyLimit, limit=cfg.max_concurrent_requests)
     app.add_middleware(Edge, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, routes=routes)
     app.state.config = cfg
     app.openapi = _without_422(app.openapi)

@@ -28,6 +28,7 @@ from services.common.pb import (
     vision_pb2,
     vision_pb2_grpc,
 )
+from services.common.tls import channel_credentials
 
 from .config import GatewayConfig
 
@@ -69,10 +70,17 @@ class Backend:
 
     def open(self) -> None:
         limit = self.cfg.max_message_mb * 1024 * 1024
-        self.channel = grpc.aio.insecure_channel(self.address, options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-        ])
+        # gRPC's reconnect backoff grows to 120 s by default: after a long outage a restarted service would sit
+        # unused for up to two minutes. 5 s bounds how long the gateway takes to notice it is back.
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+                   ("grpc.max_reconnect_backoff_ms", 5000)]
+        if self.cfg.tls_ca:
+            if self.cfg.tls_server_name:
+                options.append(("grpc.ssl_target_name_override", self.cfg.tls_server_name))
+            creds = channel_credentials(self.cfg.tls_ca, self.cfg.tls_client_cert, self.cfg.tls_client_key)
+            self.channel = grpc.aio.secure_channel(self.address, creds, options=options)
+        else:
+            self.channel = grpc.aio.insecure_channel(self.address, options=options)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         if self.role == "pooling":
             self.pooling = pooling_pb2_grpc.PoolingServiceStub(self.channel)
@@ -140,10 +148,15 @@ class Backend:
         """The models this backend serves, from its GetModelInfo (vision serves none by name)."""
         if self.role == "decoder":
             info = await self.call(self.decoder.GetModelInfo, decoder_pb2.GetModelInfoRequest(), "model-discovery")
-            return [Model(info.name, GENERATION, self, {
+            base = Model(info.name, GENERATION, self, {
                 "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
                 "has_chat_template": info.has_chat_template, "supports_images": info.supports_images,
-                "dtype": info.dtype})]
+                "dtype": info.dtype})
+            # Each registered LoRA adapter is a model of its own name (vLLM's convention), run on this base.
+            listed = await self.call(self.decoder.ListAdapters, decoder_pb2.ListAdaptersRequest(), "model-discovery")
+            return [base, *(Model(a.name, GENERATION, self, {**base.extra, "rank": a.rank,
+                                                              "target_modules": list(a.target_modules)},
+                                  parent=info.name) for a in listed.adapters)]
         if self.role != "pooling":
             return []
         reply = await self.call(self.pooling.GetModelInfo, pooling_pb2.GetModelInfoRequest(), "model-discovery")
@@ -171,6 +184,13 @@ class Model:
     kind: str
     backend: Backend = field(compare=False)
     extra: dict = field(default_factory=dict, compare=False)
+    parent: str | None = field(default=None, compare=False)  # a LoRA adapter: the base model it runs on
+
+    def target(self) -> dict[str, str]:
+        """GenerateRequest's model and adapter fields: an adapter runs as its base model plus the adapter."""
+        if self.parent is None:
+            return {"model": self.name, "adapter": ""}
+        return {"model": self.parent, "adapter": self.name}
 
 
 def build_backends(cfg: GatewayConfig) -> list[Backend]:
@@ -180,6 +200,22 @@ def build_backends(cfg: GatewayConfig) -> list[Backend]:
     if cfg.vision:
         backends.append(Backend("vision", cfg.vision, cfg))
     return backends
+
+
+def _unambiguous(by_name: dict[str, list[Model]]) -> dict[str, list[Model]]:
+    """by_name without adapter names that would route ambiguously: an adapter named like a served model, or one
+    name registered on two different base models. The models keep their names; such adapters are not routed
+    (a warning says why) until they are renamed."""
+    out = {}
+    for name, replicas in by_name.items():
+        parents = {m.parent for m in replicas}
+        if len(parents) > 1:
+            log.warning("adapter name %r is ambiguous (served as %s); it is not routed until renamed", name,
+                        sorted(p or "a model" for p in parents))
+            replicas = [m for m in replicas if m.parent is None]
+        if replicas:
+            out[name] = replicas
+    return out
 
 
 class Catalog:
@@ -213,7 +249,7 @@ class Catalog:
                     raise result
                 for model in result:
                     by_name.setdefault(model.name, []).append(model)
-            self.by_name, self.failures = by_name, failures
+            self.by_name, self.failures = _unambiguous(by_name), failures
             # A failed discovery is retried on the next request, not trusted for refresh_s.
             self.refreshed_at = time.monotonic() if not failures else float("-inf")
             if failures:
@@ -236,7 +272,8 @@ class Catalog:
         if name is not None and name not in self.by_name:
             await self.refresh(self.MISS_REFRESH_S)
         if name is None:
-            replicas = next((r for r in self.by_name.values() if r[0].kind == kind), None)
+            # The default is a base model, never an adapter that happens to be listed first.
+            replicas = next((r for r in self.by_name.values() if r[0].kind == kind and r[0].parent is None), None)
             if replicas is None:
                 if self.failures:
                     raise self._unavailable(f"no {kind} model is reachable")

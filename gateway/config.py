@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import option
+from services.common.tls import check_client_files
 
 ENV_PREFIX = "TESSERA_GATEWAY_"
 
@@ -26,6 +27,9 @@ class GatewayConfig:
     vision: str | None = option(None, "vision service as HOST:PORT; checked by /ready", metavar="HOST:PORT")
     api_key: str | None = option(None, "if set, every /v1 request needs 'Authorization: Bearer <key>'",
                                  env="TESSERA_API_KEY")
+    admin_key: str | None = option(None, "key of the admin endpoints (adapter load/unload/list): they need"
+                                         " 'Authorization: Bearer <admin key>'; unset: they are disabled (403)",
+                                   env="TESSERA_ADMIN_KEY")
     max_body_bytes: int = option(16 * 1024 * 1024, "largest request body accepted; larger ones get 413")
     grpc_timeout_s: float = option(30.0, "deadline of each backend call in seconds; past it the answer is 504")
     generate_timeout_s: float = option(600.0, "deadline of a whole generation (chat, completions) in seconds;"
@@ -39,7 +43,24 @@ class GatewayConfig:
     max_images_per_request: int = option(8, "most image_url parts in one chat request; more get 400")
     max_image_bytes: int = option(10 * 2**20, "largest decoded image in an image_url data URI, in bytes; larger"
                                               " ones get 413 (the body is bounded by --max-body-bytes too)")
+    model_note: tuple[str, ...] = option((), "NAME=TEXT: shown as `note` on model NAME in /v1/models (repeatable;"
+                                            " env is comma-separated), e.g. that its weights are random",
+                                         metavar="NAME=TEXT")
+    max_concurrent_requests: int = option(256, "most /v1 requests in flight at once (a stream counts until it"
+                                               " ends); past it the answer is 429 with Retry-After; 0: no limit")
+    tls_ca: str | None = option(None, "PEM CA: talk TLS to every backend and trust only servers it signed",
+                                metavar="FILE")
+    tls_client_cert: str | None = option(None, "PEM certificate sent to the backends (mutual TLS; needs"
+                                               " --tls-ca and --tls-client-key)", metavar="FILE")
+    tls_client_key: str | None = option(None, "PEM private key of --tls-client-cert", metavar="FILE")
+    tls_server_name: str | None = option(None, "name to verify in the backends' certificates instead of the"
+                                               " host of each address", metavar="NAME")
     log_level: str = option("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+    @property
+    def notes(self) -> dict[str, str]:
+        """model name -> its --model-note text."""
+        return dict(note.split("=", 1) for note in self.model_note)
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -53,6 +74,11 @@ class GatewayConfig:
             raise ValueError("configure at least one backend: --pooling, --decoder or --vision")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset to disable authentication)")
+        if self.admin_key == "":
+            raise ValueError("admin_key must not be empty (leave it unset to disable the admin endpoints)")
+        if self.admin_key is not None and self.admin_key == self.api_key:
+            # Every API caller would be an admin; the point of a separate key is that they are not.
+            raise ValueError("admin_key must differ from api_key")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
         for name in ("grpc_timeout_s", "generate_timeout_s", "health_timeout_s"):
@@ -62,5 +88,14 @@ class GatewayConfig:
             raise ValueError("model_refresh_s must be >= 0")
         if self.max_message_mb < 1:
             raise ValueError("max_message_mb must be at least 1")
+        for note in self.model_note:
+            name, sep, text = note.partition("=")
+            if not (sep and name.strip() and text.strip()):
+                raise ValueError(f"model_note: {note!r} is not NAME=TEXT")
+        if self.max_concurrent_requests < 0:
+            raise ValueError("max_concurrent_requests must be >= 0 (0: no limit)")
+        if self.tls_server_name is not None and self.tls_ca is None:
+            raise ValueError("tls_server_name needs tls_ca")
+        check_client_files(self.tls_ca, self.tls_client_cert, self.tls_client_key)
         if self.max_images_per_request < 1 or self.max_image_bytes < 1:
             raise ValueError("max_images_per_request and max_image_bytes must be at least 1")

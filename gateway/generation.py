@@ -13,17 +13,21 @@ caller (x-request-id), and two live calls under one id would collide in the engi
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pydantic import Field, model_validator
 
-from services.common.errors import Internal, TesseraError
+from services.common.errors import Internal, TesseraError, Unavailable
 from services.common.pb import decoder_pb2
 
 from .backends import Backend
 from .routes.common import INT32_MAX, StrictBody
+from .routing import Route
+
+log = logging.getLogger("tessera.gateway.generation")
 
 UINT64_MAX = 2**64 - 1
 FINISH_REASONS = {decoder_pb2.FINISH_REASON_STOP: "stop", decoder_pb2.FINISH_REASON_LENGTH: "length",
@@ -107,33 +111,68 @@ class Collected:
 class Generation:
     """The Generate calls of one HTTP request, merged. Use: `await start()`, iterate, always `aclose()`."""
 
-    def __init__(self, backend: Backend, requests: list[decoder_pb2.GenerateRequest], request_id: str,
+    def __init__(self, target: Backend | Route, requests: list[decoder_pb2.GenerateRequest], request_id: str,
                  n: int, fields: dict[str, str] | None = None):
+        """target: one replica, or a Route (gateway/routing.py) whose candidates are tried in order while
+        they answer UNAVAILABLE before their first message."""
         self.n = n
         self.usage = Usage()
         for request in requests:
             request.request_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
-        self._streams = [backend.stream(backend.decoder.Generate, r, request_id, fields) for r in requests]
+        self._requests = requests
+        self._route = target if isinstance(target, Route) else None
+        self._backend = target if isinstance(target, Backend) else None
+        self._request_id = request_id
+        self._fields = fields
+        self._streams: list = []   # every stream opened, so aclose cancels each
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
 
     @property
     def num_choices(self) -> int:
-        return len(self._streams) * self.n
+        return len(self._requests) * self.n
+
+    def _open(self, backend: Backend, request: decoder_pb2.GenerateRequest):
+        stream = backend.stream(backend.decoder.Generate, request, self._request_id, self._fields)
+        self._streams.append(stream)
+        return stream
+
+    async def _first(self, request: decoder_pb2.GenerateRequest):
+        """(first message or None, its stream): each candidate at most once while it answers UNAVAILABLE
+        before its first message, which is when a retry cannot duplicate or lose any output."""
+        if self._route is None:
+            stream = self._open(self._backend, request)
+            return await anext(stream, None), stream
+        candidates = await self._route.candidates(request)
+        for i, backend in enumerate(candidates):
+            stream = self._open(backend, request)
+            try:
+                first = await anext(stream, None)
+            except Unavailable as err:
+                await stream.aclose()
+                self._route.router.failed(backend)
+                if i + 1 == len(candidates):
+                    raise
+                log.warning("%s before the first token (request_id=%s); retrying on %s", err.message,
+                            request.request_id, candidates[i + 1].label)
+                continue
+            self._route.router.answered(backend)
+            return first, stream
+        raise Internal("no decoder replica to call")  # unreachable: candidates is never empty
 
     async def start(self) -> None:
         """Wait for every call's first message; if any call is refused, cancel the rest and raise its error."""
         try:
-            firsts = await asyncio.gather(*(anext(s, None) for s in self._streams), return_exceptions=True)
+            opened = await asyncio.gather(*(self._first(r) for r in self._requests), return_exceptions=True)
         except asyncio.CancelledError:
             await self.aclose()
             raise
-        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        failed = next((f for f in opened if isinstance(f, BaseException)), None)
         if failed is not None:
             await self.aclose()
             raise failed
         self._tasks = [asyncio.create_task(self._pump(i, first, stream))
-                       for i, (first, stream) in enumerate(zip(firsts, self._streams, strict=True))]
+                       for i, (first, stream) in enumerate(opened)]
 
     async def _pump(self, prompt: int, first, stream) -> None:
         try:

@@ -17,7 +17,7 @@ from pydantic import Field, model_validator
 from services.common.pb import decoder_pb2
 
 from .. import images as image_inputs
-from .. import sse
+from .. import routing, sse
 from ..backends import GENERATION
 from ..errors import request_id
 from ..generation import Generation, SamplingFields, finish_reason
@@ -126,12 +126,12 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     images = await _images(request, _image_refs(body.messages), model, rid)
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    generate = decoder_pb2.GenerateRequest(model=model.name, chat=_chat(body.messages), images=images,
+    generate = decoder_pb2.GenerateRequest(**model.target(), chat=_chat(body.messages), images=images,
                                            sampling=body.sampling(max_tokens, logprobs))
     # The decoder names its own fields; the caller should read the ones it sent.
     fields = {"prompt": "messages", "logprobs": "top_logprobs",
               "max_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens"}
-    generation = Generation(model.backend, [generate], rid, body.n, fields)
+    generation = Generation(routing.route(request, model), [generate], rid, body.n, fields)
     await generation.start()
     head = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()), "model": model.name}
     if body.stream:

@@ -14,7 +14,7 @@ from pydantic import Field, PlainValidator, WithJsonSchema
 from services.common.errors import InvalidArgument
 from services.common.pb import decoder_pb2
 
-from .. import sse
+from .. import routing, sse
 from ..backends import GENERATION
 from ..errors import request_id
 from ..generation import Generation, SamplingFields, finish_reason
@@ -85,10 +85,10 @@ async def create_completion(body: CompletionRequest, request: Request):
     rid = request_id(request)
     sampling = body.sampling(body.max_tokens, body.logprobs)
     requests = [decoder_pb2.GenerateRequest(
-        model=model.name, sampling=sampling,
+        **model.target(), sampling=sampling,
         **({"text": p} if isinstance(p, str) else {"token_ids": decoder_pb2.TokenIds(ids=p)}))
         for p in prompts]
-    generation = Generation(model.backend, requests, rid, body.n)
+    generation = Generation(routing.route(request, model), requests, rid, body.n)
     await generation.start()
     head = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": model.name}
     want_logprobs = body.logprobs is not None

@@ -1,4 +1,4 @@
-"""GET /health (the process is alive), /ready (every backend SERVING), /metrics (Prometheus)."""
+"""GET /health (the process is alive), /ready (the backends can serve every model), /metrics (Prometheus)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from services.common.errors import Unavailable, openai_error
 
 from ..errors import request_id
+from ..readiness import Readiness
 
 router = APIRouter()
 
@@ -22,11 +23,20 @@ async def health() -> dict:
 
 @router.get("/ready", tags=["health"])
 async def ready(request: Request):
-    """200 when every configured backend reports SERVING over grpc.health.v1, else 503 naming the others."""
-    backends = request.app.state.backends
+    """200 when pooling and vision report SERVING over grpc.health.v1 and every decoder model has at least one
+    SERVING replica (gateway/readiness.py), else 503 naming what is down."""
+    state = request.app.state
+    backends = state.backends
     statuses = await asyncio.gather(*(b.health() for b in backends))
     report = {b.label: s for b, s in zip(backends, statuses, strict=True)}
-    down = {label: s for label, s in report.items() if s != "SERVING"}
+    readiness = getattr(state, "readiness", None)
+    if readiness is None:
+        readiness = state.readiness = Readiness()
+    if any(b.role == "decoder" for b in backends):
+        # Which model each replica serves; a failed discovery is recorded in the catalog, not raised.
+        await state.catalog.refresh(state.catalog.refresh_s)
+        readiness.learn(state.catalog)
+    down = readiness.down(backends, report)
     if not down:
         return {"status": "ready", "backends": report}
     err = Unavailable("not ready: " + "; ".join(f"{label} is {s}" for label, s in down.items()))

@@ -3,6 +3,7 @@
 - grpc.health.v1 and server reflection on every server;
 - NOT_SERVING until the service calls `set_serving(True)` (after its models load);
 - max message size from config;
+- optional TLS (--tls-cert/--tls-key, mutual with --tls-client-ca; services/common/tls.py);
 - SIGTERM/SIGINT: report NOT_SERVING, refuse new calls, give in-flight calls
   `drain_seconds` to finish, then return from `serve_until_signal`.
 """
@@ -19,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .config import option
+from .tls import check_server_files, server_credentials
 
 log = logging.getLogger("tessera.server")
 
@@ -33,8 +35,14 @@ class ServerConfig:
     drain_seconds: float = option(30.0, "on SIGTERM, how long in-flight calls may take to finish")
     metrics_port: int = option(0, "Prometheus /metrics HTTP port; 0 disables it")
     log_level: str = option("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    tls_cert: str | None = option(None, "PEM certificate chain: serve gRPC over TLS (with --tls-key)",
+                                  metavar="FILE")
+    tls_key: str | None = option(None, "PEM private key of --tls-cert", metavar="FILE")
+    tls_client_ca: str | None = option(None, "PEM CA: require client certificates signed by it (mutual TLS)",
+                                       metavar="FILE")
 
     def __post_init__(self):
+        check_server_files(self.tls_cert, self.tls_key, self.tls_client_ca)
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ValueError("port and metrics_port must be in 0..65535")
         if self.max_message_mb < 1:
@@ -71,12 +79,19 @@ class Server:
 
     async def start(self) -> int:
         """Bind and start; health says NOT_SERVING until set_serving(True). Returns the port."""
-        self.port = self.grpc.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        address = f"{self.cfg.host}:{self.cfg.port}"
+        if self.cfg.tls_cert:
+            creds = server_credentials(self.cfg.tls_cert, self.cfg.tls_key, self.cfg.tls_client_ca)
+            self.port = self.grpc.add_secure_port(address, creds)
+        else:
+            self.port = self.grpc.add_insecure_port(address)
         if not self.port:
             raise OSError(f"could not bind {self.cfg.host}:{self.cfg.port}")
         await self.grpc.start()
         await self.set_serving(False)
-        log.info("gRPC listening on %s:%d (%s)", self.cfg.host, self.port, ", ".join(self.service_names))
+        log.info("gRPC listening on %s:%d%s (%s)", self.cfg.host, self.port,
+                 " with TLS" + (" (client certificates required)" if self.cfg.tls_client_ca else "")
+                 if self.cfg.tls_cert else "", ", ".join(self.service_names))
         return self.port
 
     async def set_serving(self, serving: bool) -> None:

@@ -43,8 +43,8 @@ def test_the_schema_check_rejects_a_broken_file(tmp_path):
     assert done.returncode != 0 and "service_ready" in done.stdout + done.stderr
 
 
-def test_five_services(compose):
-    assert set(compose["services"]) == {"redis", "vision", "decoder", "pooling", "gateway"}
+def test_six_services(compose):
+    assert set(compose["services"]) == {"redis", "vision", "decoder", "decoder-vl", "pooling", "gateway"}
 
 
 def test_dependencies_exist_have_health_checks_and_wait_for_healthy(compose):

@@ -83,13 +83,15 @@ def test_grpc_backends_have_headless_services_and_the_gateway_a_cluster_ip(objec
             grpc = port.get("appProtocol") == "grpc"
             # gRPC keeps one HTTP/2 connection open: only a headless Service lets clients see every pod.
             assert grpc == (svc["spec"].get("clusterIP") == "None"), f"Service {name}"
-    assert {n for n, s in services.items() if s["spec"].get("clusterIP") == "None"} == {"vision", "decoder", "pooling"}
-    assert loads["decoder"]["spec"]["serviceName"] == "decoder"
+    assert {n for n, s in services.items() if s["spec"].get("clusterIP") == "None"} == \
+        {"vision", "decoder", "decoder-vl", "pooling"}
+    for name in ("decoder", "decoder-vl"):
+        assert loads[name]["spec"]["serviceName"] == name
 
 
 def test_grpc_services_have_grpc_startup_readiness_and_liveness_probes(objects):
     known = topo.grpc_service_names()
-    for name in ("vision", "decoder", "pooling"):
+    for name in ("vision", "decoder", "decoder-vl", "pooling"):
         c = container(workloads(objects)[name])
         port = port_flag(c["command"])
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -125,7 +127,7 @@ def test_pdbs_cover_every_model_service_and_never_block_a_drain(objects):
             assert pdb["spec"]["minAvailable"] < replicas, f"PDB {name} forbids every eviction"
         else:
             assert pdb["spec"]["maxUnavailable"] >= 1
-    assert covered == {"vision", "decoder", "pooling", "gateway"}
+    assert covered == {"vision", "decoder", "decoder-vl", "pooling", "gateway"}
 
 
 def test_redis_is_bounded_and_keeps_nothing(objects):
@@ -192,9 +194,15 @@ def test_manifests_and_launcher_describe_the_same_topology(objects):
 
 
 def test_the_gateway_lists_every_decoder_replica(objects):
+    """Every replica of every decoder StatefulSet (SmolLM2's and qwen2-vl-random's), by its stable name."""
     loads = workloads(objects)
     command = container(loads["gateway"])["command"]
-    decoders = [command[i + 1] for i, arg in enumerate(command) if arg == "--decoder"]
-    replicas = loads["decoder"]["spec"]["replicas"]
-    port = port_flag(container(loads["decoder"])["command"])
-    assert decoders == [f"decoder-{i}.decoder:{port}" for i in range(replicas)]
+    listed = [command[i + 1] for i, arg in enumerate(command) if arg == "--decoder"]
+    decoders = [load for load in loads.values() if topo.module_of(container(load)["command"]) == "services.decoder"]
+    assert {load["metadata"]["name"] for load in decoders} == {"decoder", "decoder-vl"}
+    want = []
+    for load in decoders:
+        name, port = load["metadata"]["name"], port_flag(container(load)["command"])
+        assert load["kind"] == "StatefulSet" and load["spec"]["serviceName"] == name
+        want += [f"{name}-{i}.{name}:{port}" for i in range(load["spec"]["replicas"])]
+    assert sorted(listed) == sorted(want)

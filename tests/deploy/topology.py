@@ -22,13 +22,13 @@ K8S = ROOT / "deploy" / "k8s"
 # Where a containerised process finds what the launcher passes as placeholders.
 CONTAINER_VALUES = {"python": "python", "host": "0.0.0.0", "models": "/models", "run": "/data"}
 # "{host}:{NAME_port}" is an address a process dials: in a container network that is the service NAME.
-_DIAL = re.compile(r"\{host\}:\{(\w+)_port\}")
-_PORT_REF = re.compile(r"\{(\w+)_port\}")
+_DIAL = re.compile(r"\{host\}:\{([\w-]+)_port\}")  # row names may hold a hyphen (decoder-vl)
+_PORT_REF = re.compile(r"\{([\w-]+)_port\}")
 
 # Compose services the launcher table does not have a row for YET, with the gateway flag that reaches
-# each. Issue 5 adds vision's row; once a row lands, the agreement test fails until the name is removed
-# here, so the full comparison applies to it (the decoder's row went through exactly that).
-AWAITING_LAUNCHER_ROW: dict[str, str] = {"vision": "--vision"}
+# each. Once a row lands, the agreement test fails until the name is removed here, so the full comparison
+# applies to it (the decoder's and vision's rows went through exactly that). Empty: every row has landed.
+AWAITING_LAUNCHER_ROW: dict[str, str] = {}
 
 
 def rows() -> dict[str, launcher.Service]:

@@ -64,3 +64,22 @@ def test_converted_smollm2_answers_paris():
         out = model.generate(**ids, max_new_tokens=8, do_sample=False)
     answer = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+def test_qwen2_vl_random_is_labelled_and_complete():
+    """The folder `make models` wrote for the image demo: a Qwen2-VL checkpoint (weights, preprocessor, tokenizer
+    with Qwen2-VL's chat template and image tokens) whose name and README say its weights are random.
+    (tests/gateway/test_launcher.py serves it with `make up` and sends it an image chat.)"""
+    from transformers import AutoTokenizer
+
+    folder = ROOT / "models" / models.QWEN2_VL_RANDOM
+    if not (folder / "model.safetensors").exists():
+        pytest.fail(f"{folder} is missing: run `make models`")
+    assert "random" in folder.name and "RANDOM WEIGHTS" in (folder / "README.md").read_text()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "qwen2_vl" and config["text_config"]["hidden_size"] == 256
+    assert json.loads((folder / "preprocessor_config.json").read_text())["size"]["longest_edge"] == 448 * 448
+    tok = AutoTokenizer.from_pretrained(folder)
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
+                                   add_generation_prompt=True, tokenize=False)
+    assert "<|vision_start|><|image_pad|><|vision_end|>hi" in text

