@@ -9,7 +9,7 @@ GEN_STAMP := gen/.stamp
 MODELS_STAMP := models/.stamp
 PYTEST_ARGS ?=
 
-.PHONY: help install protos models lint test test-slow up down bench bench-peers clean
+.PHONY: help install protos models lint test test-slow up down bench bench-load bench-peers clean
 
 help:
 	@echo "make install   - .venv with pinned torch (CPU) and every dependency"
@@ -18,6 +18,7 @@ help:
 	@echo "make test      - the test suite (does its own set-up)"
 	@echo "make up        - start the local fleet as processes; make down stops it"
 	@echo "make bench     - benchmarks in bench/, each prints its ratio last"
+	@echo "make bench-load - 64 clients for 60 s through the gateway (bench/load.py), summary last"
 	@echo "make lint      - ruff"
 
 install: $(STAMP)
@@ -66,6 +67,10 @@ bench: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
 	else \
 		echo "== bench/lora_kernels.py --dry-run (no CUDA here)"; $(PY) bench/lora_kernels.py --dry-run; \
 	fi
+
+# 64 clients for 60 s through the gateway against a fleet it starts itself (bench/load.py); not in make test.
+bench-load: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
+	$(PY) bench/load.py
 
 # The peer engine for side-by-side benchmarks; never needed by make test.
 bench-peers: .venv-peers/.installed-stamp

@@ -59,12 +59,14 @@ TOPOLOGY: tuple[Service, ...] = (
                         "--embedding-model", "{models}/all-MiniLM-L6-v2", "--embedding-name", "all-MiniLM-L6-v2"),
             50053, "grpc:tessera.pooling.v1.PoolingService", "{host}:{port} (gRPC)",
             env_flags=(("--reranker-model", "RERANKER_MODEL"),)),
+    # The demo LoRA adapters (`make models`) preloaded; --lora-root lets the gateway's admin endpoints load more.
     Service("decoder", ("{python}", "-m", "services.decoder", "--host", "{host}", "--port", "{port}",
-                        "--model", "{models}/SmolLM2-135M-Instruct"),
+                        "--model", "{models}/SmolLM2-135M-Instruct", "--lora-root", "{models}/adapters",
+                        "--lora", "pirate={models}/adapters/pirate", "--lora", "french={models}/adapters/french"),
             50052, "grpc:tessera.decoder.v1.DecoderService", "{host}:{port} (gRPC)"),
     # A small random model needs little KV; the default 1 GiB pool would only take memory.
     Service("decoder-vl", ("{python}", "-m", "services.decoder", "--host", "{host}", "--port", "{port}",
-                           "--model", "{models}/qwen2-vl-random", "--kv-cache-gb", "0.25"),
+                           "--model", "{models}/qwen2-vl-random", "--kv-cache-gb", "0.25", "--max-loras", "0"),
             50054, "grpc:tessera.decoder.v1.DecoderService", "{host}:{port} (gRPC, qwen2-vl-random: random weights)"),
     Service("gateway", ("{python}", "-m", "gateway", "--host", "{host}", "--port", "{port}",
                         "--pooling", "{host}:{pooling_port}", "--decoder", "{host}:{decoder_port}",

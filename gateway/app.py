@@ -11,9 +11,10 @@ from .backends import Catalog, build_backends
 from .config import GatewayConfig
 from .edge import Edge
 from .limits import ConcurrencyLimit
-from .routes import chat, completions, embeddings, health, models, rerank
+from .routes import adapters, chat, completions, embeddings, health, models, rerank
 
-ROUTERS = (chat.router, completions.router, embeddings.router, rerank.router, models.router, health.router)
+ROUTERS = (chat.router, completions.router, embeddings.router, rerank.router, models.router, health.router,
+           adapters.router)
 
 
 def create_app(cfg: GatewayConfig) -> FastAPI:
@@ -43,7 +44,8 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                         app.openapi_url, app.docs_url, app.redoc_url])
     # Added first, so it runs inside Edge (the last added is outermost): refusals get ids, logs and metrics.
     app.add_middleware(ConcurrencyLimit, limit=cfg.max_concurrent_requests)
-    app.add_middleware(Edge, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, routes=routes)
+    app.add_middleware(Edge, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, routes=routes,
+                       admin_key=cfg.admin_key)
     app.state.config = cfg
     app.openapi = _without_422(app.openapi)
     return app

@@ -151,7 +151,7 @@ class Backend:
             base = Model(info.name, GENERATION, self, {
                 "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
                 "has_chat_template": info.has_chat_template, "supports_images": info.supports_images,
-                "dtype": info.dtype})
+                "dtype": info.dtype, "max_loras": info.max_loras, "max_lora_rank": info.max_lora_rank})
             # Each registered LoRA adapter is a model of its own name (vLLM's convention), run on this base.
             listed = await self.call(self.decoder.ListAdapters, decoder_pb2.ListAdaptersRequest(), "model-discovery")
             return [base, *(Model(a.name, GENERATION, self, {**base.extra, "rank": a.rank,

@@ -16,6 +16,8 @@ from prometheus_client import Counter, Histogram
 from services.common.errors import TesseraError, TooLarge, Unauthenticated
 from services.common.metrics import LATENCY_BUCKETS
 
+from . import admin
+from .admin import ADMIN_PATHS
 from .errors import error_response
 
 log = logging.getLogger("tessera.gateway.access")
@@ -34,9 +36,11 @@ _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 class Edge:
     """ASGI middleware around the FastAPI app; `routes` are the known paths (metric labels)."""
 
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, routes: frozenset[str]):
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, routes: frozenset[str],
+                 admin_key: str | None = None):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
+        self.admin_key = admin_key.encode() if admin_key else None
         self.max_body_bytes = max_body_bytes
         self.routes = routes
 
@@ -75,6 +79,9 @@ class Edge:
             log.info("%s %s %d %.1fms request_id=%s", scope["method"], path, status[0], elapsed * 1000, rid)
 
     def _authenticate(self, path: str, headers: dict) -> None:
+        if path in ADMIN_PATHS:
+            admin.authorize(self.admin_key, headers)  # the admin key, not the API key (gateway/admin.py)
+            return
         if self.api_key is None or path in PUBLIC_PATHS:
             return
         scheme, _, token = headers.get("authorization", "").partition(" ")

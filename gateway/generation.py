@@ -7,6 +7,9 @@ before any byte of the answer is sent; after that the calls' messages arrive mer
 OpenAI numbers them. Closing a Generation cancels every call still running, which makes the decoder
 abort those requests and free their KV blocks.
 
+Each call goes to a replica chosen by gateway/routing.py; a replica that answers UNAVAILABLE before the
+call's first message is replaced by the next candidate, and after the first message nothing is retried.
+
 Each call gets its own decoder request id, `<HTTP request id>-<random>`: the HTTP id may come from the
 caller (x-request-id), and two live calls under one id would collide in the engine.
 """

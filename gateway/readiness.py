@@ -23,7 +23,8 @@ class Readiness:
         """Record what the catalog's last successful discovery said about each decoder replica."""
         for name, replicas in catalog.by_name.items():
             for model in replicas:
-                if model.kind == GENERATION:
+                # An adapter is not a model of its own here: it runs on its base model's replicas.
+                if model.kind == GENERATION and model.parent is None:
                     label = model.backend.label
                     self.models_of[label] = self.models_of.get(label, frozenset()) | {name}
 

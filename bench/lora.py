@@ -1,0 +1,204 @@
+"""LoRA benchmark: many adapters in one batch, tessera's engine vs no adapters, vs peft, vs vLLM, side by side.
+
+Workload (issue 4): SmolLM2-135M-Instruct fp32 on CPU, `--threads` threads (2); 32 GSM8K chat prompts, the
+rows spread round-robin over 8 random rank-16 PEFT adapters on q/k/v/o (non-zero B, saved with peft into a
+temporary folder); greedy, `--max-tokens` new tokens per row (eos ignored, so every side emits the same count).
+
+  (a) adapter overhead: decode tokens/s of the mixed batch / the same batch on the engine with no adapter
+      bank at all. Decode is timed from the step after the last row's first token, so prefill is out.
+      Each side runs twice, interleaved, and keeps its best (the machine is shared).
+  (b) vs peft: the same mixed batch through peft's mixed-adapter generate (adapter_names=[...], one left-padded
+      batch), end-to-end tokens/s; plus how many rows have greedy outputs identical to tessera's.
+  (c) vs vLLM: the same mixed batch on vLLM in .venv-peers (make bench-peers) with enable_lora=True,
+      max_loras=8, max_lora_rank=16 and a LoRARequest per row, end-to-end tokens/s; also vLLM's own
+      with/without-adapters ratio, and agreement. --no-peer skips it.
+
+The last line printed holds the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.decoder import agreement, prompts  # noqa: E402
+from bench.workload import ROOT, SMOLLM2  # noqa: E402
+from services.decoder.engine.config import EngineConfig  # noqa: E402
+from services.decoder.engine.engine_core import EngineCore  # noqa: E402
+from services.decoder.engine.step import SamplingParams  # noqa: E402
+from services.decoder.lora import AdapterBank, AdapterLeases, AdapterRegistry, adapter_features, load_peft  # noqa: E402
+from services.decoder.runner.runner import Runner  # noqa: E402
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+RANK = 16
+
+
+def make_adapters(folder: Path, count: int, seed: int = 0):
+    """`count` random rank-RANK adapters in one PeftModel (for peft's mixed batches), each also saved with
+    peft under folder/<name>. lora_A and lora_B are random (peft's B starts at zero: the identity)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32).eval()
+    config = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=list(TARGETS), lora_dropout=0.0)
+    names = [f"a{i}" for i in range(count)]
+    model = get_peft_model(base, config, adapter_name=names[0])
+    for name in names[1:]:
+        model.add_adapter(name, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "lora_A" in pname:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+            elif "lora_B" in pname:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    folders = {}
+    for name in names:
+        model.save_pretrained(folder, selected_adapters=[name])
+        folders[name] = folder / name  # peft writes a non-default adapter into a subfolder of its name
+        if not (folders[name] / "adapter_model.safetensors").exists():
+            raise SystemExit(f"peft did not write {folders[name]}")
+    return model.eval(), folders
+
+
+class Engine:
+    """The in-process engine as the decoder service runs it, with an adapter bank when `folders` is given."""
+
+    def __init__(self, folders: dict[str, Path] | None, num_blocks: int = 2048):
+        self.runner = Runner.from_folder(SMOLLM2, "fp32", 16, num_blocks)
+        self.registry = None
+        leases = None
+        if folders is not None:
+            bank = AdapterBank(self.runner.model, TARGETS, len(folders), RANK)
+            self.runner.attach_lora(bank)
+            self.registry = AdapterRegistry(bank, len(folders))
+            for name, folder in folders.items():
+                self.registry.register(name, load_peft(folder, layers=bank.shapes, max_rank=RANK,
+                                                       dtype=bank.dtype))
+            leases = AdapterLeases(self.registry)
+        # Prefix caching off: the same prompts run several times and must cost the same each time.
+        self.core = EngineCore(self.runner, EngineConfig(
+            block_size=16, num_blocks=num_blocks, max_num_batched_tokens=512, max_num_seqs=64, max_model_len=2048,
+            enable_prefix_caching=False), leases=leases)
+        self.runs = 0
+
+    def generate(self, batch: list[list[int]], adapters: list[str | None], max_tokens: int):
+        """All rows at once; (outputs, end-to-end tok/s, decode tok/s)."""
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.runs += 1
+        rids = [f"r{self.runs}-{i}" for i in range(len(batch))]
+        out = {rid: [] for rid in rids}
+        start = time.perf_counter()
+        for rid, prompt, name in zip(rids, batch, adapters, strict=True):
+            features, keys = adapter_features(name, self.registry.status(name).digest) if name else ({}, ())
+            self.core.add_request(rid, prompt, sp, features=features, extra_keys=keys)
+        decode_start, decode_tokens = None, 0
+        while self.core.has_unfinished():
+            step_tokens = 0
+            for o in self.core.step():
+                out[o.request_id].extend(o.new_token_ids)
+                step_tokens += len(o.new_token_ids)
+            if decode_start is not None:
+                decode_tokens += step_tokens
+            elif all(out.values()):
+                decode_start = time.perf_counter()  # every row has its first token: pure decode from here
+        end = time.perf_counter()
+        outputs = [out[rid] for rid in rids]
+        return outputs, sum(map(len, outputs)) / (end - start), decode_tokens / (end - decode_start)
+
+
+@torch.inference_mode()
+def peft_generate(model, batch: list[list[int]], adapters: list[str | None], max_tokens: int):
+    """peft's mixed-adapter batch: one left-padded generate with adapter_names; (outputs, tok/s)."""
+    width = max(map(len, batch))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    start = time.perf_counter()
+    gen = model.generate(input_ids=ids, attention_mask=mask, adapter_names=[a or "__base__" for a in adapters],
+                         max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    seconds = time.perf_counter() - start
+    outputs = gen[:, width:].tolist()
+    return outputs, sum(map(len, outputs)) / seconds
+
+
+def run_vllm(batch, adapters, folders, max_tokens: int, threads: int) -> dict:
+    python = ROOT / ".venv-peers" / "bin" / "python"
+    if not python.exists():
+        raise SystemExit("the vLLM peer venv is missing: run `make bench-peers` (or pass --no-peer)")
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="4",
+               OMP_NUM_THREADS=str(threads))
+    job = {"prompts": batch, "adapters": adapters, "folders": {n: str(f) for n, f in folders.items()}}
+    proc = subprocess.run([str(python), str(ROOT / "bench" / "peers" / "vllm_lora.py"), "--model", str(SMOLLM2),
+                           "--max-tokens", str(max_tokens)],
+                          input=json.dumps(job), capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"vLLM peer failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    # vLLM logs to stdout too: the result is the line that starts with the JSON object.
+    result = [line for line in proc.stdout.splitlines() if line.startswith('{"tok_s"')]
+    if not result:
+        raise SystemExit(f"vLLM peer printed no result:\n{proc.stdout[-4000:]}")
+    return json.loads(result[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads for every engine")
+    ap.add_argument("--no-peer", action="store_true", help="skip (c), the vLLM peer")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    batch = prompts(args.rows)
+    names = [f"a{i}" for i in range(args.adapters)]
+    mixed = [names[i % len(names)] for i in range(len(batch))]
+    ratios = []
+    with tempfile.TemporaryDirectory(prefix="tessera-bench-lora-") as tmp:
+        peft_model, folders = make_adapters(Path(tmp), args.adapters)
+        print(f"{len(batch)} rows over {len(folders)} random rank-{RANK} adapters on {','.join(TARGETS)}; "
+              f"{args.max_tokens} new tokens per row; fp32, {args.threads} threads")
+
+        # (a) the same engine code with and without a bank; warm both, then alternate and keep each one's best.
+        lora, base = Engine(folders), Engine(None)
+        lora.generate(batch[:len(names)], names, 4)
+        base.generate(batch[:2], [None, None], 4)
+        best_lora = best_base = None
+        for _ in range(2):
+            got = lora.generate(batch, mixed, args.max_tokens)
+            best_lora = got if best_lora is None or got[2] > best_lora[2] else best_lora
+            got = base.generate(batch, [None] * len(batch), args.max_tokens)
+            best_base = got if best_base is None or got[2] > best_base[2] else best_base
+        mine, e2e, decode = best_lora
+        print(f"(a) tessera decode: {decode:.1f} tok/s with {len(names)} adapters mixed, {best_base[2]:.1f} tok/s "
+              f"with none (end to end {e2e:.1f} vs {best_base[1]:.1f} tok/s)")
+        ratios.append(f"adapter_overhead={decode / best_base[2]:.2f}")
+        del base
+
+        # (b) peft's mixed-adapter generate on the same rows.
+        theirs, peft_tps = peft_generate(peft_model, batch, mixed, args.max_tokens)
+        print(f"(b) peft mixed-adapter generate: {peft_tps:.1f} tok/s end to end vs tessera {e2e:.1f} tok/s; "
+              f"identical greedy outputs {agreement(mine, theirs):.0%} of rows")
+        ratios.append(f"vs_peft={e2e / peft_tps:.2f}x")
+        del peft_model, lora
+
+        if not args.no_peer:
+            peer = run_vllm(batch, mixed, folders, args.max_tokens, args.threads)
+            print(f"(c) vLLM enable_lora, a LoRARequest per row: {peer['lora']['tok_s']:.1f} tok/s end to end vs "
+                  f"tessera {e2e:.1f} tok/s; identical outputs {agreement(mine, peer['lora']['outputs']):.0%} of "
+                  f"rows; vLLM's own overhead {peer['lora']['tok_s'] / peer['base']['tok_s']:.2f} "
+                  f"({peer['base']['tok_s']:.1f} tok/s without LoRARequests)")
+            ratios.append(f"vs_vllm={e2e / peer['lora']['tok_s']:.2f}x")
+    print("ratios: " + " ".join(ratios))
+
+
+if __name__ == "__main__":
+    main()
