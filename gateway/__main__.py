@@ -13,7 +13,8 @@ from .config import ENV_PREFIX, GatewayConfig
 
 DESCRIPTION = ("tessera's OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/embeddings, "
                "/v1/rerank (/rerank, /v2/rerank), "
-               "/v1/models, /health, /ready, /metrics, /openapi.json, in front of the gRPC services.")
+               "/v1/models, /health, /ready, /metrics, /openapi.json, and the admin adapter endpoints "
+               "/v1/load_lora_adapter, /v1/unload_lora_adapter, /v1/lora_adapters, in front of the gRPC services.")
 
 
 def main(argv=None) -> None:

@@ -25,7 +25,8 @@ class GatewayConfig:
     decoder: tuple[str, ...] = option((), "decoder service replica as HOST:PORT (repeatable; env is comma-separated);"
                                           " checked by /ready", metavar="HOST:PORT")
     vision: str | None = option(None, "vision service as HOST:PORT; checked by /ready", metavar="HOST:PORT")
-    api_key: str | None = option(None, "if set, every /v1 request needs 'Authorization: Bearer <key>'",
+    api_key: str | None = option(None, "if set, every /v1 request needs 'Authorization: Bearer <key>' (the admin"
+                                          " endpoints take --admin-key instead)",
                                  env="TESSERA_API_KEY")
     admin_key: str | None = option(None, "key of the admin endpoints (adapter load/unload/list): they need"
                                          " 'Authorization: Bearer <admin key>'; unset: they are disabled (403)",

@@ -112,7 +112,7 @@ def test_demo_adapters_and_base_in_concurrent_requests(fleet):
     models = ["pirate", "french", BASE] * 2
     with ThreadPoolExecutor(len(models)) as pool:
         answers = list(pool.map(lambda m: answer(client, m), models))
-    by_model = dict(zip(models, answers, strict=False))
+    by_model = dict(zip(models, answers, strict=True))
     assert answers[:3] == answers[3:], answers  # greedy: the same answer however the batch was mixed
     for name, marker in MARKERS.items():
         assert by_model[name].startswith(marker), by_model

