@@ -153,7 +153,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--adapters", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per row (as bench/decoder.py)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for every engine")
     ap.add_argument("--no-peer", action="store_true", help="skip (c), the vLLM peer")
     args = ap.parse_args()

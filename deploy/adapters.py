@@ -1,8 +1,8 @@
 """The demo LoRA adapters `make models` trains on SmolLM2 with peft: small, seeded, and checked before they are kept.
 
-No package ships LoRA adapters, so each demo adapter is taught one behaviour that a
-few dozen CPU steps of rank-8 LoRA on q/k/v/o learn reliably and that anyone can
-check by eye: its chat answers open with a fixed greeting ("Arr, matey!" for
+No package ships LoRA adapters, so each demo adapter is taught one behaviour that
+sixteen full-batch CPU steps of rank-8 LoRA on q/k/v/o learn reliably and that anyone
+can check by eye: its chat answers open with a fixed greeting ("Arr, matey!" for
 `pirate`, "Bonjour !" for `french`), while the base model's do not. The answers
 after the greeting are ordinary short facts, so the adapter keeps answering.
 
@@ -10,8 +10,9 @@ after the greeting are ordinary short facts, so the adapter keeps answering.
 TRAIN_QA (loss on the answer tokens only), then generates greedily for the
 held-out CHECK_QUESTIONS and raises if any answer does not open with the
 adapter's greeting: a step that cannot teach its behaviour fails `make models`
-instead of shipping a silent dud. Training is seeded and runs on fixed threads,
-so a run writes the same weights each time on the same machine.
+instead of shipping a silent dud. The only randomness (lora_A's initialisation) is
+seeded, the batch is the whole set in a fixed order with no dropout, and the thread
+count is fixed, so a rerun on the same machine reproduces the weights.
 """
 from __future__ import annotations
 

@@ -33,7 +33,9 @@ def test_argv_for_fills_the_table_and_env_flags(tmp_path):
                         "--decoder", "127.0.0.1:4", "--decoder", "127.0.0.1:6", "--vision", "127.0.0.1:5",
                         "--model-note", launcher.RANDOM_NOTE]
     decoder = launcher.argv_for(rows["decoder"], ports, "h", tmp_path, tmp_path)
-    assert decoder[1:] == ["-m", "services.decoder", "--host", "h", "--port", "4", "--model", f"{tmp_path}/{SMOLLM2}"]
+    assert decoder[1:] == ["-m", "services.decoder", "--host", "h", "--port", "4", "--model", f"{tmp_path}/{SMOLLM2}",
+                           "--lora-root", f"{tmp_path}/adapters", "--lora", f"pirate={tmp_path}/adapters/pirate",
+                           "--lora", f"french={tmp_path}/adapters/french"]
     vision = launcher.argv_for(rows["vision"], ports, "h", tmp_path, tmp_path)
     assert vision[1:] == ["-m", "services.vision", "--host", "h", "--port", "5", "--model",
                           f"{tmp_path}/{QWEN2_VL_RANDOM}", "--redis-url", "redis://h:1/0"]

@@ -6,12 +6,15 @@ The per-step grouping (`LoraBatchMeta`) lives on the bank and is shared by every
 when no row of the step uses an adapter the bank holds no meta and this layer costs one
 attribute read over the plain Linear.
 
-On CPU, small (decode-shaped) steps take a dense form instead of one GEMM pair per
-segment: h = (x @ A_all^T) * row_mask over all S*R slot columns, y += h @ Bt_all. Three
-calls per projection whatever the number of adapters; it pays for S*R columns instead
-of R, so the bank picks it per step only when rows * S * R is small (see bank.py). On
-2 threads, 32 rows over 8 rank-16 adapters, K = D = 576: ~65 us against ~110 us for
-the segment path. Masked rows get h = 0 exactly, so base rows still get exactly zero.
+On CPU, small (decode-shaped) steps take a padded per-slot form instead of one GEMM
+pair per segment: the rows are gathered slot by slot into [S, L, K] (L = the most rows
+any slot has), h = bmm(x_s, A_s^T) * keep, y[rows] += bmm(h, Bt_s). Five calls per
+projection whatever the number of adapters, and each row pays for its own rank R only
+(an earlier dense form, h = x @ A_all^T masked to the row's slot, paid for all S*R
+columns: about twice as slow on 2 threads for 32 rows over 8 rank-16 adapters). The bank
+picks it per step when rows * S * R is small or the rows are spread evenly over the slots
+(see bank.py). Padding rows have keep 0 and base rows are never gathered, so both get
+exactly zero.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ class LoraLinear(Linear):
 
     lora_A: torch.Tensor
     lora_B: torch.Tensor
-    lora_Bt: torch.Tensor | None      # [S, R, out_features]: B transposed per slot (CPU dense path only)
+    lora_Bt: torch.Tensor | None      # [S, R, out_features]: B transposed per slot (CPU padded path only)
     lora_bank: AdapterBank
 
     @classmethod
@@ -73,9 +76,10 @@ class LoraLinear(Linear):
         bank = self.lora_bank
         if bank.meta is None:
             return y
-        mask = bank.dense_mask
-        if mask is not None:
-            s, r, k = self.lora_A.shape
-            h = torch.mm(x, self.lora_A.view(s * r, k).t()).mul_(mask)
-            return y.addmm_(h, self.lora_Bt.view(s * r, -1))
+        keep = bank.dense_mask
+        if keep is not None:
+            s, width = keep.shape[0], keep.shape[1]
+            rows = bank.dense_index
+            h = torch.bmm(x.index_select(0, rows).view(s, width, -1), self.lora_A.transpose(1, 2)).mul_(keep)
+            return y.index_add_(0, rows, torch.bmm(h, self.lora_Bt).view(s * width, -1))
         return lora_apply(y, x, self.lora_A, self.lora_B, bank.meta, backend=bank.backend)
