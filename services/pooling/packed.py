@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from services.common import onednn
+
 _GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 
 
@@ -36,14 +38,28 @@ class PackedBert:
         self.position = emb.position_embeddings.weight
         self.token_type = emb.token_type_embeddings.weight
         self.emb_norm = emb.LayerNorm
+        # Every projection as (weight, bias) for self._linear: oneDNN-packed on CPU (about 2x
+        # F.linear there), plain tensors elsewhere.
+        self.packed = onednn.available(self.word.device)
         self.layers = []
         for layer in model.encoder.layer:
             att = layer.attention
             qkv_w = torch.cat([att.self.query.weight, att.self.key.weight, att.self.value.weight])
             qkv_b = torch.cat([att.self.query.bias, att.self.key.bias, att.self.value.bias])
-            self.layers.append((qkv_w.detach().contiguous(), qkv_b.detach().contiguous(),
-                                att.output.dense, att.output.LayerNorm,
-                                layer.intermediate.dense, layer.output.dense, layer.output.LayerNorm))
+            self.layers.append((self._prepare(qkv_w, qkv_b), self._prepare(att.output.dense),
+                                att.output.LayerNorm, self._prepare(layer.intermediate.dense),
+                                self._prepare(layer.output.dense), layer.output.LayerNorm))
+
+    def _prepare(self, weight, bias=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(weight, torch.nn.Linear):
+            weight, bias = weight.weight, weight.bias
+        weight = weight.detach().contiguous()
+        bias = None if bias is None else bias.detach().contiguous()
+        return (onednn.pack(weight) if self.packed else weight), bias
+
+    def _linear(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        """x [T, in] -> [T, out]."""
+        return onednn.linear(x, *wb) if self.packed else F.linear(x, *wb)
 
     def __call__(self, seqs) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = torch.tensor([len(s) for s in seqs])
@@ -58,15 +74,15 @@ class PackedBert:
         hidden = x.shape[1]
         head_dim = hidden // self.heads
         key_mask = mask[:, None, None, :]                                         # [B, 1, 1, L]
-        for qkv_w, qkv_b, out_dense, out_norm, up, down, ffn_norm in self.layers:
-            qkv = F.linear(x, qkv_w, qkv_b)                                       # [T, 3H]
+        for qkv, out_dense, out_norm, up, down, ffn_norm in self.layers:
+            qkv = self._linear(x, qkv)                                            # [T, 3H]
             grid = qkv.new_zeros(batch * width, 3 * hidden)
             grid[flat] = qkv
             q, k, v = grid.view(batch, width, 3, self.heads, head_dim).permute(2, 0, 3, 1, 4)
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)     # [B, nh, L, d]
             ctx = ctx.transpose(1, 2).reshape(batch * width, hidden)[flat]        # [T, H]
-            x = out_norm(out_dense(ctx) + x)
-            x = ffn_norm(down(F.gelu(up(x), approximate=self.approximate)) + x)
+            x = out_norm(self._linear(ctx, out_dense) + x)
+            x = ffn_norm(self._linear(F.gelu(self._linear(x, up), approximate=self.approximate), down) + x)
         out = x.new_zeros(batch * width, hidden)
         out[flat] = x
         return out.view(batch, width, hidden), mask
