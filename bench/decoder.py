@@ -46,7 +46,7 @@ def prompts(count: int) -> list[list[int]]:
 class Tessera:
     """The in-process engine (core + runner), as the decoder service runs it."""
 
-    def __init__(self, dtype: str, num_blocks: int = 4096, budget: int = 512, max_seqs: int = 64):
+    def __init__(self, dtype: str, num_blocks: int = 4096, budget: int = 2048, max_seqs: int = 64):
         self.runner = Runner.from_folder(SMOLLM2, dtype, 16, num_blocks)
         self.cfg = EngineConfig(block_size=16, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                 max_num_seqs=max_seqs, max_model_len=4096)

@@ -31,7 +31,7 @@ class DecoderConfig:
     block_size: int = option(16, "tokens per KV block")
     num_blocks: int = option(0, "KV blocks in the pool; 0 sizes it from --kv-cache-gb")
     kv_cache_gb: float = option(1.0, "KV cache memory in GiB when --num-blocks is 0")
-    max_num_batched_tokens: int = option(512, "token budget of one engine step (prefill chunk size)")
+    max_num_batched_tokens: int = option(2048, "token budget of one engine step (prefill chunk size)")
     max_num_seqs: int = option(64, "requests running at once")
     max_model_len: int = option(0, "longest prompt + output; 0 uses the model's max_position_embeddings")
     enable_prefix_caching: bool = option(True, "reuse KV blocks of identical prompt prefixes")
