@@ -15,9 +15,6 @@ The last line printed holds the ratios.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.workload import ROOT, SMOLLM2, gsm8k_messages  # noqa: E402
+from bench.workload import SMOLLM2, gsm8k_messages, run_vllm_peer  # noqa: E402
 from services.decoder.chat_template import ChatTemplate  # noqa: E402
 from services.decoder.engine.config import EngineConfig  # noqa: E402
 from services.decoder.engine.engine_core import EngineCore  # noqa: E402
@@ -109,21 +106,7 @@ def matmul_flops(threads: int) -> float:
 
 
 def run_vllm(dtype: str, batch: list[list[int]], max_tokens: int, threads: int) -> dict:
-    python = ROOT / ".venv-peers" / "bin" / "python"
-    if not python.exists():
-        raise SystemExit("the vLLM peer venv is missing: run `make bench-peers`")
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="4",
-               OMP_NUM_THREADS=str(threads))
-    proc = subprocess.run([str(python), str(ROOT / "bench" / "peers" / "vllm_decoder.py"), "--dtype", dtype,
-                           "--max-tokens", str(max_tokens), "--model", str(SMOLLM2)],
-                          input=json.dumps(batch), capture_output=True, text=True, env=env, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"vLLM peer failed:\n{proc.stderr[-4000:]}")
-    # vLLM logs to stdout too: the result is the line that starts with the JSON object.
-    result = [line for line in proc.stdout.splitlines() if line.startswith('{"tok_s"')]
-    if not result:
-        raise SystemExit(f"vLLM peer printed no result:\n{proc.stdout[-4000:]}")
-    return json.loads(result[-1])
+    return run_vllm_peer("vllm_decoder.py", ["--dtype", dtype, "--max-tokens", str(max_tokens)], batch, threads)
 
 
 def main() -> None:

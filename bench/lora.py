@@ -18,9 +18,6 @@ The last line printed holds the ratios.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decoder import agreement, prompts  # noqa: E402
-from bench.workload import ROOT, SMOLLM2  # noqa: E402
+from bench.workload import SMOLLM2, run_vllm_peer  # noqa: E402
 from services.decoder.engine.config import EngineConfig  # noqa: E402
 from services.decoder.engine.engine_core import EngineCore  # noqa: E402
 from services.decoder.engine.step import SamplingParams  # noqa: E402
@@ -131,22 +128,8 @@ def peft_generate(model, batch: list[list[int]], adapters: list[str | None], max
 
 
 def run_vllm(batch, adapters, folders, max_tokens: int, threads: int) -> dict:
-    python = ROOT / ".venv-peers" / "bin" / "python"
-    if not python.exists():
-        raise SystemExit("the vLLM peer venv is missing: run `make bench-peers` (or pass --no-peer)")
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="4",
-               OMP_NUM_THREADS=str(threads))
     job = {"prompts": batch, "adapters": adapters, "folders": {n: str(f) for n, f in folders.items()}}
-    proc = subprocess.run([str(python), str(ROOT / "bench" / "peers" / "vllm_lora.py"), "--model", str(SMOLLM2),
-                           "--max-tokens", str(max_tokens)],
-                          input=json.dumps(job), capture_output=True, text=True, env=env, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"vLLM peer failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    # vLLM logs to stdout too: the result is the line that starts with the JSON object.
-    result = [line for line in proc.stdout.splitlines() if line.startswith('{"tok_s"')]
-    if not result:
-        raise SystemExit(f"vLLM peer printed no result:\n{proc.stdout[-4000:]}")
-    return json.loads(result[-1])
+    return run_vllm_peer("vllm_lora.py", ["--max-tokens", str(max_tokens)], job, threads)
 
 
 def main() -> None:
