@@ -49,7 +49,7 @@ test: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 test-slow: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
-	$(PY) -m pytest -q -m slow --run-slow $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q --run-slow $(PYTEST_ARGS) tests
 
 up: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
 	$(PY) -m deploy.launcher up
