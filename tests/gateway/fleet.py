@@ -2,7 +2,6 @@
 and service subprocesses waited on through grpc.health.v1."""
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import socket
@@ -19,24 +18,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from tests.loops import LoopThread  # noqa: F401 - re-exported for the gateway tests
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class LoopThread:
-    """An asyncio loop in a daemon thread, for gRPC aio servers the test drives synchronously."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 class GatewayThread:
