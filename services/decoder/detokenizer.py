@@ -47,7 +47,6 @@ class IncrementalDetokenizer:
         # the next ids decode as they would inside the whole sequence.
         self._prefix_offset = 0
         self._read_offset = 0
-        self._emitted_chars = 0
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._backend.decode(self.ids[start:end], skip_special_tokens=self._skip)
@@ -67,7 +66,6 @@ class IncrementalDetokenizer:
             return ""
         delta = new_text[len(prefix_text):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-        self._emitted_chars += len(delta)
         return delta
 
     def finish(self) -> str:
@@ -78,10 +76,4 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._prefix_offset)
         delta = new_text[len(prefix_text):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-        self._emitted_chars += len(delta)
         return delta
-
-    @property
-    def emitted_chars(self) -> int:
-        """Characters emitted so far (offset bookkeeping for logprobs/stop handling)."""
-        return self._emitted_chars

@@ -41,10 +41,6 @@ class BlockPool:
         return len(self._free)
 
     @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
-    @property
     def usage(self) -> float:
         """Fraction of blocks held by requests, in [0, 1]."""
         return 1.0 - self.num_free_blocks / self.num_blocks

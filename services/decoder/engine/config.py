@@ -38,8 +38,3 @@ class EngineConfig:
         if not isinstance(self.eos_token_ids, tuple) or any(
                 isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.eos_token_ids):
             raise ValueError(f"EngineConfig.eos_token_ids must be a tuple of token ids, got {self.eos_token_ids!r}")
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        """Positions the whole pool can hold."""
-        return self.block_size * self.num_blocks
