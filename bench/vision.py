@@ -54,6 +54,17 @@ QWEN2_VL_2B_TEXT_FULL = dict(hidden_size=1536, intermediate_size=8960, num_atten
                              max_position_embeddings=4096)
 
 
+
+def summarize(slow: dict, fast: dict, slow_name: str, fast_name: str, title: str) -> float:
+    """Print per-photo and overall medians (seconds in, ms out); return the fast/slow ratio of the medians."""
+    for name in slow:
+        s, f = statistics.median(slow[name]), statistics.median(fast[name])
+        print(f"{name:14s} {slow_name} {s * 1000:8.1f} ms   {fast_name} {f * 1000:7.1f} ms   {f / s:.3f}x")
+    s_all = statistics.median([v for vs in slow.values() for v in vs])
+    f_all = statistics.median([v for vs in fast.values() for v in vs])
+    print(f"{title}; median {slow_name} {s_all * 1000:.1f} ms, median {fast_name} {f_all * 1000:.1f} ms")
+    return f_all / s_all
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -146,14 +157,8 @@ def part_a(args, photos: dict[str, bytes], tmp: str) -> float:
                 print(f"(a) round {r + 1}/{args.rounds} done", flush=True)
     finally:
         stop_all(procs)
-    for name in photos:
-        m, h = statistics.median(miss[name]), statistics.median(hit[name])
-        print(f"{name:14s} miss {m * 1000:8.1f} ms   hit {h * 1000:6.1f} ms   {h / m:.3f}x")
-    m_all = statistics.median([v for vs in miss.values() for v in vs])
-    h_all = statistics.median([v for vs in hit.values() for v in vs])
-    print(f"vision (a) tower depth {args.depth}/32 at Qwen2-VL-2B width; median miss {m_all * 1000:.1f} ms, "
-          f"median hit {h_all * 1000:.1f} ms")
-    return h_all / m_all
+    return summarize(miss, hit, "miss", "hit",
+                     f"vision (a) tower depth {args.depth}/32 at Qwen2-VL-2B width")
 
 
 def variant(data: bytes, k: int) -> bytes:
@@ -239,14 +244,9 @@ def part_b(args, photos: dict[str, bytes], tmp: str) -> float:
             print(f"(b) round {r + 1}/{args.rounds} done", flush=True)
     finally:
         stop_all(procs)
-    for name in names:
-        c, w = statistics.median(cold[name]), statistics.median(warm[name])
-        print(f"{name:14s} cold TTFT {c * 1000:8.1f} ms   warm TTFT {w * 1000:7.1f} ms   {w / c:.3f}x")
-    c_all = statistics.median([v for vs in cold.values() for v in vs])
-    w_all = statistics.median([v for vs in warm.values() for v in vs])
-    print(f"vision (b) through the gateway, tower depth {args.depth}/32, text {args.text_layers}/28 layers at "
-          f"Qwen2-VL-2B width; median cold TTFT {c_all * 1000:.1f} ms, median warm TTFT {w_all * 1000:.1f} ms")
-    return w_all / c_all
+    return summarize(cold, warm, "cold TTFT", "warm TTFT",
+                     f"vision (b) through the gateway, tower depth {args.depth}/32, text {args.text_layers}/28 "
+                     f"layers at Qwen2-VL-2B width")
 
 
 def stop_all(procs: list[subprocess.Popen]) -> None:
