@@ -8,6 +8,10 @@ PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := gen/.stamp
 MODELS_STAMP := models/.stamp
 PYTEST_ARGS ?=
+# The numerics-marked tests run a second time under other kernels on the same CPU: AVX2 for
+# ATen and oneDNN (as on an AVX2-only machine) and MKL's compatible code path (another summation
+# order in every sgemm). A tolerance that holds on the author's CPU only then fails everywhere.
+NUMERICS_DISPATCH := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=COMPATIBLE
 
 .PHONY: help install protos models lint test test-slow up down bench bench-load bench-peers clean
 
@@ -15,7 +19,7 @@ help:
 	@echo "make install   - .venv with pinned torch (CPU) and every dependency"
 	@echo "make protos    - generate gRPC stubs into gen/ (gitignored)"
 	@echo "make models    - prepare default models into models/ (no hub downloads)"
-	@echo "make test      - the test suite (does its own set-up)"
+	@echo "make test      - the test suite, then its numerics tests under a second kernel dispatch (does its own set-up)"
 	@echo "make up        - start the local fleet as processes; make down stops it"
 	@echo "make bench     - benchmarks in bench/, each prints its ratio last"
 	@echo "make bench-load - 64 clients for 60 s through the gateway (bench/load.py), summary last"
@@ -47,6 +51,8 @@ lint: $(STAMP)
 
 test: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	@echo "== numerics again under $(NUMERICS_DISPATCH)"
+	$(NUMERICS_DISPATCH) $(PY) -m pytest -q -m numerics $(PYTEST_ARGS) tests
 
 test-slow: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
 	$(PY) -m pytest -q --run-slow $(PYTEST_ARGS) tests

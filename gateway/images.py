@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import Counter
 
+from services.common.data_uri import parse_data_uri
 from services.common.errors import (
     PARAM_KEY,
     Internal,
@@ -25,7 +26,6 @@ from services.common.errors import (
     from_rpc_error,
 )
 from services.common.pb import decoder_pb2, vision_pb2
-from services.vision.image import parse_data_uri
 
 from .backends import Backend, Model
 

@@ -5,8 +5,8 @@ import asyncio
 
 from services.common import config as cfg_mod
 from services.common import logs, metrics
-from services.decoder.config import DecoderConfig, DecoderServerConfig
-from services.decoder.service import serve
+from services.decoder.server.config import DecoderConfig, DecoderServerConfig
+from services.decoder.server.service import serve
 
 
 def main(argv=None) -> None:

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from prometheus_client import Counter, Histogram
 
+from services.common.data_uri import check_mime
 from services.common.errors import InvalidArgument, Overloaded, TooLarge, Unavailable, grpc_errors
 from services.common.metrics import LATENCY_BUCKETS
 from services.common.pb import common_pb2, vision_pb2, vision_pb2_grpc
@@ -24,7 +25,7 @@ from services.common.tensors import to_proto
 from services.vision import encoder as encoder_mod
 from services.vision.cache import Entry, FeatureCache
 from services.vision.config import VisionConfig, VisionServerConfig
-from services.vision.image import Limits, check_mime, decode
+from services.vision.image import Limits, decode
 
 log = logging.getLogger("tessera.vision")
 SERVICE_NAME = vision_pb2.DESCRIPTOR.services_by_name["VisionService"].full_name

@@ -4,13 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decoder.chat_template import ChatTemplate
 from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.step import SamplingParams
 from services.decoder.runner.runner import Runner
-from services.decoder.tokenizer import Tokenizer
-from tests.decoder.service.conftest import need_smollm2
+from services.decoder.text.chat_template import ChatTemplate
+from services.decoder.text.tokenizer import Tokenizer
+from tests.decoder.server.conftest import need_smollm2
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
              "Write a haiku about the sea."]

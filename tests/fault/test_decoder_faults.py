@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.config import GatewayConfig
 from services.common.pb import decoder_pb2, decoder_pb2_grpc
 from tests.conftest import free_port
-from tests.decoder.service.conftest import tiny_chat_model  # noqa: F401 - the fixture, shared with the decoder
+from tests.decoder.server.conftest import tiny_chat_model  # noqa: F401 - the fixture, shared with the decoder
 from tests.gateway.fleet import GatewayThread, python_module, stop, wait_http, wait_serving
 from tests.gateway.test_generation import events
 

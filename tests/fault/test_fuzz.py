@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from gateway.config import GatewayConfig
 from tests.conftest import free_port
-from tests.decoder.service.conftest import tiny_chat_model  # noqa: F401 - the fixture, shared with the decoder
+from tests.decoder.server.conftest import tiny_chat_model  # noqa: F401 - the fixture, shared with the decoder
 from tests.gateway.fleet import GatewayThread, python_module, stop, wait_serving
 from tests.pooling.conftest import minilm_dir, tiny_bert_dir  # noqa: F401 - fixtures shared with the pooling tests
 

@@ -24,7 +24,7 @@ from deploy.adapters import DEMO_ADAPTERS
 from deploy.models import ADAPTERS_DIR
 from gateway.config import GatewayConfig
 from tests.conftest import free_port
-from tests.decoder.service.conftest import need_smollm2
+from tests.decoder.server.conftest import need_smollm2
 from tests.gateway.fleet import GatewayThread, python_module, stop, wait_serving
 
 BASE = "SmolLM2-135M-Instruct"

@@ -16,6 +16,8 @@ from transformers import BertConfig, BertForSequenceClassification
 from deploy.models import package_dir
 from tests.conftest import free_port
 from tests.gateway.fleet import python_module, stop, wait_http, wait_serving
+from tests.pooling.conftest import MINILM_SHAPE, TINY_SHAPE
+from tests.tolerance import assert_close, assert_cosine
 
 KEY = "sk-e2e"
 LIMIT = 64 * 1024
@@ -81,6 +83,7 @@ def still_up(http):
     assert reply.status_code == 200, reply.text
 
 
+@pytest.mark.numerics
 def test_embeddings_float_and_base64_agree_and_match_sentence_transformers(client, minilm):
     floats = client.embeddings.create(model=EMBEDDER, input=TEXTS, encoding_format="float")
     b64 = client.embeddings.create(model=EMBEDDER, input=TEXTS, encoding_format="base64")
@@ -94,18 +97,18 @@ def test_embeddings_float_and_base64_agree_and_match_sentence_transformers(clien
     assert [d.index for d in floats.data] == [0, 1, 2] and floats.model == EMBEDDER
     assert floats.usage.prompt_tokens == floats.usage.total_tokens > 3 * 3
     want = SentenceTransformer(str(minilm), device="cpu").encode(TEXTS, convert_to_numpy=True)
-    cos = (as_float * want).sum(1) / np.linalg.norm(as_float, axis=1) / np.linalg.norm(want, axis=1)
-    assert cos.min() >= 0.99999, cos
+    assert_cosine(as_float, want, **MINILM_SHAPE)
 
 
+@pytest.mark.numerics
 def test_token_inputs(client, minilm):
     tok = SentenceTransformer(str(minilm), device="cpu").tokenizer
     ids = [tok(t)["input_ids"] for t in TEXTS[:2]]
     by_text = client.embeddings.create(model=EMBEDDER, input=TEXTS[:2], encoding_format="float")
     by_ids = client.embeddings.create(model=EMBEDDER, input=ids, encoding_format="float")
     one = client.embeddings.create(model=EMBEDDER, input=ids[0], encoding_format="float")
-    np.testing.assert_allclose([d.embedding for d in by_ids.data], [d.embedding for d in by_text.data], atol=1e-5)
-    np.testing.assert_allclose(one.data[0].embedding, by_text.data[0].embedding, atol=1e-5)
+    assert_close([d.embedding for d in by_ids.data], [d.embedding for d in by_text.data], **MINILM_SHAPE)
+    assert_close(one.data[0].embedding, by_text.data[0].embedding, **MINILM_SHAPE)
     assert one.usage.prompt_tokens == len(ids[0])
 
 
@@ -117,6 +120,7 @@ def test_truncate_opts_into_cutting_long_inputs(http):
     assert reply.json()["usage"]["prompt_tokens"] == 256  # MiniLM's max_seq_length
 
 
+@pytest.mark.numerics
 def test_rerank_matches_cross_encoder_on_every_alias(http, cross_encoder):
     want = CrossEncoder(str(cross_encoder), device="cpu").predict([("capital of France?", d) for d in DOCS])
     order = sorted(range(len(DOCS)), key=lambda i: -want[i])
@@ -127,16 +131,15 @@ def test_rerank_matches_cross_encoder_on_every_alias(http, cross_encoder):
         out = reply.json()
         assert out["model"] == RERANKER and out["usage"]["total_tokens"] > 0
         assert [r["index"] for r in out["results"]] == order
-        np.testing.assert_allclose([r["relevance_score"] for r in out["results"]], [want[i] for i in order],
-                                   atol=1e-5)
+        assert_close([r["relevance_score"] for r in out["results"]], [want[i] for i in order], **TINY_SHAPE)
         assert [r["document"]["text"] for r in out["results"]] == [DOCS[i] for i in order]
     top = http.post("/v1/rerank", json={"query": "capital of France?", "documents": DOCS, "top_n": 1,
                                         "return_documents": False, "model": RERANKER}).json()
     assert [r["index"] for r in top["results"]] == order[:1] and "document" not in top["results"][0]
     raw = http.post("/rerank", json={"query": "capital of France?", "documents": DOCS, "raw_scores": True}).json()
     # The folder declares no activation, so sentence-transformers' one-label default (sigmoid) was applied above.
-    np.testing.assert_allclose([1 / (1 + np.exp(-r["relevance_score"])) for r in raw["results"]],
-                               [want[i] for i in order], atol=1e-5)
+    assert_close([1 / (1 + np.exp(-r["relevance_score"])) for r in raw["results"]], [want[i] for i in order],
+                 **TINY_SHAPE)
 
 
 def test_models_health_ready_metrics_openapi(client, http, fleet):

@@ -25,9 +25,10 @@ from gateway.config import GatewayConfig
 from tests.conftest import free_port
 from tests.decoder.multimodal.conftest import photo
 from tests.decoder.multimodal.helpers import reference_inputs
-from tests.decoder.service.conftest import tiny_chat_model  # noqa: F401 - the fixture, shared with the decoder
+from tests.decoder.server.conftest import tiny_chat_model  # noqa: F401 - the fixture, shared with the decoder
 from tests.gateway.fleet import GatewayThread, python_module, redis_process, stop, wait_serving
-from tests.vision.checkpoints import token_ids, write_qwen2_vl
+from tests.tolerance import assert_close
+from tests.vision.checkpoints import VL_SHAPE, token_ids, write_qwen2_vl
 
 KEY = "sk-images"
 VL, TEXT_ONLY = "tiny-vl", "tiny-chat"
@@ -141,6 +142,7 @@ def test_models_say_which_model_takes_images(client):
     assert client.models.retrieve(VL).model_extra["note"] == "random weights"
 
 
+@pytest.mark.numerics
 def test_image_chat_equals_transformers_greedy(client, vl_checkpoint, reference):
     cat = photo("chelsea.png")
     want = expected(vl_checkpoint, reference, [{"role": "user", "content": [
@@ -153,11 +155,12 @@ def test_image_chat_equals_transformers_greedy(client, vl_checkpoint, reference)
     # The text of a random byte-level model hides ids (unused ids decode to nothing); the chosen tokens'
     # logprobs, step after step, pin them: one different id would change every later distribution.
     got = [entry.logprob for entry in choice.logprobs.content]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want["logprobs"]), rtol=1e-4, atol=1e-4)
+    assert_close(got, want["logprobs"], **VL_SHAPE)
     # Expanded: one prompt position per image row, as transformers' processor counts them.
     assert reply.usage.prompt_tokens == want["prompt_tokens"]
 
 
+@pytest.mark.numerics
 def test_images_in_two_messages_keep_their_order(client, vl_checkpoint, reference):
     """ContentPart.image_index follows message order: coffee is image 0 (first turn), the rocket image 1."""
     coffee, rocket = photo("coffee.png"), photo("rocket.jpg")
@@ -177,7 +180,7 @@ def test_images_in_two_messages_keep_their_order(client, vl_checkpoint, referenc
     reply = client.chat.completions.create(model=VL, messages=ours, max_tokens=4, temperature=0, logprobs=True)
     assert reply.choices[0].message.content == want["text"] and reply.usage.prompt_tokens == want["prompt_tokens"]
     got = [entry.logprob for entry in reply.choices[0].logprobs.content]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want["logprobs"]), rtol=1e-4, atol=1e-4)
+    assert_close(got, want["logprobs"], **VL_SHAPE)
 
 
 def test_the_same_image_twice_hits_the_feature_cache_and_the_prefix_cache(client, http, vl_checkpoint, reference):

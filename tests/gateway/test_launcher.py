@@ -21,7 +21,7 @@ from deploy import launcher
 from deploy.models import MINILM, QWEN2_VL_RANDOM, SMOLLM2, package_dir
 from tests.conftest import free_port
 from tests.decoder.multimodal.conftest import photo
-from tests.decoder.service.conftest import need_smollm2
+from tests.decoder.server.conftest import need_smollm2
 from tests.gateway.fleet import ROOT, stop
 
 

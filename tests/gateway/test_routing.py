@@ -19,7 +19,7 @@ from gateway.routing import Router
 from services.common.pb import decoder_pb2, decoder_pb2_grpc
 from tests.conftest import free_port
 from tests.decoder.lora.adapters import Spec, write_adapter
-from tests.decoder.service.conftest import tiny_chat_model  # noqa: F401 - the fixture, shared with the decoder
+from tests.decoder.server.conftest import tiny_chat_model  # noqa: F401 - the fixture, shared with the decoder
 from tests.gateway.fleet import GatewayThread, LoopThread, python_module, stop, wait_serving
 from tests.gateway.test_generation import events
 

@@ -7,7 +7,7 @@ import pytest
 
 from gateway.config import GatewayConfig
 from tests.conftest import free_port
-from tests.decoder.service.conftest import need_smollm2
+from tests.decoder.server.conftest import need_smollm2
 from tests.gateway.fleet import GatewayThread, python_module, stop, wait_serving
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -37,6 +37,13 @@ def _with_tokenizer(folder: Path, source: Path) -> Path:
     return folder
 
 
+# Accumulation shapes for tests/tolerance.py: k = the longest dot product of one layer (the
+# intermediate width, or 128 positions of attention), depth = transformer layers + 1 (embedding
+# norm and pooling). The tiny BERT/Llama below and the real all-MiniLM-L6-v2.
+TINY_SHAPE = {"k": 128, "depth": 3}
+MINILM_SHAPE = {"k": 1536, "depth": 7}
+
+
 def _bert_config(**extra):
     from transformers import BertConfig
     return BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -8,7 +8,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -17,8 +16,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from services.common import tensors
 from services.common.errors import REASON_KEY
 from services.common.pb import pooling_pb2, pooling_pb2_grpc
-
-from .conftest import RunningServer
+from tests.pooling.conftest import TINY_SHAPE, RunningServer
+from tests.tolerance import assert_close, assert_cosine
 
 pb = pooling_pb2
 TEXTS = ["A man is eating food.", "Hi there", "The new movie is awesome."]
@@ -66,13 +65,14 @@ def expect_error(call, request, code, reason=None, match=""):
     return err
 
 
+@pytest.mark.numerics
 def test_embed_matches_sentence_transformers_and_counts_tokens(stub, matryoshka_dir):
     from sentence_transformers import SentenceTransformer
     from tokenizers import Tokenizer
     reply = stub.Embed(pb.EmbedRequest(inputs=text_inputs(TEXTS)), timeout=30)
     vectors = tensors.from_proto(reply.embeddings, dtype=torch.float32, shape=(3, 32))
     ref = torch.as_tensor(SentenceTransformer(str(matryoshka_dir), device="cpu").encode(TEXTS))
-    assert torch.nn.functional.cosine_similarity(vectors, ref).min() >= 0.99999
+    assert_cosine(vectors, ref, **TINY_SHAPE)
     tok = Tokenizer.from_file(str(matryoshka_dir / "tokenizer.json"))
     tok.no_padding()
     tok.no_truncation()
@@ -82,9 +82,10 @@ def test_embed_matches_sentence_transformers_and_counts_tokens(stub, matryoshka_
     # Token-id inputs give the same vectors as the text they encode.
     ids = [pb.EmbedInput(tokens=pb.TokenIds(ids=tok.encode(t).ids)) for t in TEXTS]
     by_ids = tensors.from_proto(stub.Embed(pb.EmbedRequest(inputs=ids), timeout=30).embeddings)
-    assert torch.allclose(by_ids, vectors, atol=1e-6)
+    assert_close(by_ids, vectors, **TINY_SHAPE)
 
 
+@pytest.mark.numerics
 def test_concurrent_requests_equal_single_results(stub):
     single = [tensors.from_proto(stub.Embed(pb.EmbedRequest(inputs=text_inputs([t])), timeout=30).embeddings)[0]
               for t in TEXTS]
@@ -92,13 +93,14 @@ def test_concurrent_requests_equal_single_results(stub):
         replies = list(pool.map(lambda t: stub.Embed(pb.EmbedRequest(inputs=text_inputs([t])), timeout=30),
                                 TEXTS * 4))
     for i, reply in enumerate(replies):
-        assert torch.allclose(tensors.from_proto(reply.embeddings)[0], single[i % 3], atol=1e-5)
+        assert_close(tensors.from_proto(reply.embeddings)[0], single[i % 3], **TINY_SHAPE, what=f"request {i}")
 
 
 def test_matryoshka_dimensions_only_when_declared(stub):
     reply = stub.Embed(pb.EmbedRequest(inputs=text_inputs(TEXTS), dimensions=16), timeout=30)
     vectors = tensors.from_proto(reply.embeddings)
-    assert vectors.shape == (3, 16) and torch.allclose(vectors.norm(dim=-1), torch.ones(3), atol=1e-5)
+    assert vectors.shape == (3, 16) and vectors.shape[-1] == 16
+    assert_close(vectors.norm(dim=-1), torch.ones(3), k=16)
     expect_error(stub.Embed, pb.EmbedRequest(inputs=text_inputs(TEXTS), dimensions=8),
                  grpc.StatusCode.INVALID_ARGUMENT, "UNSUPPORTED", "dimensions=8 is refused")
 
@@ -111,19 +113,19 @@ def test_truncate_opt_in(stub):
     assert reply.usage.prompt_tokens == 64
 
 
+@pytest.mark.numerics
 def test_rerank_sorted_top_n_and_raw_scores(stub, tiny_reranker_dir):
     from sentence_transformers import CrossEncoder
     query, docs = "what is a panda?", ["The giant panda is a bear.", "Paris is in France.", "hi", "bamboo"]
     reply = stub.Rerank(pb.RerankRequest(query=query, documents=docs), timeout=30)
     ref = CrossEncoder(str(tiny_reranker_dir), device="cpu").predict([(query, d) for d in docs])
     assert [r.index for r in reply.results] == sorted(range(4), key=lambda i: -ref[i])
-    assert np.allclose([r.relevance_score for r in reply.results], sorted(ref, reverse=True), atol=1e-5)
+    assert_close([r.relevance_score for r in reply.results], sorted(ref, reverse=True), **TINY_SHAPE)
     assert reply.model == "tiny-rerank" and reply.usage.total_tokens > 0
     top = stub.Rerank(pb.RerankRequest(query=query, documents=docs, top_n=2, raw_scores=True), timeout=30)
     assert [r.index for r in top.results] == [r.index for r in reply.results][:2]
     raw = torch.tensor([r.relevance_score for r in top.results])
-    assert torch.allclose(torch.sigmoid(raw), torch.tensor([r.relevance_score for r in reply.results[:2]]),
-                          atol=1e-6)
+    assert_close(torch.sigmoid(raw), [r.relevance_score for r in reply.results[:2]], k=1)
 
 
 def test_model_info(stub):

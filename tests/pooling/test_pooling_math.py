@@ -5,6 +5,10 @@ import pytest
 import torch
 
 from services.pooling.pooling import pool_hidden, shorten
+from tests.tolerance import assert_close
+
+# Floating-point comparisons: run again under the second kernel dispatch (Makefile).
+pytestmark = pytest.mark.numerics
 
 
 def _hidden():
@@ -38,7 +42,7 @@ def test_cls_takes_first_and_refuses_left_padding():
 def test_normalize_and_errors():
     h, mask = _hidden()
     out = pool_hidden(h, mask, "mean", normalize=True)
-    assert torch.allclose(out.norm(dim=-1), torch.ones(2))
+    assert_close(out.norm(dim=-1), torch.ones(2), k=2)
     with pytest.raises(ValueError, match="visible token"):
         pool_hidden(h, torch.tensor([[0, 0, 0], [1, 1, 1]]), "mean", False)
     with pytest.raises(ValueError, match="pooling mode"):
@@ -51,10 +55,10 @@ def test_padding_width_does_not_change_the_result():
     wide = torch.cat([h, torch.randn(1, 5, 8)], dim=1)
     narrow_mask, wide_mask = torch.ones(1, 4), torch.cat([torch.ones(1, 4), torch.zeros(1, 5)], 1)
     for mode in ("mean", "cls", "last"):
-        assert torch.allclose(pool_hidden(h, narrow_mask, mode, True), pool_hidden(wide, wide_mask, mode, True))
+        assert_close(pool_hidden(h, narrow_mask, mode, True), pool_hidden(wide, wide_mask, mode, True), k=9, what=mode)
 
 
 def test_shorten_renormalises_only_normalised_models():
     v = torch.nn.functional.normalize(torch.randn(3, 8), dim=-1)
-    assert torch.allclose(shorten(v, 4, True).norm(dim=-1), torch.ones(3))
+    assert_close(shorten(v, 4, True).norm(dim=-1), torch.ones(3), k=8)
     assert torch.equal(shorten(v, 4, False), v[:, :4])

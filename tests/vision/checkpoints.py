@@ -40,6 +40,11 @@ CHAT_TEMPLATE = (
 TINY_VISION = dict(depth=2, embed_dim=32, num_heads=4, mlp_ratio=2)
 TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=1024)
+# Accumulation shapes for tests/tolerance.py: the tower's longest dot product is its patch
+# embedding (3 channels x 2 frames x 14 x 14 = 1176); depth = 2 blocks + patch embedding + merger.
+# An image chat adds the text model's 2 layers + LM head after the tower.
+VISION_SHAPE = {"k": 1176, "depth": 4}
+VL_SHAPE = {"k": 1176, "depth": 7}
 # Small pixel budget keeps the tests fast: a 512x512 photo becomes 224x224 (16x16 patches, 64 rows).
 TINY_MAX_PIXELS = 224 * 224
 

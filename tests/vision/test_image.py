@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from services.common.data_uri import parse_data_uri
 from services.common.errors import InvalidArgument, TooLarge, Unsupported
-from services.vision.image import Limits, decode, parse_data_uri
+from services.vision.image import Limits, decode
 
 LIMITS = Limits(1 << 20, 1 << 22)
 

@@ -11,6 +11,10 @@ from PIL import Image
 from services.common.errors import InvalidArgument
 from services.vision.image import Limits, decode
 from services.vision.recipes import DemoRecipe, Qwen2VLRecipe
+from tests.tolerance import assert_close
+
+# Floating-point comparisons: run again under the second kernel dispatch (Makefile).
+pytestmark = pytest.mark.numerics
 
 LIMITS = Limits(50 * 2**20, 50_000_000)
 
@@ -25,7 +29,8 @@ def check(recipe: Qwen2VLRecipe, processor, data: bytes):
     pixels, grids = reference(processor, Image.open(io.BytesIO(data)))
     assert [ours.grid] == grids
     assert ours.pixels.dtype == torch.float32 and ours.pixels.shape == pixels.shape
-    torch.testing.assert_close(ours.pixels, pixels, rtol=0, atol=1e-5)
+    # The same PIL resize, then rescale and normalise: a chain of 3 roundings per pixel.
+    assert_close(ours.pixels, pixels, k=3)
 
 
 @pytest.fixture(scope="module")
@@ -93,5 +98,5 @@ def test_patch_layout_is_merge_window_major():
 def test_demo_recipe_range_and_grid():
     p = DemoRecipe(image_size=16, patch_size=4)(np.full((30, 50, 3), 255, np.uint8))
     assert p.pixels.shape == (3, 16, 16) and p.grid == (1, 4, 4)
-    assert torch.allclose(p.pixels, torch.ones(3, 16, 16))
+    assert_close(p.pixels, torch.ones(3, 16, 16), k=2)
     assert DemoRecipe()(np.zeros((5, 5, 3), np.uint8)).pixels.min() == -1.0

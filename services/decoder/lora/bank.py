@@ -18,7 +18,7 @@ from torch import nn
 
 from services.decoder.kernels.lora import backend_name
 from services.decoder.kernels.lora_meta import LoraBatchMeta, build_lora_meta
-from services.decoder.lora.layer import LoraLinear
+from services.decoder.lora.layer import LoraLinear, LoraStep
 from services.decoder.lora.weights import TARGETS, LoraWeights, leaf
 from services.decoder.model.linear import Linear
 
@@ -36,8 +36,8 @@ class AdapterBank:
     """num_slots device slots of rank max_rank on the `targets` projections of `model`.
 
     layers: module name -> LoraLinear (every wrapped projection of every layer).
-    meta: the current step's LoraBatchMeta while `activate` is open with adapter rows,
-    else None (the wrapped layers then do base work only).
+    step: the LoraStep every wrapped layer reads; `activate` fills it for one forward
+    with adapter rows (otherwise its meta is None and the layers do base work only).
     """
 
     def __init__(self, model: nn.Module, targets: Sequence[str] = TARGETS, num_slots: int = 4,
@@ -51,19 +51,15 @@ class AdapterBank:
             raise ValueError("an adapter bank is already installed on this model")
         self.num_slots, self.max_rank, self.targets = num_slots, max_rank, tuple(t for t in TARGETS if t in targets)
         self.layers: dict[str, LoraLinear] = {}
-        for name, module in list(model.named_modules()):
-            if leaf(name) in self.targets and isinstance(module, Linear):
-                self.layers[name] = LoraLinear.install(module, self, num_slots, max_rank)
-        if not self.layers:
+        projections = [(name, m) for name, m in model.named_modules()
+                       if leaf(name) in self.targets and isinstance(m, Linear)]
+        if not projections:
             raise ValueError(f"the model has no projections named {', '.join(self.targets)}")
-        first = next(iter(self.layers.values()))
-        self.device, self.dtype = first.weight.device, first.weight.dtype
+        self.device, self.dtype = projections[0][1].weight.device, projections[0][1].weight.dtype
         self.backend = backend_name(self.device)
-        self.meta: LoraBatchMeta | None = None
-        # The padded per-slot form's step layout: dense_index [S*L] rows gathered slot by slot (padding
-        # repeats row 0) and dense_mask [S, L, 1], 1 for a real row, 0 for padding.
-        self.dense_index: torch.Tensor | None = None
-        self.dense_mask: torch.Tensor | None = None
+        self.step = LoraStep(self.backend)
+        for name, module in projections:
+            self.layers[name] = LoraLinear.install(module, self.step, num_slots, max_rank)
         self.dense_max_work = DENSE_MAX_WORK if self.backend == "torch" else 0
 
     @property
@@ -118,7 +114,8 @@ class AdapterBank:
         is base only. With no spans nothing is built and the layers skip LoRA entirely.
         The meta is built once here and reused by all layers and projections.
         """
-        if self.meta is not None:
+        step = self.step
+        if step.meta is not None:
             raise RuntimeError("adapter bank activated twice (nested forwards)")
         if not spans:
             yield None
@@ -127,14 +124,14 @@ class AdapterBank:
         for start, n, slot in spans:
             self._check_slot(slot)
             slots[start:start + n] = slot
-        self.meta = build_lora_meta(slots, device=self.device, num_slots=self.num_slots)
+        step.meta = build_lora_meta(slots, device=self.device, num_slots=self.num_slots)
         if self.dense_max_work and (num_rows * self.num_slots * self.max_rank <= self.dense_max_work
                                     or _balanced(spans, self.num_slots)):
-            self.dense_index, self.dense_mask = _padded_slots(spans, self.num_slots, self.dtype, self.device)
+            step.dense_index, step.dense_mask = _padded_slots(spans, self.num_slots, self.dtype, self.device)
         try:
-            yield self.meta
+            yield step.meta
         finally:
-            self.meta = self.dense_index = self.dense_mask = None
+            step.meta = step.dense_index = step.dense_mask = None
 
 
 def _balanced(spans: Sequence[RowSpan], num_slots: int) -> bool:

@@ -2,9 +2,9 @@
 
 The base projection runs once over all rows (the packed oneDNN linear on CPU); then
 `lora_apply` adds B_s (A_s x) for every row whose slot s >= 0 (DESIGN invariant 6).
-The per-step grouping (`LoraBatchMeta`) lives on the bank and is shared by every layer;
-when no row of the step uses an adapter the bank holds no meta and this layer costs one
-attribute read over the plain Linear.
+The per-step grouping lives in one `LoraStep` that the bank owns, publishes into for
+each forward and shares with every layer; when no row of the step uses an adapter it
+holds no meta and this layer costs one attribute read over the plain Linear.
 
 On CPU, small (decode-shaped) steps take a padded per-slot form instead of one GEMM
 pair per segment: the rows are gathered slot by slot into [S, L, K] (L = the most rows
@@ -18,15 +18,29 @@ exactly zero.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from services.decoder.kernels.lora import lora_apply
+from services.decoder.kernels.lora_meta import LoraBatchMeta
 from services.decoder.model.linear import Linear
 
-if TYPE_CHECKING:
-    from services.decoder.lora.bank import AdapterBank
+
+@dataclass
+class LoraStep:
+    """What one forward's wrapped layers share; the bank (lora/bank.py) fills and clears it.
+
+    meta: the step's row grouping, None when no row uses an adapter.
+    dense_index [S*L] rows gathered slot by slot (padding repeats row 0) and
+    dense_mask [S, L, 1] (1 for a real row, 0 for padding): the padded per-slot
+    form's layout when the bank picked it for this step, else None.
+    """
+
+    backend: str
+    meta: LoraBatchMeta | None = None
+    dense_index: torch.Tensor | None = None
+    dense_mask: torch.Tensor | None = None
 
 
 class LoraLinear(Linear):
@@ -40,10 +54,10 @@ class LoraLinear(Linear):
     lora_A: torch.Tensor
     lora_B: torch.Tensor
     lora_Bt: torch.Tensor | None      # [S, R, out_features]: B transposed per slot (CPU padded path only)
-    lora_bank: AdapterBank
+    lora_step: LoraStep
 
     @classmethod
-    def install(cls, linear: Linear, bank: AdapterBank, num_slots: int, max_rank: int) -> LoraLinear:
+    def install(cls, linear: Linear, step: LoraStep, num_slots: int, max_rank: int) -> LoraLinear:
         """Turn `linear` into a LoraLinear in place and give it zeroed slot buffers.
 
         Swapping the class (rather than wrapping in a new module) keeps the module's
@@ -61,7 +75,7 @@ class LoraLinear(Linear):
         linear.lora_Bt = None
         if weight.device.type == "cpu":
             linear.lora_Bt = torch.zeros((num_slots, max_rank, linear.out_features), dtype=weight.dtype)
-        linear.lora_bank = bank
+        linear.lora_step = step
         return linear
 
     @torch.no_grad()
@@ -73,13 +87,13 @@ class LoraLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in_features] -> [N, out_features]: W x (+ bias) + per-row B_s A_s x."""
         y = super().forward(x)
-        bank = self.lora_bank
-        if bank.meta is None:
+        step = self.lora_step
+        if step.meta is None:
             return y
-        keep = bank.dense_mask
+        keep = step.dense_mask
         if keep is not None:
             s, width = keep.shape[0], keep.shape[1]
-            rows = bank.dense_index
+            rows = step.dense_index
             h = torch.bmm(x.index_select(0, rows).view(s, width, -1), self.lora_A.transpose(1, 2)).mul_(keep)
             return y.index_add_(0, rows, torch.bmm(h, self.lora_Bt).view(s * width, -1))
-        return lora_apply(y, x, self.lora_A, self.lora_B, bank.meta, backend=bank.backend)
+        return lora_apply(y, x, self.lora_A, self.lora_B, step.meta, backend=step.backend)

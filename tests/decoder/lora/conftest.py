@@ -1,2 +1,2 @@
 """Fixtures shared with the decoder service tests (the tiny chat model with SmolLM2's tokenizer)."""
-from tests.decoder.service.conftest import tiny_chat_model  # noqa: F401  (re-exported fixture)
+from tests.decoder.server.conftest import tiny_chat_model  # noqa: F401  (re-exported fixture)

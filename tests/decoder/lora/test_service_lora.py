@@ -24,8 +24,8 @@ PROMPT = D.TokenIds(ids=list(range(100, 121)))
 
 @pytest.fixture(scope="module")
 def lora_server(tiny_chat_model, tmp_path_factory):
-    from services.decoder.config import DecoderConfig, DecoderServerConfig
-    from services.decoder.service import start
+    from services.decoder.server.config import DecoderConfig, DecoderServerConfig
+    from services.decoder.server.service import start
     tmp = tmp_path_factory.mktemp("lora_service")
     root, outside = tmp / "root", tmp / "outside"
     good = write_adapter(tiny_chat_model, root, Spec("good", 4, 8.0, ("q_proj", "v_proj"), 31), scale=0.5)

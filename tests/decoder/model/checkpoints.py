@@ -23,6 +23,11 @@ VOCAB = 160
 _CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
 
+# Accumulation shape of these checkpoints (and the tiny chat models of the other decoder tests)
+# for tests/tolerance.py: the longest dot product of a layer is the MLP's (intermediate size at
+# most 128; contexts stay shorter), depth = 2 layers + the LM head.
+TINY_SHAPE = {"k": 128, "depth": 3}
+
 # name -> (family, config overrides, save kwargs). Covers GQA ratios 1, 2, 4 (and 3), tied and
 # untied, an odd head count, qk-norm, a head_dim unequal to hidden/heads, and sharded files.
 CASES = {

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-from services.decoder.chat_template import ChatTemplate
 from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.step import SamplingParams
@@ -17,7 +16,8 @@ from services.decoder.model.config import ModelConfig
 from services.decoder.multimodal.images import ImageInput, make_image
 from services.decoder.multimodal.prompt import VisionPrompt, expand_images
 from services.decoder.runner.runner import Runner
-from services.decoder.tokenizer import Tokenizer
+from services.decoder.text.chat_template import ChatTemplate
+from services.decoder.text.tokenizer import Tokenizer
 from services.vision.image import Limits, decode
 
 LIMITS = Limits(50 * 2**20, 50_000_000)

@@ -8,13 +8,17 @@ from __future__ import annotations
 import io
 
 import pytest
-import torch
 from PIL import Image
 
 from services.decoder.engine.hashing import extend_block_hashes
 from services.decoder.engine.request import Request
+from tests.decoder.model.checkpoints import TINY_SHAPE
 from tests.decoder.multimodal.conftest import photo
 from tests.decoder.multimodal.helpers import encode_images, greedy, make_core, messages, our_prompt, run
+from tests.tolerance import assert_close
+
+# Floating-point comparisons: run again under the second kernel dispatch (Makefile).
+pytestmark = pytest.mark.numerics
 
 BLOCK = 4
 NEW = 8
@@ -44,7 +48,8 @@ def solo(vl_ckpt, prompts):
 
 def assert_same(a, b):
     assert a.tokens == b.tokens
-    torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-4, atol=1e-4)
+    # The same image rows on both sides: only the text model's order of work differs.
+    assert_close(a.logprobs, b.logprobs, **TINY_SHAPE)
 
 
 def test_chunk_boundaries_inside_an_image_give_the_same_output(vl_ckpt, prompts, solo):

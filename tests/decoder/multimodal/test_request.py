@@ -9,10 +9,10 @@ import torch
 from services.common.errors import InvalidArgument, Unsupported
 from services.common.pb import common_pb2, decoder_pb2
 from services.common.tensors import to_proto
-from services.decoder.chat_template import ChatTemplate
 from services.decoder.model.config import ModelConfig
 from services.decoder.multimodal.request import place_images, request_images
-from services.decoder.tokenizer import Tokenizer
+from services.decoder.text.chat_template import ChatTemplate
+from services.decoder.text.tokenizer import Tokenizer
 
 D = decoder_pb2
 

@@ -29,8 +29,8 @@ def images(encoder):
 
 @pytest.fixture(scope="module")
 def server(vl_ckpt):
-    from services.decoder.config import DecoderConfig, DecoderServerConfig
-    from services.decoder.service import start
+    from services.decoder.server.config import DecoderConfig, DecoderServerConfig
+    from services.decoder.server.service import start
     loop = LoopThread()
     cfg = DecoderConfig(model=str(vl_ckpt), num_blocks=128, block_size=4, max_num_batched_tokens=32,
                         max_model_len=MAX_LEN, max_images=2, max_loras=0)

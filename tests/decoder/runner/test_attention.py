@@ -1,11 +1,16 @@
 """The per-step attention plan and the paged attention against plain causal attention."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from services.decoder.runner.attention import MAX_DECODE_PADDING, AttentionPlan, PagedAttention, Workspace
 from services.decoder.runner.kv_cache import KVCache
+from tests.tolerance import assert_close
+
+# Floating-point comparisons: run again under the second kernel dispatch (Makefile).
+pytestmark = pytest.mark.numerics
 
 BS = 4
 
@@ -52,7 +57,8 @@ def test_paged_attention_equals_causal_attention():
         for n, (a, b) in cuts.items():
             sq, sk, sv = (t.transpose(0, 1)[None] for t in seqs[n])
             ref = F.scaled_dot_product_attention(sq, sk, sv, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
-            torch.testing.assert_close(out[row:row + b - a], ref[a:b], rtol=1e-5, atol=1e-5)
+            # One layer: scores over head_dim 8, then a weighted sum over at most 14 keys.
+            assert_close(out[row:row + b - a], ref[a:b], k=14, what=f"sequence of {n}")
             row += b - a
 
 

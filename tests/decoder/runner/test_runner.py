@@ -9,8 +9,12 @@ import torch
 from services.common.errors import InvalidArgument, Unsupported
 from services.decoder.engine.step import StepInput
 from services.decoder.runner import Runner
-from tests.decoder.model.checkpoints import build, load_reference
+from tests.decoder.model.checkpoints import TINY_SHAPE, build, load_reference
 from tests.decoder.runner.driver import BlockAllocator, Seq
+from tests.tolerance import assert_close
+
+# Floating-point comparisons: run again under the second kernel dispatch (Makefile).
+pytestmark = pytest.mark.numerics
 
 BLOCK = 4
 CASES = ["llama_gqa4_tied_sharded", "qwen2_gqa2_odd_tied", "qwen3_odd3_gqa3_qknorm"]
@@ -50,7 +54,7 @@ def test_chunked_prefill_then_decode_matches_transformers(folders, references, n
     for _ in range(7):
         chunk = seq.chunk(1, alloc, BLOCK)
         logits, _ = runner.logits(StepInput([chunk]))
-        torch.testing.assert_close(logits[0], hf_last_logits(ref, seq.tokens), rtol=1e-4, atol=1e-4)
+        assert_close(logits[0], hf_last_logits(ref, seq.tokens), **TINY_SHAPE)
         produced.append(int(logits[0].argmax()))
         seq.tokens.append(produced[-1])
     with torch.no_grad():
@@ -95,7 +99,7 @@ def test_mixed_batch_equals_one_by_one(folders):
     assert mixed_steps >= 3
     for i in range(len(lengths)):
         for a, b in zip(got[str(i)], alone[i], strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            assert_close(a, b, **TINY_SHAPE, what=f"request {i}")
             assert int(a.argmax()) == int(b.argmax())
 
 
@@ -125,10 +129,10 @@ def test_bf16_runner_tracks_fp32(folders, references):
     """bf16 weights, KV cache and packed matmuls: close to the fp32 reference, same first token."""
     name = "llama_gqa4_tied_sharded"
     runner = Runner.from_folder(folders[name], "bf16", block_size=BLOCK, num_blocks=32)
-    assert runner.linear_backend == "onednn-packed" and runner.cache.k[0].dtype == torch.bfloat16
+    assert " bfloat16: " in runner.linear_backend and runner.cache.k[0].dtype == torch.bfloat16
     alloc, seq = BlockAllocator(32), Seq("a", prompt(13, 4))
     runner.logits(StepInput([seq.chunk(6, alloc, BLOCK)]))
     logits, _ = runner.logits(StepInput([seq.chunk(7, alloc, BLOCK)]))
     expected = hf_last_logits(references[name], seq.tokens)
-    assert (logits[0] - expected).abs().max() < 0.05 * expected.abs().max()
+    assert_close(logits[0], expected, dtype=torch.bfloat16, **TINY_SHAPE)
     assert int(logits[0].argmax()) == int(expected.argmax())

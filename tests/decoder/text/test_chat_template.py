@@ -7,8 +7,8 @@ import shutil
 import pytest
 
 from services.common.errors import InvalidArgument, Unsupported
-from services.decoder.chat_template import ChatTemplate, normalize_messages
-from services.decoder.tokenizer import Tokenizer
+from services.decoder.text.chat_template import ChatTemplate, normalize_messages
+from services.decoder.text.tokenizer import Tokenizer
 from tests.decoder.text.conftest import hf_tokenizer
 
 CONVERSATIONS = [

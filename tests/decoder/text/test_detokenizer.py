@@ -5,8 +5,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.decoder.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from services.decoder.tokenizer import Tokenizer
+from services.decoder.text.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from services.decoder.text.tokenizer import Tokenizer
 
 _TOKENIZERS: dict = {}
 HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

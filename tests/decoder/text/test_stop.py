@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.errors import InvalidArgument
-from services.decoder.stop import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, StopMatcher, validate_stop_strings
+from services.decoder.text.stop import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, StopMatcher, validate_stop_strings
 
 
 def _run(stop, deltas, include=False):

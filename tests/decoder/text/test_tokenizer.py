@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.common.errors import InvalidArgument
-from services.decoder.tokenizer import Tokenizer
+from services.decoder.text.tokenizer import Tokenizer
 from tests.decoder.text.conftest import CORPUS, hf_tokenizer
 
 SAMPLES = CORPUS + [

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from services.common.pb import decoder_pb2
-from services.decoder.detokenizer import IncrementalDetokenizer
 from services.decoder.engine.output import RequestOutput
-from services.decoder.stop import StopMatcher
-from services.decoder.tokenizer import Tokenizer
+from services.decoder.text.detokenizer import IncrementalDetokenizer
+from services.decoder.text.stop import StopMatcher
+from services.decoder.text.tokenizer import Tokenizer
 
 FINISH = {"stop": decoder_pb2.FINISH_REASON_STOP, "length": decoder_pb2.FINISH_REASON_LENGTH,
           "abort": decoder_pb2.FINISH_REASON_ABORT}

@@ -20,11 +20,11 @@ from prometheus_client import Gauge
 
 from services.common.errors import AdapterNotFound, InvalidArgument, PermissionDenied
 from services.common.pb import decoder_pb2
-from services.decoder.config import DecoderConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.lora import AdapterBank, AdapterLeases, AdapterRegistry, AdapterStatus, LoraWeights, load_peft
 from services.decoder.lora.leases import adapter_features, requests_per_adapter
 from services.decoder.runner.runner import Runner
+from services.decoder.server.config import DecoderConfig
 
 log = logging.getLogger("tessera.decoder.lora")
 

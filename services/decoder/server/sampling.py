@@ -5,7 +5,7 @@ import math
 
 from services.common.errors import InvalidArgument
 from services.decoder.engine.step import SamplingParams
-from services.decoder.stop import validate_stop_strings
+from services.decoder.text.stop import validate_stop_strings
 
 MAX_TEMPERATURE = 100.0
 MAX_PENALTY = 2.0

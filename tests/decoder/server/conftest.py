@@ -47,8 +47,8 @@ def tiny_chat_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def decoder_server(tiny_chat_model):
     """The real decoder gRPC server on an ephemeral port: yields (address, servicer)."""
-    from services.decoder.config import DecoderConfig, DecoderServerConfig
-    from services.decoder.service import start
+    from services.decoder.server.config import DecoderConfig, DecoderServerConfig
+    from services.decoder.server.service import start
     loop = LoopThread()
     cfg = DecoderConfig(model=str(tiny_chat_model), num_blocks=64, block_size=4, max_num_batched_tokens=32,
                         max_n=4)

@@ -29,7 +29,7 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from services.common.errors import InvalidArgument, Unsupported
-from services.decoder.tokenizer import Tokenizer, read_json
+from services.decoder.text.tokenizer import Tokenizer, read_json
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 TEXT_PART = "text"

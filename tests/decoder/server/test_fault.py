@@ -14,8 +14,8 @@ from tests.loops import LoopThread
 
 @pytest.fixture
 def failing_server(tiny_chat_model):
-    from services.decoder.config import DecoderConfig, DecoderServerConfig
-    from services.decoder.service import start
+    from services.decoder.server.config import DecoderConfig, DecoderServerConfig
+    from services.decoder.server.service import start
     loop = LoopThread()
     cfg = DecoderConfig(model=str(tiny_chat_model), num_blocks=64, block_size=4, max_num_batched_tokens=32,
                         max_loras=0, fault_fail_at_step=4)

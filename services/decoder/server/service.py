@@ -28,11 +28,6 @@ from services.common.errors import (
 from services.common.metrics import LATENCY_BUCKETS
 from services.common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
 from services.common.server import Server
-from services.decoder.adapters import Adapters, adapter_info
-from services.decoder.async_engine import AsyncEngine
-from services.decoder.chat_template import ChatTemplate
-from services.decoder.choice import Choice
-from services.decoder.config import DecoderConfig, DecoderServerConfig
 from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.output import EngineStats, RequestOutput
@@ -40,8 +35,13 @@ from services.decoder.lora.registry import check_name
 from services.decoder.model.config import ModelConfig
 from services.decoder.multimodal.request import place_images, request_images
 from services.decoder.runner.runner import Runner
-from services.decoder.sampling import sampling_params
-from services.decoder.tokenizer import Tokenizer
+from services.decoder.server.adapters import Adapters, adapter_info
+from services.decoder.server.async_engine import AsyncEngine
+from services.decoder.server.config import DecoderConfig, DecoderServerConfig
+from services.decoder.server.sampling import sampling_params
+from services.decoder.text.chat_template import ChatTemplate
+from services.decoder.text.choice import Choice
+from services.decoder.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tessera.decoder")
 SERVICE_NAME = decoder_pb2.DESCRIPTOR.services_by_name["DecoderService"].full_name
@@ -225,7 +225,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 prefix_hits=s.prefix_hits,
                 adapter_refs=st.adapters.registry.total_refs if st.adapters else 0))
 
-    # -- adapters (services/decoder/adapters.py) ------------------------------------
+    # -- adapters (services/decoder/server/adapters.py) ------------------------------------
 
     def _adapter_request(self, st: Loaded, name: str) -> tuple[dict, tuple]:
         if st.adapters is None:

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from services.decoder.tokenizer import Tokenizer
+from services.decoder.text.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 
