@@ -24,11 +24,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.workload import SMOLLM2, gsm8k_messages, run_vllm_peer  # noqa: E402
-from services.decoder.text.chat_template import ChatTemplate  # noqa: E402
 from services.decoder.engine.config import EngineConfig  # noqa: E402
 from services.decoder.engine.engine_core import EngineCore  # noqa: E402
 from services.decoder.engine.step import SamplingParams  # noqa: E402
 from services.decoder.runner.runner import Runner  # noqa: E402
+from services.decoder.text.chat_template import ChatTemplate  # noqa: E402
 from services.decoder.text.tokenizer import Tokenizer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -37,6 +37,9 @@ class PoolingConfig:
     threads: int = option(0, "torch intra-op threads; 0 keeps torch's default")
     dtype: str = option("float32", "weights and activations dtype", choices=("float32", "bfloat16"))
     packed: bool = option(True, "use the packed (padding-free) BERT forward where the architecture allows")
+    linear_path: str = option("auto", "CPU matmul path per weight shape: auto times oneDNN-packed against "
+                              "plain matmuls at load and keeps the faster per row count; packed or plain forces one",
+                              choices=("auto", "packed", "plain"), env="TESSERA_LINEAR_PATH")
 
     def __post_init__(self):
         if not self.embedding_model:

@@ -61,6 +61,10 @@ def _check_missing(spec: ModelSpec, info: dict, allowed: tuple[str, ...] = ()) -
 class _Base:
     """Shared loading, tokenisation, validation and padding."""
 
+    # The matmul path (services/common/linear_path.py); transformers' own forward unless a
+    # subclass runs a faster one.
+    linear_backend = "transformers"
+
     def __init__(self, spec: ModelSpec, module: torch.nn.Module, dtype: str):
         self.spec = spec
         self.module = module.to(_DTYPES[dtype]).eval()
@@ -99,17 +103,20 @@ class _Base:
 class Embedder(_Base):
     """An encoder or decoder backbone (AutoModel) plus our pooling."""
 
-    def __init__(self, spec: ModelSpec, *, dtype: str = "float32", fast: bool = True):
+    def __init__(self, spec: ModelSpec, *, dtype: str = "float32", fast: bool = True,
+                 linear_path: str | None = None):
         from transformers import AutoModel
         module, info = AutoModel.from_pretrained(spec.path, dtype=torch.float32,
                                                  output_loading_info=True)
         # BERT-style pooler heads are never used by our pooling.
         _check_missing(spec, info, allowed=("pooler.",))
         super().__init__(spec, module, dtype)
-        self.packed = packed.PackedBert.wrap(self.module) if fast and dtype == "float32" else None
-        log.info("embedding model %s: %s pooling=%s normalize=%s max_len=%d fast=%s", spec.name,
+        self.packed = packed.PackedBert.wrap(self.module, linear_path) if fast and dtype == "float32" else None
+        if self.packed is not None:
+            self.linear_backend = self.packed.linear_path
+        log.info("embedding model %s: %s pooling=%s normalize=%s max_len=%d fast=%s linear=%s", spec.name,
                  type(self.module).__name__, spec.pooling, spec.normalize, spec.max_model_len,
-                 self.packed is not None)
+                 self.packed is not None, self.linear_backend)
 
     def tokenize(self, inputs: list[str | list[int]], truncate: bool) -> list[Sequence]:
         """Validate and tokenise request inputs (text, or token ids) in order."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.common import onednn
+from services.common import linear_path
 
 _GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 
@@ -20,16 +20,18 @@ class PackedBert:
     """Callable: list of Sequence -> (hidden [B, L, H] right-padded, mask [B, L])."""
 
     @classmethod
-    def wrap(cls, model: torch.nn.Module) -> PackedBert | None:
-        """A PackedBert over model's weights, or None when model is not a plain BertModel."""
+    def wrap(cls, model: torch.nn.Module, mode: str | None = None) -> PackedBert | None:
+        """A PackedBert over model's weights, or None when model is not a plain BertModel.
+
+        mode: the matmul path (services/common/linear_path.py): auto (timed), packed or plain."""
         cfg = model.config
         if (type(model).__name__ != "BertModel" or getattr(cfg, "is_decoder", False)
                 or getattr(cfg, "position_embedding_type", "absolute") != "absolute"
                 or not isinstance(cfg.hidden_act, str) or cfg.hidden_act not in _GELU):
             return None
-        return cls(model)
+        return cls(model, mode)
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, mode: str | None = None):
         cfg = model.config
         self.heads = cfg.num_attention_heads
         self.approximate = _GELU[cfg.hidden_act]
@@ -38,28 +40,22 @@ class PackedBert:
         self.position = emb.position_embeddings.weight
         self.token_type = emb.token_type_embeddings.weight
         self.emb_norm = emb.LayerNorm
-        # Every projection as (weight, bias) for self._linear: oneDNN-packed on CPU (about 2x
-        # F.linear there), plain tensors elsewhere.
-        self.packed = onednn.available(self.word.device)
-        self.layers = []
+        # Every projection as a linear_path.Projection: oneDNN-packed or plain F.linear per
+        # row count, as timed at load for each weight shape (services/common/linear_path.py).
+        # Per layer: fused Q/K/V, attention output, FFN up, FFN down as (weight, bias).
+        weights = []
         for layer in model.encoder.layer:
-            att = layer.attention
-            qkv_w = torch.cat([att.self.query.weight, att.self.key.weight, att.self.value.weight])
-            qkv_b = torch.cat([att.self.query.bias, att.self.key.bias, att.self.value.bias])
-            self.layers.append((self._prepare(qkv_w, qkv_b), self._prepare(att.output.dense),
-                                att.output.LayerNorm, self._prepare(layer.intermediate.dense),
-                                self._prepare(layer.output.dense), layer.output.LayerNorm))
-
-    def _prepare(self, weight, bias=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if isinstance(weight, torch.nn.Linear):
-            weight, bias = weight.weight, weight.bias
-        weight = weight.detach().contiguous()
-        bias = None if bias is None else bias.detach().contiguous()
-        return (onednn.pack(weight) if self.packed else weight), bias
-
-    def _linear(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-        """x [T, in] -> [T, out]."""
-        return onednn.linear(x, *wb) if self.packed else F.linear(x, *wb)
+            att = layer.attention.self
+            qkv = (torch.cat([att.query.weight, att.key.weight, att.value.weight]),
+                   torch.cat([att.query.bias, att.key.bias, att.value.bias]))
+            dense = (layer.attention.output.dense, layer.intermediate.dense, layer.output.dense)
+            weights.append([qkv] + [(m.weight, m.bias) for m in dense])
+        plan = linear_path.plan((wb for layer in weights for wb in layer), mode)
+        self.linear_path = plan.summary   # reported by the Embedder's load log
+        self.layers = []
+        for layer, projections in zip(model.encoder.layer, weights, strict=True):
+            qkv, out, up, down = (linear_path.Projection(w, b, plan) for w, b in projections)
+            self.layers.append((qkv, out, layer.attention.output.LayerNorm, up, down, layer.output.LayerNorm))
 
     def __call__(self, seqs) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = torch.tensor([len(s) for s in seqs])
@@ -74,15 +70,15 @@ class PackedBert:
         hidden = x.shape[1]
         head_dim = hidden // self.heads
         key_mask = mask[:, None, None, :]                                         # [B, 1, 1, L]
-        for qkv, out_dense, out_norm, up, down, ffn_norm in self.layers:
-            qkv = self._linear(x, qkv)                                            # [T, 3H]
+        for qkv_proj, out_proj, out_norm, up, down, ffn_norm in self.layers:
+            qkv = qkv_proj(x)                                                     # [T, 3H]
             grid = qkv.new_zeros(batch * width, 3 * hidden)
             grid[flat] = qkv
             q, k, v = grid.view(batch, width, 3, self.heads, head_dim).permute(2, 0, 3, 1, 4)
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)     # [B, nh, L, d]
             ctx = ctx.transpose(1, 2).reshape(batch * width, hidden)[flat]        # [T, H]
-            x = out_norm(self._linear(ctx, out_dense) + x)
-            x = ffn_norm(self._linear(F.gelu(self._linear(x, up), approximate=self.approximate), down) + x)
+            x = out_norm(out_proj(ctx) + x)
+            x = ffn_norm(down(F.gelu(up(x), approximate=self.approximate)) + x)
         out = x.new_zeros(batch * width, hidden)
         out[flat] = x
         return out.view(batch, width, hidden), mask

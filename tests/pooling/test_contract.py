@@ -135,6 +135,8 @@ def test_model_info(stub):
     assert (embed.pooling, embed.normalize, list(embed.matryoshka_dimensions)) == ("cls", True, [16])
     assert embed.max_model_len == 64 and embed.max_batch_size == 8
     assert rerank.kind == pb.MODEL_KIND_RERANK and rerank.activation == "sigmoid"
+    # The packed BERT forward's matmul path per weight shape; the reranker runs transformers' forward.
+    assert " float32: " in embed.linear_backend and rerank.linear_backend == "transformers"
 
 
 BAD_EMBEDS = [

@@ -27,10 +27,11 @@ if TYPE_CHECKING:
 
 class Runner:
     def __init__(self, model: CausalLM, block_size: int, num_blocks: int, seed: int | None = None,
-                 pack: bool = True):
+                 linear_path: str | None = None):
         self.model = model
-        # "onednn-packed" on CPU (see model/linear.py), else "torch"; logged by the service.
-        self.linear_backend = pack_linears(model) if pack else "torch"
+        # The matmul path per weight shape, chosen by timing at load (model/linear.py) unless
+        # linear_path forces "packed" or "plain"; one line, e.g. "auto float32: packed on 576x576".
+        self.linear_backend = pack_linears(model, linear_path)
         self.config = cfg = model.config
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
@@ -53,8 +54,8 @@ class Runner:
     @classmethod
     def from_folder(cls, folder: str | Path, dtype: str | torch.dtype = "fp32", block_size: int = 16,
                     num_blocks: int = 1024, device: str | torch.device = "cpu",
-                    seed: int | None = None) -> Runner:
-        return cls(load_model(folder, dtype, device), block_size, num_blocks, seed)
+                    seed: int | None = None, linear_path: str | None = None) -> Runner:
+        return cls(load_model(folder, dtype, device), block_size, num_blocks, seed, linear_path)
 
     @property
     def vocab_size(self) -> int:

@@ -136,28 +136,35 @@ class AsyncEngine:
                     self._stats = self.core.stats()
                     if self.on_step is not None:
                         self.on_step(self._stats, outputs)
-                    if outputs:
-                        self._loop.call_soon_threadsafe(self._dispatch, outputs)
                     errors = [o.error for o in outputs if o.finish_reason == "error"]
                     if errors:
                         # A forward that raised leaves the device in an unknown state: stop
                         # serving rather than keep answering from it (restart the process).
-                        self._die(f"engine step failed: {errors[0]}")
+                        self._die(f"engine step failed: {errors[0]}", outputs)
                         return
+                    if outputs:
+                        self._loop.call_soon_threadsafe(self._dispatch, outputs)
         except Exception as exc:  # noqa: BLE001 - the thread must report, not vanish
             log.exception("engine loop died")
             self._die(f"{type(exc).__name__}: {exc}")
 
-    def _die(self, reason: str) -> None:
-        """Fail every in-flight request, return their blocks and leases, report the failure."""
+    def _die(self, reason: str, outputs: list[RequestOutput] = ()) -> None:
+        """Report the failure, then fail every in-flight request (the step's `outputs` first)
+        and return their blocks and leases.
+
+        The loop runs callbacks in the order they were scheduled, so health reads NOT_SERVING
+        before any client can hear of the failure and ask.
+        """
         self.failed = reason
         log.error("engine failed, no longer serving: %s", reason)
+        if self.on_failure is not None:
+            self._loop.call_soon_threadsafe(self.on_failure, reason)
+        if outputs:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
         for rid in list(self.core.scheduler.requests):
             self.core.scheduler.abort(rid)
         self._stats = self.core.stats()
         self._loop.call_soon_threadsafe(self._fail_all)
-        if self.on_failure is not None:
-            self._loop.call_soon_threadsafe(self.on_failure, reason)
 
     def _drain_commands(self, block: bool, timeout: float = 0.5) -> None:
         try:

@@ -24,8 +24,11 @@ class DecoderConfig:
 
     model: str = option("", "HF model folder (config.json, safetensors, tokenizer.json)", metavar="DIR")
     served_model_name: str = option("", "name clients use in `model`; default: the folder's name")
-    dtype: str = option("fp32", "weights and KV dtype (bf16 needs avx512_bf16 on CPU)",
-                        choices=("fp32", "bf16", "fp16"))
+    dtype: str = option("fp32", "weights and KV dtype (bf16 on a CPU without AVX-512 bf16 support runs "
+                        "slower plain matmuls, logged at load)", choices=("fp32", "bf16", "fp16"))
+    linear_path: str = option("auto", "CPU matmul path per weight shape: auto times oneDNN-packed against "
+                              "plain matmuls at load and keeps the faster per row count; packed or plain forces one",
+                              choices=("auto", "packed", "plain"), env="TESSERA_LINEAR_PATH")
     device: str = option("cpu", "torch device: cpu or cuda")
     threads: int = option(0, "torch intra-op threads; 0 keeps torch's default (all cores)")
     block_size: int = option(16, "tokens per KV block")

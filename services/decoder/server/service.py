@@ -99,7 +99,8 @@ def load(cfg: DecoderConfig) -> Loaded:
         torch.set_num_threads(cfg.threads)
     model_cfg = ModelConfig.from_folder(folder)
     num_blocks = kv_blocks(model_cfg, cfg)
-    runner = Runner.from_folder(folder, cfg.dtype, cfg.block_size, num_blocks, cfg.device, seed=cfg.seed)
+    runner = Runner.from_folder(folder, cfg.dtype, cfg.block_size, num_blocks, cfg.device, seed=cfg.seed,
+                                linear_path=cfg.linear_path)
     tokenizer = Tokenizer.from_folder(folder)
     template = ChatTemplate.from_folder(folder, tokenizer)
     eos = tuple(dict.fromkeys((*runner.eos_token_ids, *tokenizer.stop_token_ids)))
@@ -217,7 +218,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             eos_token_ids=list(st.engine_config.eos_token_ids), has_chat_template=st.template is not None,
             supports_images=st.runner.config.vision is not None, block_size=st.engine_config.block_size,
             dtype=self.cfg.dtype,
-            lora_backend=st.adapters.bank.backend if st.adapters else "",
+            lora_backend=st.adapters.bank.backend if st.adapters else "", linear_backend=st.runner.linear_backend,
             max_loras=self.cfg.max_loras if st.adapters else 0, max_lora_rank=self.cfg.max_lora_rank,
             stats=decoder_pb2.EngineStats(
                 free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, running=s.num_running,

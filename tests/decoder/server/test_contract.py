@@ -64,6 +64,9 @@ def test_model_info(stub, tiny_chat_model):
     assert info.vocab_size == 49152 and info.max_model_len == 256 and info.has_chat_template
     assert list(info.eos_token_ids) == [2]
     assert info.stats.total_blocks == 64
+    # The matmul path chosen at load (services/common/linear_path.py), per weight shape.
+    assert info.linear_backend.startswith(("auto float32: ", "packed float32: ", "plain float32: "))
+    assert "64x64" in info.linear_backend
 
 
 def test_stream_order_text_and_usage(stub, decoder_server):

@@ -1,0 +1,275 @@
+"""The CPU matmul path per weight shape: oneDNN-packed or plain F.linear, chosen by timing.
+
+Neither path wins everywhere (issues 9, 10, 14). A weight reordered once into oneDNN's
+blocked layout (torch.ops.mkldnn, the ops inductor uses for frozen CPU linears) ran ~2x
+faster than F.linear at every row count on an AMD Zen 4, but 2-3x slower at 1 row on an
+Intel Emerald Rapids (faster again at 64 rows), and on AVX2-only CPUs oneDNN cannot pack
+bf16 at all. So at load, for each distinct (out, in, dtype, bias) shape, both paths are
+timed at a few row counts on the real weight with the configured threads, and each shape
+gets a `Rule`: which path runs for a given number of rows. Both the dense weight and the
+packed copy stay resident while any row count uses the packed one.
+
+TESSERA_LINEAR_PATH (or the `mode` argument) = auto | packed | plain; packed and plain
+force one path (tests, debugging), auto measures.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("tessera.linear_path")
+
+MODES = ("auto", "packed", "plain")
+ENV = "TESSERA_LINEAR_PATH"
+# Decode batch 1, small and large decode batches, a prefill chunk.
+ROWS = (1, 4, 16, 64, 256)
+# Buckets above the first cost at most this many multiply-adds per call (about 3 ms in
+# fp32 on 2 cores): a 49152-wide LM head is timed at 1 and 4 rows only and larger row
+# counts keep the last measured verdict. The LM head only sees sampled rows anyway.
+MAX_MACS = 1 << 28
+# Every (shape, rows) is timed in PASSES passes (see measure_rules); each pass runs call
+# pairs for about PASS_S, at least one and at most MAX_REPS.
+PASSES, PASS_S, MAX_REPS = 3, 1e-3, 16
+# Paths within this fraction of each other tie (see Rule.from_verdicts).
+TIE = 0.1
+
+
+@dataclass(frozen=True)
+class Shape:
+    out_features: int
+    in_features: int
+    dtype: torch.dtype
+    bias: bool
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Shape:
+        return cls(weight.shape[0], weight.shape[1], weight.dtype, bias is not None)
+
+    def __str__(self) -> str:
+        return f"{self.out_features}x{self.in_features}{'+b' if self.bias else ''}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Rows in [starts[i], starts[i+1]) use the packed path iff packed[i]; starts[0] == 1."""
+
+    starts: tuple[int, ...]
+    packed: tuple[bool, ...]
+
+    @classmethod
+    def always(cls, packed: bool) -> Rule:
+        return cls((1,), (packed,))
+
+    @classmethod
+    def from_verdicts(cls, verdicts: Iterable[tuple[int, bool | None]]) -> Rule:
+        """[(rows, packed wins, or None for a tie)] in ascending rows -> a Rule.
+
+        A tie takes the verdict of the bucket below it (the first decisive one above it
+        for leading ties; plain, which needs no packed copy, when all tie), so noise
+        between two equal paths does not split a shape into many runs.
+        """
+        verdicts = list(verdicts)
+        last = next((v for _, v in verdicts if v is not None), False)
+        starts, packed = [], []
+        for rows, wins in verdicts:
+            last = last if wins is None else wins
+            if not packed or packed[-1] != last:
+                starts.append(rows)
+                packed.append(last)
+        starts[0] = 1
+        return cls(tuple(starts), tuple(packed))
+
+    def use_packed(self, rows: int) -> bool:
+        return self.packed[bisect.bisect_right(self.starts, rows) - 1]
+
+    @property
+    def ever_packed(self) -> bool:
+        return any(self.packed)
+
+    def __str__(self) -> str:
+        if len(self.packed) == 1:
+            return "packed" if self.packed[0] else "plain"
+        if self.packed == (False, True):
+            return f"packed rows>={self.starts[1]}"
+        ends = self.starts[1:] + (None,)
+        return "packed rows " + ",".join(f"{lo}-{'' if hi is None else hi - 1}"
+                                         for lo, hi, p in zip(self.starts, ends, self.packed, strict=True) if p)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The rule per weight shape, and a one-line summary (logged; runner.linear_backend)."""
+
+    mode: str
+    rules: dict[Shape, Rule]
+    reason: str = ""
+
+    def rule(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Rule:
+        return self.rules.get(Shape.of(weight, bias), Rule.always(False))
+
+    @property
+    def summary(self) -> str:
+        """e.g. "auto float32: packed on 576x576,1536x576; packed rows>=16 on 192x576", or
+        "auto bfloat16: plain on 576x576 (oneDNN cannot pack bfloat16 here: ...)"."""
+        if not self.rules:
+            return f"{self.mode}: plain (no CPU weights)"
+        groups: dict[str, list[str]] = {}
+        for shape, rule in self.rules.items():
+            groups.setdefault(str(rule), []).append(str(shape))
+        dtypes = sorted({str(s.dtype).removeprefix("torch.") for s in self.rules})
+        body = "; ".join(f"{r} on {','.join(s)}" for r, s in groups.items())
+        return f"{self.mode} {'/'.join(dtypes)}: {body}" + (f" ({self.reason})" if self.reason else "")
+
+
+# Where a measurement comes from: (weight, packed, bias, rows) -> (plain s, packed s).
+Timer = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", int], tuple[float, float]]
+
+
+def available(device: torch.device | str = "cpu") -> bool:
+    """True where packed matmuls can run: CPU tensors and a torch built with oneDNN."""
+    return (torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] -> an opaque packed copy for `packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [N, in] @ weight.T + bias -> [N, out], weight given as `pack(weight)`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_error(dtype: torch.dtype) -> str | None:
+    """Why this CPU cannot run packed matmuls in dtype, or None when it can."""
+    if not available("cpu"):
+        return "torch has no oneDNN linear ops"
+    try:
+        w = torch.zeros(8, 8, dtype=dtype)
+        packed_linear(torch.zeros(1, 8, dtype=dtype), pack(w), None)
+    except RuntimeError as exc:
+        # e.g. bf16 on AVX2-only CPUs: "bf16 path needs the cpu support avx_ne_convert or
+        # avx512bw, avx512vl and avx512dq".
+        return f"oneDNN cannot pack {str(dtype).removeprefix('torch.')} here: {str(exc).splitlines()[0]}"
+    return None
+
+
+def resolve_mode(mode: str | None = None) -> str:
+    """mode, else $TESSERA_LINEAR_PATH, else "auto"; ValueError names the bad value."""
+    value = (mode or os.environ.get(ENV) or "auto").strip().lower()
+    if value not in MODES:
+        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
+def buckets(shape: Shape) -> tuple[int, ...]:
+    """The ROWS that shape is timed at: the first always, the others within MAX_MACS."""
+    macs = shape.out_features * shape.in_features
+    return tuple(rows for i, rows in enumerate(ROWS) if i == 0 or rows * macs <= MAX_MACS)
+
+
+@torch.inference_mode()
+def time_both(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+              rows: int) -> tuple[float, float]:
+    """Seconds per call (plain, packed) for x [rows, in]: the fastest of the call pairs
+    that fit in PASS_S (at least one). Other processes only ever add time, hence the
+    minimum; the paths alternate so both see the same clocks and caches."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    calls = (lambda: F.linear(x, weight, bias), lambda: packed_linear(x, packed, bias))
+    best = [math.inf, math.inf]
+    deadline = time.perf_counter() + PASS_S
+    for _ in range(MAX_REPS):
+        for i, call in enumerate(calls):
+            t0 = time.perf_counter()
+            call()
+            best[i] = min(best[i], time.perf_counter() - t0)
+        if time.perf_counter() >= deadline:
+            break
+    return best[0], best[1]
+
+
+def measure_rules(entries: dict[Shape, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+                  timer: Timer | None = None) -> dict[Shape, tuple[Rule, list[tuple[int, float, float]]]]:
+    """{shape: (weight, packed, bias)} -> {shape: (rule, [(rows, plain s, packed s)])}.
+
+    Every (shape, rows) is timed once per pass, PASSES passes round all of them, keeping
+    the fastest of each: a burst of load from another process (on a busy 2-core VM every
+    threaded call then waits out 4-8 ms scheduler ticks) spoils one pass, not the choice. The first
+    pass doubles as warm-up (oneDNN builds its primitive on the first call). Packed runs
+    where it was faster by more than TIE.
+    """
+    timer = timer or time_both   # looked up per call, so tests can swap the module's timer
+    best = {(shape, rows): (math.inf, math.inf) for shape in entries for rows in buckets(shape)}
+    for _ in range(PASSES):
+        for shape, rows in list(best):
+            plain, packed = timer(*entries[shape], rows)
+            best[shape, rows] = (min(best[shape, rows][0], plain), min(best[shape, rows][1], packed))
+    out = {}
+    for shape in entries:
+        timings = [(rows, *best[shape, rows]) for rows in buckets(shape)]
+        verdicts = ((rows, None if abs(q - p) <= TIE * min(q, p) else p < q) for rows, q, p in timings)
+        out[shape] = (Rule.from_verdicts(verdicts), timings)
+    return out
+
+
+def plan(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]], mode: str | None = None,
+         timer: Timer | None = None) -> Plan:
+    """Choose a rule per distinct shape of weights [(weight [out, in], bias [out] | None)].
+
+    Each shape is timed on its first weight; the plan is logged in one line (the timings
+    at DEBUG).
+    """
+    mode = resolve_mode(mode)
+    first: dict[Shape, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for w, b in weights:
+        if w.device.type == "cpu":   # elsewhere F.linear is the only path
+            first.setdefault(Shape.of(w, b), (w.detach(), None if b is None else b.detach()))
+    errors = {d: pack_error(d) for d in {s.dtype for s in first}} if mode != "plain" else {}
+    start = time.perf_counter()
+    rules, timed = {}, {}
+    for shape, (w, b) in first.items():
+        err = errors.get(shape.dtype)
+        if mode != "auto" or err:
+            rules[shape] = Rule.always(mode == "packed" and not err)
+        else:
+            timed[shape] = (w, pack(w), b)
+    measured = measure_rules(timed, timer) if timed else {}
+    rules.update((shape, rule) for shape, (rule, _) in measured.items())
+    rules = {shape: rules[shape] for shape in first}   # the model's order, for the summary
+    details = [f"{shape}: " + " ".join(f"{r}:{q * 1e6:.0f}/{p * 1e6:.0f}" for r, q, p in timings)
+               for shape, (_, timings) in measured.items()]
+    notes = sorted({e for e in errors.values() if e})
+    result = Plan(mode, rules, "; ".join(notes))
+    if notes:
+        log.warning("linear path: plain F.linear where packing is impossible: %s", result.reason)
+    log.info("linear path %s [%.0f ms]", result.summary, (time.perf_counter() - start) * 1e3)
+    if details:
+        log.debug("linear path timings, rows:plain_us/packed_us: %s", "  ".join(details))
+    return result
+
+
+class Projection:
+    """A frozen weight [out, in] (+ bias [out]) whose call picks its path by row count."""
+
+    __slots__ = ("weight", "bias", "packed", "rule")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, chosen: Plan):
+        self.weight = weight.detach().contiguous()
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.rule = chosen.rule(self.weight, self.bias)
+        self.packed = pack(self.weight) if self.rule.ever_packed else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] -> [N, out]."""
+        if self.packed is not None and self.rule.use_packed(x.shape[0]):
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,205 @@
+"""services/common/linear_path.py: the packed-vs-plain choice follows the timings, both
+paths compute the same function, and bf16 falls back to plain where oneDNN cannot pack it."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.common import linear_path
+from services.common.linear_path import Plan, Projection, Rule, Shape
+from services.decoder.model.linear import Linear, pack_linears
+from tests.tolerance import assert_close
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_onednn = pytest.mark.skipif(linear_path.pack_error(torch.float32) is not None,
+                                  reason="no oneDNN linear ops in this torch")
+
+
+def fake_timer(packed_wins_at, calls=None):
+    """A Timer where packed takes 1 s and plain 2 s at rows for which packed_wins_at(rows), else the reverse."""
+    def timer(weight, packed, bias, rows):
+        if calls is not None:
+            calls.append((tuple(weight.shape), rows))
+        return (2.0, 1.0) if packed_wins_at(rows) else (1.0, 2.0)
+    return timer
+
+
+def tiny_model(dtype=torch.float32, bias=False) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(Linear(32, 48, bias=bias), Linear(48, 32, bias=bias), Linear(32, 48, bias=bias))
+    return model.to(dtype)
+
+
+# -- the choice follows the measurement ----------------------------------------------------
+
+@needs_onednn
+@pytest.mark.parametrize("wins, expected, packed_at, plain_at", [
+    (lambda r: r >= 16, "packed rows>=16", (16, 17, 64, 5000), (1, 4, 15)),
+    (lambda r: r < 16, "packed rows 1-15", (1, 4, 15), (16, 64, 5000)),
+    (lambda r: True, "packed", (1, 7, 300), ()),
+    (lambda r: False, "plain", (), (1, 7, 300)),
+])
+def test_rule_follows_the_timings(wins, expected, packed_at, plain_at):
+    plan = linear_path.plan([(torch.randn(48, 32), None)], "auto", timer=fake_timer(wins))
+    rule = plan.rule(torch.empty(48, 32), None)
+    assert str(rule) == expected and plan.summary == f"auto float32: {expected} on 48x32"
+    assert all(rule.use_packed(n) for n in packed_at)
+    assert not any(rule.use_packed(n) for n in plain_at)
+
+
+@needs_onednn
+def test_forward_takes_the_path_its_rule_picks(monkeypatch):
+    """Linear (decoder) and Projection (pooling) call the packed op exactly for the rows the timings favour."""
+    model = tiny_model()
+    monkeypatch.setattr(linear_path, "time_both", fake_timer(lambda r: r >= 16))
+    summary = pack_linears(model, "auto")
+    assert summary == "auto float32: packed rows>=16 on 48x32,32x48"
+    weight = torch.randn(48, 32)
+    proj = Projection(weight, None, linear_path.plan([(weight, None)], "auto", fake_timer(lambda r: r < 4)))
+    packed_calls = []
+    real = linear_path.packed_linear
+    monkeypatch.setattr(linear_path, "packed_linear", lambda *a: packed_calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 15, 16, 64):
+        model(torch.randn(rows, 32))
+        proj(torch.randn(rows, 32))
+    assert packed_calls == [1] + [16] * 3 + [64] * 3
+
+
+def test_passes_keep_the_fastest_time():
+    """A load burst that slows one pass of packed does not flip the verdict."""
+    shape = Shape(8, 8, torch.float32, False)
+    seen = {}
+
+    def timer(weight, packed, bias, rows):
+        seen[rows] = seen.get(rows, 0) + 1
+        return (2.0, 50.0 if seen[rows] == 2 else 1.0)   # pass 2 of packed stalls
+
+    rule, timings = linear_path.measure_rules({shape: (torch.randn(8, 8), None, None)}, timer)[shape]
+    assert rule == Rule.always(True) and all(t[1:] == (2.0, 1.0) for t in timings)
+
+
+def test_ties_keep_the_neighbouring_verdict_and_big_shapes_skip_big_buckets():
+    times = {1: (2.0, 1.0), 4: (1.0, 1.02), 16: (1.0, 1.05), 64: (1.0, 2.0), 256: (1.0, 1.01)}
+    calls = []
+
+    def timer(weight, packed, bias, rows):
+        calls.append((weight.shape[0], rows))
+        return times[rows]
+
+    small, head = Shape(8, 8, torch.float32, False), Shape(49152, 576, torch.float32, False)
+    rule, timings = linear_path.measure_rules({small: (torch.randn(8, 8), None, None)}, timer)[small]
+    assert rule == Rule((1, 64), (True, False)) and [t[0] for t in timings] == list(linear_path.ROWS)
+    calls.clear()
+    # a SmolLM2 LM head: 1 and 4 rows only (MAX_MACS), once per pass
+    rule, _ = linear_path.measure_rules({head: (torch.empty(49152, 576), None, None)}, timer)[head]
+    assert calls == [(49152, 1), (49152, 4)] * linear_path.PASSES and str(rule) == "packed"
+    assert Rule.from_verdicts([(1, None), (4, False), (16, None)]) == Rule.always(False)
+    assert Rule.from_verdicts([(1, None), (4, None)]) == Rule.always(False)
+
+
+def test_forced_modes_do_not_time(monkeypatch):
+    def refuse(*a):
+        raise AssertionError("forced modes must not measure")
+    w = torch.randn(16, 8)
+    assert linear_path.plan([(w, None)], "plain", refuse).summary == "plain float32: plain on 16x8"
+    if linear_path.pack_error(torch.float32) is None:
+        monkeypatch.setenv(linear_path.ENV, "packed")
+        assert linear_path.plan([(w, torch.zeros(16))], timer=refuse).summary == "packed float32: packed on 16x8+b"
+    monkeypatch.setenv(linear_path.ENV, "fastest")
+    with pytest.raises(ValueError, match="TESSERA_LINEAR_PATH='fastest'"):
+        linear_path.resolve_mode()
+
+
+def test_unknown_shapes_and_other_devices_run_plain():
+    plan = Plan("auto", {})
+    assert plan.rule(torch.empty(3, 3), None) == Rule.always(False)
+    assert plan.summary == "auto: plain (no CPU weights)"
+    proj = Projection(torch.eye(3), torch.ones(3), plan)
+    assert proj.packed is None and torch.equal(proj(torch.eye(3)), torch.eye(3) + 1)
+    assert Shape.of(torch.empty(5, 7), torch.empty(5)) == Shape(5, 7, torch.float32, True)
+
+
+# -- both paths compute the same function --------------------------------------------------
+
+@needs_onednn
+@pytest.mark.numerics
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_and_plain_agree(dtype, bias):
+    if linear_path.pack_error(dtype):
+        pytest.skip(linear_path.pack_error(dtype))
+    packed, plain = tiny_model(dtype, bias), tiny_model(dtype, bias)
+    assert pack_linears(packed, "packed").startswith("packed")
+    assert pack_linears(plain, "plain").startswith("plain")
+    assert all(m.packed is not None for m in packed) and all(m.packed is None for m in plain)
+    with torch.inference_mode():
+        for rows in (1, 5, 64):
+            x = torch.randn(rows, 32, dtype=dtype)
+            expected = plain(x)
+            assert_close(packed(x), expected, dtype=dtype, k=48, depth=3, what=f"{rows} rows")
+            # and the plain path is F.linear itself
+            ref = F.linear(F.linear(F.linear(x, plain[0].weight, plain[0].bias), plain[1].weight,
+                                    plain[1].bias), plain[2].weight, plain[2].bias)
+            assert torch.equal(expected, ref)
+
+
+# -- bf16 on an AVX2-only CPU ----------------------------------------------------------------
+
+_AVX2_CHILD = r"""
+import json, logging, torch
+import torch.nn.functional as F
+from services.common import linear_path
+from services.decoder.model.linear import Linear, pack_linears
+
+
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append((record.levelname, record.getMessage()))
+
+
+records = []
+logging.getLogger("tessera.linear_path").setLevel(logging.INFO)
+logging.getLogger("tessera.linear_path").addHandler(Keep())
+error = linear_path.pack_error(torch.bfloat16)
+model = torch.nn.Sequential(Linear(64, 96), Linear(96, 64)).to(torch.bfloat16)
+summary = pack_linears(model, "auto")
+x = torch.randn(3, 64, dtype=torch.bfloat16)
+with torch.inference_mode():
+    y = model(x)
+    ref = F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight, model[1].bias)
+print(json.dumps({"error": error, "summary": summary, "equal": bool(torch.equal(y, ref)),
+                  "packed": [m.packed is not None for m in model], "records": records}))
+"""
+
+
+@needs_onednn
+@pytest.mark.numerics
+def test_bf16_falls_back_to_plain_where_onednn_cannot_pack_it():
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2", PYTHONPATH=str(ROOT))
+    env.pop(linear_path.ENV, None)
+    out = subprocess.run([sys.executable, "-c", _AVX2_CHILD], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if got["error"] is None:
+        pytest.skip("ONEDNN_MAX_CPU_ISA=AVX2 still packs bf16 on this CPU")
+    assert "bf16 path needs the cpu support" in got["error"]
+    assert got["equal"] and got["packed"] == [False, False]
+    assert got["summary"].startswith("auto bfloat16: plain on 96x64+b,64x96+b (oneDNN cannot pack bfloat16")
+    warnings = [m for level, m in got["records"] if level == "WARNING"]
+    assert len(warnings) == 1 and "plain F.linear where packing is impossible" in warnings[0]
+
+
+def test_logs_one_line_per_plan(caplog):
+    caplog.set_level(logging.INFO, logger="tessera.linear_path")
+    linear_path.plan([(torch.randn(8, 4), None), (torch.randn(8, 4), None)], "plain")
+    assert [r.getMessage().split(" [")[0] for r in caplog.records] == ["linear path plain float32: plain on 8x4"]
