@@ -34,12 +34,18 @@ class PoolingConfig:
     max_batch_tokens: int = option(16384, "padded tokens (rows x longest) per forward")
     max_wait_ms: float = option(2.0, "how long a sequence may wait for others to share its forward")
     max_queue: int = option(2048, "sequences waiting per model; beyond it calls get RESOURCE_EXHAUSTED")
+    max_passes: int = option(2, "forwards that may start without a waiting sequence (for neighbours closer in "
+                             "length to the oldest) before it goes in arrival order; bounds every wait "
+                             "(services/pooling/batcher.py); 0 is strict FIFO")
     threads: int = option(0, "torch intra-op threads; 0 keeps torch's default")
     dtype: str = option("float32", "weights and activations dtype", choices=("float32", "bfloat16"))
     packed: bool = option(True, "use the packed (padding-free) BERT forward where the architecture allows")
     linear_path: str = option("auto", "CPU matmul path per weight shape: auto times oneDNN-packed against "
                               "plain matmuls at load and keeps the faster per row count; packed or plain forces one",
                               choices=("auto", "packed", "plain"), env="TESSERA_LINEAR_PATH")
+    fault_fail_at_forward: int = option(0, "TESTING ONLY: make forward N on the device raise, as a failure of the "
+                                           "forward worker (its batch fails INTERNAL, waiting calls UNAVAILABLE, "
+                                           "health goes NOT_SERVING); 0 disables")
 
     def __post_init__(self):
         if not self.embedding_model:
@@ -49,5 +55,6 @@ class PoolingConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.max_queue < self.max_request_inputs:
             raise ValueError("max_queue must be at least max_request_inputs, or a full request could never run")
-        if self.max_wait_ms < 0 or self.max_model_len < 0 or self.threads < 0:
-            raise ValueError("max_wait_ms, max_model_len and threads must be >= 0")
+        for name in ("max_wait_ms", "max_model_len", "threads", "max_passes", "fault_fail_at_forward"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")

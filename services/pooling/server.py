@@ -1,9 +1,15 @@
 """Start the pooling service: bind (health NOT_SERVING), load models off the event loop,
-start one batcher per model sharing one forward thread, then report SERVING."""
+start one batcher per model sharing one forward thread, then report SERVING.
+
+When a batcher dies (services/pooling/batcher.py, failure policy) the whole service
+reports NOT_SERVING on every name and every batcher stops: they share the device."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -56,12 +62,37 @@ class PoolingServer:
         self.executor.shutdown(wait=True)
 
 
+def fault_at_forward(at: int) -> Callable[[Callable], Callable]:
+    """--fault-fail-at-forward: wrap each model's forward so that forward `at`, counted over
+    every model on the device, raises (fault tests drive a real process this way)."""
+    count = itertools.count(1)
+    log.warning("fault injection armed: forward %d will raise", at)
+
+    def wrap(run: Callable) -> Callable:
+        def run_or_fail(seqs):
+            if next(count) == at:
+                raise RuntimeError(f"injected fault at forward {at}")
+            return run(seqs)
+        return run_or_fail
+    return wrap
+
+
+async def _stop_serving(handle: PoolingServer, reason: str) -> None:
+    """A batcher died: NOT_SERVING on every name first, then stop every batcher on the device."""
+    await handle.server.set_serving(False)
+    for served in handle.servicer.models.values():
+        served.batcher.fail(reason)
+
+
 async def _load(handle: PoolingServer, cfg: PoolingConfig) -> None:
-    limits = BatchLimits(cfg.max_batch_size, cfg.max_batch_tokens, cfg.max_wait_ms, cfg.max_queue)
+    limits = BatchLimits(cfg.max_batch_size, cfg.max_batch_tokens, cfg.max_wait_ms, cfg.max_queue,
+                         cfg.max_passes)
     loaded = await asyncio.to_thread(load_models, cfg)
+    armed = fault_at_forward(cfg.fault_fail_at_forward) if cfg.fault_fail_at_forward else (lambda run: run)
+    on_failure = functools.partial(_stop_serving, handle)
     models = {}
     for spec, runner in loaded:
-        batcher = Batcher(spec.name, runner.forward, limits, handle.executor, handle.metrics)
+        batcher = Batcher(spec.name, armed(runner.forward), limits, handle.executor, handle.metrics, on_failure)
         batcher.start()
         models[spec.name] = Served(spec, runner, batcher)
         handle.servicer.defaults[spec.kind] = spec.name

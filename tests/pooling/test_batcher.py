@@ -1,4 +1,5 @@
-"""Unit tests of the dynamic batcher: overload, hold time, token budget, bucketing, order."""
+"""Unit tests of the dynamic batcher: overload, hold time, token budget, bucketing, order, overdue
+sequences, and the failure policy (a refused batch fails alone; a dead worker fails everyone)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,9 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from services.common.errors import Overloaded
+from services.common.errors import Internal, InvalidArgument, Overloaded, Unavailable
 from services.pooling.batcher import Batcher, BatchLimits, _Item, select
 from services.pooling.metrics import PoolingMetrics
+from tests.pooling.virtual import SimulatedDevice, run_virtual
 
 
 class Seq(tuple):
@@ -112,20 +114,115 @@ def test_full_queue_is_overloaded_and_queues_nothing():
     assert depth == 3 and sum(map(len, calls)) == 4
 
 
-def test_failed_forward_fails_its_callers_and_the_batcher_survives():
+def test_select_takes_overdue_sequences_first_in_arrival_order():
+    # passed counts: the three oldest are overdue (>= 2); bucketing by the oldest's length (30)
+    # would otherwise pick the 29 and 31 over the 5 and 6.
+    items = [_Item(seq(n, i), n, float(i), None, passed=p)
+             for i, (n, p) in enumerate([(30, 3), (5, 2), (6, 2), (29, 1), (31, 0), (4, 0)])]
+    assert [it.length for it in select(items, BatchLimits(4, 10_000, 0, 100, max_passes=2))] == [30, 5, 6, 29]
+    # The budget stops the overdue prefix at the first that does not fit (40: 2 x 40 > 70), then the
+    # rest fills by length as before: the 29 (2 x 30 <= 70), nothing more fits.
+    items[1].length = 40
+    assert [it.length for it in select(items, BatchLimits(4, 70, 0, 100, max_passes=2))] == [30, 29]
+    # Pure bucketing when nothing is overdue.
+    assert [it.length for it in select(items, BatchLimits(3, 10_000, 0, 100, max_passes=9))] == [30, 29, 31]
+
+
+def _refusing(exc):
     def run(seqs):
         if any(s[0] < 0 for s in seqs):
-            raise RuntimeError("boom")
+            raise exc
         return torch.ones(len(seqs), 1)
+    return run
+
+
+@pytest.mark.parametrize("exc, expected", [(ValueError("bad shape"), Internal),
+                                           (InvalidArgument("no"), InvalidArgument)])
+def test_refused_input_fails_only_its_batch_and_the_batcher_survives(exc, expected):
+    """Policy: a forward raising ValueError or a TesseraError fails that batch's requests (its
+    batch-mates too), and nothing else: no on_failure, later requests are served."""
+    failures = []
+
+    async def on_failure(reason):
+        failures.append(reason)
 
     async def main():
         executor = ThreadPoolExecutor(1)
-        b = Batcher("m", run, BatchLimits(1, 100, 0, 10), executor, PoolingMetrics())
+        b = Batcher("m", _refusing(exc), BatchLimits(4, 100, 50, 10), executor, PoolingMetrics(), on_failure)
         b.start()
-        with pytest.raises(RuntimeError, match="boom"):
-            await b.submit([seq(2, -1)])
+        bad, mate = await asyncio.gather(b.submit([seq(2, -1)]), b.submit([seq(2, 1)]), return_exceptions=True)
         ok = await b.submit([seq(2, 1)])
         await b.close()
         executor.shutdown()
-        return ok
-    assert asyncio.run(main())[0].item() == 1.0
+        return bad, mate, ok, b.failed
+    bad, mate, ok, failed = asyncio.run(main())
+    assert type(bad) is expected and type(mate) is expected      # one forward: both in it
+    assert ok[0].item() == 1.0 and failed is None and failures == []
+
+
+def test_worker_failure_reports_first_then_fails_running_and_queued():
+    """Policy: any other exception kills the batcher. on_failure runs before any caller hears;
+    the running batch gets INTERNAL, the queued ones UNAVAILABLE, new ones UNAVAILABLE at once."""
+    events = []
+
+    async def main(loop):
+        async def on_failure(reason):
+            events.append(("on_failure", reason))
+            await asyncio.sleep(0)       # a real one awaits the health servicer
+
+        def run(seqs):
+            raise RuntimeError("device lost")
+
+        b = Batcher("m", run, BatchLimits(1, 100, 0, 10), SimulatedDevice(loop, 0.01), PoolingMetrics(), on_failure)
+        b.start()
+        calls = [loop.create_task(b.submit([seq(2, i)])) for i in range(3)]
+        for call in calls:
+            call.add_done_callback(lambda c: events.append(("failed", type(c.exception()).__name__)))
+        await asyncio.sleep(0.001)       # the first is in the forward, two wait
+        assert len(b.running) == 1 and len(b.waiting) == 2
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        refused_at = loop.time()
+        with pytest.raises(Unavailable, match="stopped serving after a failed forward"):
+            await b.submit([seq(2, 9)])
+        assert loop.time() == refused_at  # at once, no wait
+        await b.close()
+        return results, b.failed
+    results, failed = run_virtual(main)
+    assert [type(r) for r in results] == [Internal, Unavailable, Unavailable]
+    assert "device lost" in str(results[0]) and failed == "RuntimeError: device lost"
+    assert events[0] == ("on_failure", "RuntimeError: device lost") and len(events) == 4
+
+
+def test_a_bug_in_the_loop_kills_the_batcher_instead_of_hanging(monkeypatch):
+    import services.pooling.batcher as batcher_module
+
+    def broken(items, limits):
+        raise KeyError("bug")
+    monkeypatch.setattr(batcher_module, "select", broken)
+
+    async def main(loop):
+        b = Batcher("m", lambda seqs: [0] * len(seqs), BatchLimits(1, 100, 0, 10), SimulatedDevice(loop, 0.01),
+                    PoolingMetrics())
+        b.start()
+        with pytest.raises(Unavailable, match="KeyError"):
+            await b.submit([seq(2, 0)])
+        await b.close()
+    run_virtual(main)
+
+
+def test_fail_stops_a_sibling_batcher():
+    """server.py calls fail() on every batcher of the device when one dies."""
+    async def main(loop):
+        b = Batcher("m", lambda seqs: [0] * len(seqs), BatchLimits(1, 100, 0, 10), SimulatedDevice(loop, 0.01),
+                    PoolingMetrics())
+        b.start()
+        calls = [loop.create_task(b.submit([seq(2, i)])) for i in range(2)]
+        await asyncio.sleep(0.001)       # one running, one waiting
+        b.fail("the reranker's forward failed")
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        with pytest.raises(Unavailable):
+            await b.submit([seq(2, 3)])
+        await b.close()
+        return results, b.task.cancelled()
+    results, cancelled = run_virtual(main)
+    assert [type(r) for r in results] == [Unavailable, Unavailable] and cancelled

@@ -14,7 +14,8 @@ from services.pooling.folder import read_spec
 
 FLAGS = ("--embedding-model", "--embedding-name", "--reranker-model", "--reranker-name", "--pooling",
          "--normalize", "--max-model-len", "--max-request-inputs", "--max-batch-size", "--max-batch-tokens",
-         "--max-wait-ms", "--max-queue", "--threads", "--dtype", "--packed", "--port", "--metrics-port")
+         "--max-wait-ms", "--max-queue", "--max-passes", "--threads", "--dtype", "--packed", "--port", "--metrics-port",
+         "--fault-fail-at-forward")
 
 
 def test_help_explains_every_flag():
@@ -29,8 +30,10 @@ def test_config_defaults_and_validation():
     server, cfg = load((PoolingServerConfig, PoolingConfig), ["--embedding-model", "x"], prog="t",
                        description="t", environ={})
     assert server.port == 50053 and cfg.max_batch_size == 64
+    assert (cfg.max_passes, cfg.fault_fail_at_forward) == (2, 0)
     for argv in ([], ["--embedding-model", "x", "--max-queue", "4", "--max-request-inputs", "8"],
-                 ["--embedding-model", "x", "--max-batch-size", "0"]):
+                 ["--embedding-model", "x", "--max-batch-size", "0"], ["--embedding-model", "x", "--max-passes", "-1"],
+                 ["--embedding-model", "x", "--fault-fail-at-forward", "-1"]):
         with pytest.raises(SystemExit):
             load((PoolingServerConfig, PoolingConfig), argv, prog="t", description="t", environ={})
 
