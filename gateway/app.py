@@ -11,10 +11,10 @@ from .backends import Catalog, build_backends
 from .config import GatewayConfig
 from .edge import Edge
 from .limits import ConcurrencyLimit
-from .routes import adapters, chat, completions, embeddings, health, models, rerank
+from .routes import adapters, chat, completions, embeddings, health, models, rerank, tokenization
 
 ROUTERS = (chat.router, completions.router, embeddings.router, rerank.router, models.router, health.router,
-           adapters.router)
+           adapters.router, tokenization.router)
 
 
 def create_app(cfg: GatewayConfig) -> FastAPI:

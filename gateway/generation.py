@@ -17,22 +17,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.common.errors import Internal, TesseraError, Unavailable
 from services.common.pb import decoder_pb2
 
 from .backends import Backend
-from .routes.common import INT32_MAX, StrictBody
+from .routes.common import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, StrictBody
 from .routing import Route
 
 log = logging.getLogger("tessera.gateway.generation")
 
 UINT64_MAX = 2**64 - 1
+_TOKEN_ID = re.compile(r"-?[0-9]{1,19}")
 FINISH_REASONS = {decoder_pb2.FINISH_REASON_STOP: "stop", decoder_pb2.FINISH_REASON_LENGTH: "length",
                   decoder_pb2.FINISH_REASON_ABORT: "abort"}
 
@@ -53,15 +56,67 @@ class SamplingFields(StrictBody):
                                                            " the text ends before the first one generated")
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string, OpenAI's JSON) -> bias in [-100, 100] added to its logit"
+                          " before penalties and temperature")
+    # vLLM's extra sampling fields (the openai client sends them through extra_body).
+    top_k: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX, description="keep the k most likely tokens;"
+                                                                            " 0 or -1 disables it (vLLM)")
+    min_p: float | None = Field(None, description="in [0, 1]: drop tokens less likely than min_p times the"
+                                                  " most likely one; omitted or 0: disabled")
+    repetition_penalty: float | None = Field(None, description="> 0, over prompt and generated tokens: positive"
+                                                               " logits divided, negative multiplied; 1: off")
+    min_tokens: int = Field(0, ge=INT32_MIN, le=INT32_MAX,
+                            description="EOS, stop_token_ids and stop strings cannot end a choice before this"
+                                        " many tokens; at most max_tokens")
+    stop_token_ids: list[Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]] | None = Field(
+        None, description="token ids that end a choice like EOS (the id is counted, not shown)")
     stream: bool = Field(False, description="answer as server-sent events, ending with `data: [DONE]`")
     stream_options: StreamOptions | None = None
+    # Accepted because their only correct effect is none; anything that would ask for more is refused.
     user: str | None = Field(None, description="accepted for OpenAI compatibility; not used")
+    store: bool | None = Field(None, description="only false: tessera stores no completions")
+    metadata: dict[str, str] | None = Field(None, description="accepted for OpenAI compatibility and ignored"
+                                                              " (nothing is stored): at most 16 pairs, keys"
+                                                              " up to 64 and values up to 512 characters")
+    service_tier: str | None = Field(None, description="only auto: tessera has one tier")
 
     @model_validator(mode="after")
     def _options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        # The keys become int64 map keys; their range against the vocabulary is the decoder's to judge.
+        for key in value or {}:
+            if not _TOKEN_ID.fullmatch(key) or not INT64_MIN <= int(key) <= INT64_MAX:
+                raise ValueError(f"keys must be token ids (integers written as strings), got {key!r}")
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_stored(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("store: true is not supported: tessera keeps no completions (send false or omit it)")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        # OpenAI's limits, so a program that works here also works there.
+        if value is not None and (len(value) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in value.items())):
+            raise ValueError("at most 16 pairs, keys up to 64 and values up to 512 characters")
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _one_tier(cls, value: str | None) -> str | None:
+        if value is not None and value != "auto":
+            raise ValueError(f"only 'auto' is supported (tessera has one service tier), got {value!r}")
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -71,9 +126,12 @@ class SamplingFields(StrictBody):
         """The decoder's SamplingParams; None leaves a field unset (the decoder's default)."""
         params = decoder_pb2.SamplingParams(
             n=self.n, stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            top_k=self.top_k or 0, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids or [],
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
         for name, value in (("temperature", self.temperature), ("top_p", self.top_p), ("seed", self.seed),
-                            ("max_tokens", max_tokens), ("logprobs", logprobs)):
+                            ("max_tokens", max_tokens), ("logprobs", logprobs), ("min_p", self.min_p),
+                            ("repetition_penalty", self.repetition_penalty)):
             if value is not None:
                 setattr(params, name, value)
         return params

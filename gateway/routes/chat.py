@@ -90,12 +90,13 @@ def _to_proto(message: Message, first_image: int) -> decoder_pb2.ChatMessage:
     return decoder_pb2.ChatMessage(role=message.role, content=parts)
 
 
-def _chat(messages: list[Message]) -> decoder_pb2.ChatMessages:
+def chat_messages(messages: list[Message], add_generation_prompt: bool = True) -> decoder_pb2.ChatMessages:
+    """The decoder's ChatMessages (a chat completion always asks for the generation prompt)."""
     out, images = [], 0
     for message in messages:
         out.append(_to_proto(message, images))
         images += sum(1 for p in out[-1].content if p.WhichOneof("kind") == "image_index")
-    return decoder_pb2.ChatMessages(messages=out, add_generation_prompt=True)
+    return decoder_pb2.ChatMessages(messages=out, add_generation_prompt=add_generation_prompt)
 
 
 async def _images(request: Request, refs: list[image_inputs.ImageRef], model, rid: str
@@ -126,7 +127,7 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     images = await _images(request, _image_refs(body.messages), model, rid)
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    generate = decoder_pb2.GenerateRequest(**model.target(), chat=_chat(body.messages), images=images,
+    generate = decoder_pb2.GenerateRequest(**model.target(), chat=chat_messages(body.messages), images=images,
                                            sampling=body.sampling(max_tokens, logprobs))
     # The decoder names its own fields; the caller should read the ones it sent.
     fields = {"prompt": "messages", "logprobs": "top_logprobs",

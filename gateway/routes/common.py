@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..backends import Catalog
 
-INT32_MAX = 2**31 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 TEXT_OR_TOKENS = "a string, an array of strings, an array of token ids or an array of token-id arrays"
 

@@ -140,6 +140,20 @@ def test_unknown_adapter_is_404(fleet):
     assert "no-such-adapter" in str(caught.value)
 
 
+def test_tokenize_routes_an_adapter_name_to_its_base(fleet):
+    http = fleet["http"]
+    chat = {"messages": QUESTION}
+    by_model = {m: http.post("/tokenize", json={"model": m, **chat}, headers=USER) for m in (BASE, "pirate")}
+    assert all(r.status_code == 200 for r in by_model.values()), by_model
+    assert by_model["pirate"].json() == by_model[BASE].json()
+    done = fleet["client"].chat.completions.create(model="pirate", messages=QUESTION, max_tokens=1)
+    assert done.usage.prompt_tokens == by_model["pirate"].json()["count"]
+    back = http.post("/detokenize", json={"model": "french", "tokens": by_model[BASE].json()["tokens"]}, headers=USER)
+    assert back.status_code == 200 and "What is the capital of Italy?" in back.json()["prompt"]
+    missing = http.post("/tokenize", json={"model": "no-such-adapter", "prompt": "hi"}, headers=USER)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+
+
 def test_admin_endpoints_need_the_admin_key(fleet):
     http = fleet["http"]
     load = {"lora_name": "sneaky", "lora_path": "pirate-copy"}

@@ -231,7 +231,7 @@ TOO_LONG = "word " * (MAX_LEN + 10)
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": ["a"] * 17}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, None),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),

@@ -62,6 +62,9 @@ def validate_request(config: EngineConfig, prompt_token_ids: list[int] | tuple[i
         raise InvalidArgument(f"max_tokens must be at least 1, got {sampling.max_tokens!r}", param="max_tokens")
     if isinstance(sampling.n, bool) or not isinstance(sampling.n, int) or sampling.n < 1:
         raise InvalidArgument(f"n must be at least 1, got {sampling.n!r}", param="n")
+    if not 0 <= sampling.min_tokens <= sampling.max_tokens:
+        raise InvalidArgument(f"min_tokens must be in [0, max_tokens {sampling.max_tokens}], got "
+                              f"{sampling.min_tokens!r}", param="min_tokens")
     num_prompt, limit = len(prompt_token_ids), config.max_model_len
     if num_prompt > limit:
         raise ContextLengthExceeded(
@@ -186,7 +189,13 @@ class Scheduler:
             request_id=req.request_id, token_ids=req.all_token_ids[start:start + n], start=start,
             block_table=list(req.block_ids), sample=start + n == req.num_tokens, sampling=req.sampling,
             output_token_ids=list(req.output_token_ids), num_prompt_tokens=req.num_prompt_tokens,
-            features=req.features)
+            features=req.features, prompt_token_ids=req.prompt_token_ids,
+            blocked_token_ids=self._stop_ids(req) if req.num_output_tokens < req.sampling.min_tokens else ())
+
+    def _stop_ids(self, req: Request) -> tuple[int, ...]:
+        """The ids whose sampling would end the request (EOS unless ignore_eos, and stop_token_ids)."""
+        eos = () if req.sampling.ignore_eos else self.config.eos_token_ids
+        return tuple(dict.fromkeys((*eos, *req.sampling.stop_token_ids)))
 
     def _preempt(self, req: Request) -> None:
         # The lease stays: the request resumes with the same adapter and KV salt.
@@ -235,8 +244,11 @@ class Scheduler:
 
     def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
         sampling = req.sampling
-        if (not sampling.ignore_eos and token_id in self.config.eos_token_ids) \
-                or token_id in sampling.stop_token_ids:
+        # min_tokens: a stop token counts only after that many other tokens (vLLM's rule; the sampler
+        # blocks them until then, so this matters only for a runner that ignores blocked_token_ids).
+        if req.num_output_tokens > sampling.min_tokens and (
+                (not sampling.ignore_eos and token_id in self.config.eos_token_ids)
+                or token_id in sampling.stop_token_ids):
             req.stop_token_id = token_id
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= sampling.max_tokens or req.num_tokens >= self.config.max_model_len:

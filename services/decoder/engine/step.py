@@ -6,17 +6,20 @@ end of the known tokens is sampled.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 means greedy."""
+    """Per-request sampling. temperature 0 means greedy. The runner's sampler applies them in
+    vLLM's order (services/decoder/runner/sampler.py)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                 # 0: disabled
+    min_p: float = 0.0             # 0: disabled
     seed: int | None = None
     max_tokens: int = 16
     stop: tuple[str, ...] = ()
@@ -26,6 +29,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs, ids distinct
+    repetition_penalty: float = 1.0                   # 1: disabled; over prompt and output tokens
+    min_tokens: int = 0            # stop tokens are neither sampled nor obeyed before this many outputs
 
 
 @dataclass
@@ -49,6 +55,11 @@ class ScheduledChunk:
     num_prompt_tokens: int = 0
     # Per-request features the runner consumes (M-RoPE positions, image rows, lora slot).
     features: dict[str, Any] = field(default_factory=dict)
+    # The whole prompt (the request's own tuple, not a copy): the repetition penalty covers it.
+    prompt_token_ids: Sequence[int] = ()
+    # Ids the sampler must not choose this step: the stop tokens while min_tokens is unmet. The
+    # engine decides it, since it owns the stop rules (the EOS set includes the tokenizer's).
+    blocked_token_ids: tuple[int, ...] = ()
 
 
 @dataclass

@@ -1,18 +1,33 @@
 """Next-token choice for the sampled rows of a step.
 
-Order per row: penalties (presence/frequency over the request's own output tokens, as
-OpenAI defines them: logit -= frequency * count + presence * [count > 0]); then greedy
-(temperature 0) takes the argmax, while the others divide by temperature, keep the top-k
-and the top-p nucleus, and draw from the softmax.
+Order of application (vLLM v1's sampler):
+  on the raw logits [M, V], every row at once (`process_logits`):
+    1. blocked ids -> -inf: the stop tokens while a request's min_tokens is unmet (the engine
+       names them in ScheduledChunk.blocked_token_ids);
+    2. logit_bias: logit[t] += bias[t];
+    3. repetition penalty over the prompt's and the generated tokens (HF and vLLM semantics:
+       a positive logit is divided by the penalty, a negative one multiplied);
+    4. presence/frequency penalties over the generated tokens, as OpenAI defines them:
+       logit -= frequency * count + presence * [count > 0];
+  then greedy rows (temperature 0) take the argmax of that; the others, one row at a time
+  (`warp_logits`, then the draw):
+    5. divide by the temperature;
+    6. min_p: drop tokens whose probability is below min_p times the most likely one's;
+    7. top-k, then the top-p nucleus (over what min_p left);
+    8. draw from the softmax.
 
-Seeded requests are reproducible whatever else is in the batch: each draw uses its own
-torch.Generator seeded from (seed, number of tokens generated so far). The generator is
-derived, not stored, so preemption, recompute and finished requests leave no state.
+Seeded requests are reproducible whatever else is in the batch: steps 1-4 are elementwise
+within a row (the batch only decides which rows they touch), steps 5-8 run on one row alone,
+and each draw uses its own torch.Generator seeded from (seed, number of tokens generated so
+far). The generator is derived, not stored, so preemption, recompute and finished requests
+leave no state.
 
-Logprobs are log_softmax of the raw model logits (before penalties, temperature and
+Logprobs are log_softmax of the raw model logits (before bias, penalties, temperature and
 filtering), the same choice as vLLM's default: they describe the model, not the sampler.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -30,14 +45,93 @@ def draw_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) >> 1          # manual_seed wants a non-negative int63
 
 
-def apply_penalties(logits: torch.Tensor, output_ids: list[int], p: SamplingParams) -> torch.Tensor:
-    """logits [V] (modified in place and returned)."""
-    if not output_ids or (p.presence_penalty == 0 and p.frequency_penalty == 0):
+def _index(pairs: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, ids = zip(*pairs, strict=True)
+    return torch.tensor(rows, device=device), torch.tensor(ids, device=device)
+
+
+def _block(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
+    vocab = logits.shape[1]
+    pairs = [(i, t) for i, c in enumerate(chunks) for t in c.blocked_token_ids if 0 <= t < vocab]
+    if pairs:
+        logits[_index(pairs, logits.device)] = float("-inf")
+
+
+def _bias(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
+    vocab = logits.shape[1]
+    pairs, values = [], []
+    for i, c in enumerate(chunks):
+        for t, b in c.sampling.logit_bias:
+            if 0 <= t < vocab:
+                pairs.append((i, t))
+                values.append(b)
+    if pairs:
+        # Ids are distinct per row (a map on the wire), so no two adds meet in one element.
+        logits.index_put_(_index(pairs, logits.device),
+                          torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
+def _pairs(logits: torch.Tensor, rows: list[int], ids: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) tensors over every id of ids[r] for row rows[r], ids outside [0, V) left out.
+    The penalties touch only these elements, not whole [M, V] rows."""
+    row = torch.cat([torch.full((len(t),), r, dtype=torch.long) for r, t in zip(rows, ids, strict=True)])
+    tok = torch.cat(ids)
+    keep = (tok >= 0) & (tok < logits.shape[1])
+    return row[keep].to(logits.device), tok[keep].to(logits.device)
+
+
+def _ids(values) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.long)
+
+
+def _repetition(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
+    rows = [i for i, c in enumerate(chunks) if c.sampling.repetition_penalty != 1.0]
+    if not rows:
+        return
+    row, tok = _pairs(logits, rows, [torch.cat([_ids(chunks[i].prompt_token_ids), _ids(chunks[i].output_token_ids)])
+                                     for i in rows])
+    penalty = torch.tensor([c.sampling.repetition_penalty for c in chunks], dtype=logits.dtype,
+                           device=logits.device)[row]
+    # A token seen twice is written twice with the same value, so duplicates need no unique().
+    values = logits[row, tok]
+    logits[row, tok] = torch.where(values > 0, values / penalty, values * penalty)
+
+
+def _presence_frequency(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
+    rows = [i for i, c in enumerate(chunks)
+            if c.output_token_ids and (c.sampling.presence_penalty or c.sampling.frequency_penalty)]
+    if not rows:
+        return
+    row, tok = _pairs(logits, rows, [_ids(chunks[i].output_token_ids) for i in rows])
+    keys, counts = torch.unique(row * logits.shape[1] + tok, return_counts=True)
+    row, tok = keys // logits.shape[1], keys % logits.shape[1]
+    frequency = torch.tensor([c.sampling.frequency_penalty for c in chunks], dtype=logits.dtype,
+                             device=logits.device)[row]
+    presence = torch.tensor([c.sampling.presence_penalty for c in chunks], dtype=logits.dtype,
+                            device=logits.device)[row]
+    logits[row, tok] -= frequency * counts.to(logits.dtype) + presence
+
+
+def _modifies(c: ScheduledChunk) -> bool:
+    p = c.sampling
+    return bool(c.blocked_token_ids or p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty
+                or p.frequency_penalty)
+
+
+def process_logits(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    """Steps 1-4 of the module docstring. logits [M, V] raw, one row per chunk -> [M, V].
+
+    Returns logits itself when no row asks for any of them, else a modified copy (the raw logits
+    stay intact for the logprobs).
+    """
+    if not any(_modifies(c) for c in chunks):
         return logits
-    counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=logits.shape[0])
-    counts = counts[:logits.shape[0]].to(logits.dtype)
-    logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
+    out = logits.clone()
+    _block(out, chunks)
+    _bias(out, chunks)
+    _repetition(out, chunks)
+    _presence_frequency(out, chunks)
+    return out
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -60,6 +154,28 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def warp_logits(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Steps 5-7 for one non-greedy row: row [V] (processed) -> [V] logits to draw from."""
+    row = row / p.temperature
+    if p.min_p > 0:
+        # p_t >= min_p * p_max  <=>  logit_t - logit_max >= log(min_p): the same cut as on the
+        # softmax, without one; the best token always stays (log(min_p) <= 0).
+        row = row.masked_fill(row < row.max() + math.log(p.min_p), float("-inf"))
+    return filter_logits(row, p.top_k, p.top_p)
+
+
+def check_sampling(p: SamplingParams) -> None:
+    """Refuse parameters the sampler cannot apply (the server validates first; this guards the runner)."""
+    if not p.temperature >= 0:
+        raise InvalidArgument("temperature must be >= 0", param="temperature")
+    if not 0 < p.top_p <= 1:
+        raise InvalidArgument("top_p must be in (0, 1]", param="top_p")
+    if not 0 <= p.min_p <= 1:
+        raise InvalidArgument("min_p must be in [0, 1]", param="min_p")
+    if not p.repetition_penalty > 0:
+        raise InvalidArgument("repetition_penalty must be > 0", param="repetition_penalty")
+
+
 class Sampler:
     def __init__(self, seed: int | None = None):
         # Unseeded requests draw from one runner-wide stream.
@@ -71,33 +187,23 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[SampledToken]:
         """logits [M, V] fp32 for M sampled chunks -> one SampledToken per chunk, same order."""
+        for c in chunks:
+            check_sampling(c.sampling)
         want_logprobs = [c.sampling.logprobs is not None for c in chunks]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        processed = process_logits(logits, chunks)
         greedy = [c.sampling.temperature == 0 for c in chunks]
-        penalised = any(c.sampling.presence_penalty or c.sampling.frequency_penalty for c in chunks)
-        tokens = torch.argmax(logits, dim=-1).tolist() if all(greedy) and not penalised else None
+        argmax = torch.argmax(processed, dim=-1).tolist() if any(greedy) else None
         results = []
         for i, c in enumerate(chunks):
-            p = c.sampling
-            if tokens is not None:
-                token = tokens[i]
-            else:
-                row = apply_penalties(logits[i].clone(), c.output_token_ids, p)
-                token = self._choose(row, c)
-            results.append(self._answer(token, raw_logprobs[i] if want_logprobs[i] else None, p))
+            token = argmax[i] if greedy[i] else self._draw(processed[i], c)
+            results.append(self._answer(token, raw_logprobs[i] if want_logprobs[i] else None, c.sampling))
         return results
 
-    def _choose(self, row: torch.Tensor, c: ScheduledChunk) -> int:
+    def _draw(self, row: torch.Tensor, c: ScheduledChunk) -> int:
         p = c.sampling
-        if p.temperature < 0:
-            raise InvalidArgument("temperature must be >= 0", param="temperature")
-        if p.temperature == 0:
-            return int(torch.argmax(row))
-        if not 0 < p.top_p <= 1:
-            raise InvalidArgument("top_p must be in (0, 1]", param="top_p")
-        row = filter_logits(row / p.temperature, p.top_k, p.top_p)
         # Drawn on CPU with CPU generators, so a seed gives the same tokens on every device.
-        probs = torch.softmax(row, dim=-1).cpu()
+        probs = torch.softmax(warp_logits(row, p), dim=-1).cpu()
         if p.seed is None:
             generator = self.generator
         else:

@@ -145,24 +145,33 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         if kind == "token_ids":
             return st.tokenizer.validate_ids(list(request.token_ids.ids), limit=st.runner.vocab_size)
         if kind == "chat":
-            if st.template is None:
-                raise InvalidArgument(f"model {st.name!r} has no chat template; send a prompt instead",
-                                      param="messages")
-            if not request.chat.messages:
-                raise InvalidArgument("messages must not be empty", param="messages")
-            messages = [{"role": m.role, "content": [_part(p) for p in m.content]} for m in request.chat.messages]
-            return st.template.encode(st.tokenizer, messages,
-                                      add_generation_prompt=request.chat.add_generation_prompt)
+            return self._chat_ids(st, request.chat)
         raise InvalidArgument("a prompt (text, token ids or messages) is required", param="prompt")
+
+    @staticmethod
+    def _chat_ids(st: Loaded, chat, add_special_tokens: bool = False) -> list[int]:
+        """ChatMessages -> the rendered template's token ids (Generate and Tokenize share this, so they
+        agree). Generate adds no special tokens: the template writes its own."""
+        if st.template is None:
+            raise InvalidArgument(f"model {st.name!r} has no chat template; send a prompt instead",
+                                  param="messages")
+        if not chat.messages:
+            raise InvalidArgument("messages must not be empty", param="messages")
+        messages = [{"role": m.role, "content": [_part(p) for p in m.content]} for m in chat.messages]
+        text = st.template.render(messages, add_generation_prompt=chat.add_generation_prompt)
+        return st.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    @staticmethod
+    def _check_model(st: Loaded, model: str) -> None:
+        if model and model != st.name:
+            raise ModelNotFound(f"model {model!r} is not served here (serving {st.name!r})", param="model")
 
     # -- RPCs ----------------------------------------------------------------------
 
     @grpc_errors
     async def Generate(self, request, context):
         st = self._ready()
-        if request.model and request.model != st.name:
-            raise ModelNotFound(f"model {request.model!r} is not served here (serving {st.name!r})",
-                                param="model")
+        self._check_model(st, request.model)
         # The adapter's content digest salts the request's block hashes; the slot is leased at admission.
         lora_features, lora_keys = self._adapter_request(st, request.adapter) if request.adapter else ({}, ())
         # Images are checked before rendering and expanded after it, before any length check (invariant 1).
@@ -179,8 +188,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             request.sampling, prompt_len=len(prompt), max_model_len=limit, vocab_size=st.runner.vocab_size,
             max_n=self.cfg.max_n, max_logprobs=self.cfg.max_logprobs)
         rid = request.request_id or uuid.uuid4().hex
-        choices = [Choice(i, st.tokenizer, params.stop, include_stop, params.logprobs is not None)
-                   for i in range(params.n)]
+        choices = [Choice(i, st.tokenizer, params.stop, include_stop, params.logprobs is not None,
+                          params.min_tokens) for i in range(params.n)]
         completion = [0] * params.n
         cached = 0
         start = last = time.monotonic()
@@ -225,6 +234,37 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 waiting=s.num_waiting, preemptions=s.num_preemptions, prefix_queries=s.prefix_queries,
                 prefix_hits=s.prefix_hits,
                 adapter_refs=st.adapters.registry.total_refs if st.adapters else 0))
+
+    @grpc_errors
+    async def Tokenize(self, request, context):
+        """The ids Generate would run: the same tokenizer, and for chat the same template call."""
+        st = self._ready()
+        self._check_model(st, request.model)
+        if request.adapter:
+            self._adapter_request(st, request.adapter)    # it must exist; it tokenizes as its base
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            ids = st.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        elif kind == "chat":
+            # An image's length is its grid after merge, known only from the vision service's answer.
+            if any(p.WhichOneof("kind") == "image_index" for m in request.chat.messages for p in m.content):
+                raise InvalidArgument("image parts cannot be tokenized: their token count depends on the "
+                                      "image's grid; send the conversation's text parts only", param="messages")
+            ids = self._chat_ids(st, request.chat, request.add_special_tokens)
+        else:
+            raise InvalidArgument("a prompt (text or messages) is required", param="prompt")
+        strs = [st.tokenizer.id_to_token(i) or "" for i in ids] if request.return_token_strs else []
+        return decoder_pb2.TokenizeResponse(token_ids=ids, max_model_len=st.engine_config.max_model_len,
+                                            token_strs=strs)
+
+    @grpc_errors
+    async def Detokenize(self, request, context):
+        st = self._ready()
+        self._check_model(st, request.model)
+        if request.adapter:
+            self._adapter_request(st, request.adapter)
+        ids = st.tokenizer.validate_ids(list(request.token_ids), limit=st.runner.vocab_size, param="token_ids")
+        return decoder_pb2.DetokenizeResponse(text=st.tokenizer.decode(ids, skip_special_tokens=False))
 
     # -- adapters (services/decoder/server/adapters.py) ------------------------------------
 

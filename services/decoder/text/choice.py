@@ -15,8 +15,11 @@ class Choice:
     """Text state of choice `index`. done: nothing more will be sent for it."""
 
     def __init__(self, index: int, tokenizer: Tokenizer, stop: tuple[str, ...], include_stop: bool,
-                 want_logprobs: bool):
+                 want_logprobs: bool, min_tokens: int = 0):
         self.index = index
+        # Stop strings are judged only in text that arrives once more than min_tokens tokens exist.
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
         self.tokenizer = tokenizer
         self.detok = IncrementalDetokenizer(tokenizer)
         self.matcher = StopMatcher(stop, include_stop)
@@ -32,14 +35,15 @@ class Choice:
         # The eos / stop token that ended the choice is counted but not shown as text.
         text_tokens = tokens[:-1] if out.stop_token_id is not None and tokens else tokens
         ids = [t.token_id for t in text_tokens]
-        result = self.matcher.feed(self.detok.add(ids))
+        self.num_tokens += len(tokens)
+        result = self.matcher.feed(self.detok.add(ids), judge=self.num_tokens > self.min_tokens)
         text = result.text
         reason = None
         if result.stop is not None:
             self.stopped_by_string = True
             reason = decoder_pb2.FINISH_REASON_STOP
         elif out.finished:
-            text += self.matcher.feed(self.detok.finish()).text
+            text += self.matcher.feed(self.detok.finish(), judge=self.num_tokens > self.min_tokens).text
             text += self.matcher.flush()
             reason = FINISH[out.finish_reason]
         msg = decoder_pb2.GenerateResponse(index=self.index, token_ids=[t.token_id for t in tokens], text=text)

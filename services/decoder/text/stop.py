@@ -79,16 +79,22 @@ class StopMatcher:
         self._held = ""
         self.matched: str | None = None
 
-    def feed(self, delta: str) -> StopResult:
-        """Add one text delta. After a match every later call returns empty text with the same stop."""
+    def feed(self, delta: str, judge: bool = True) -> StopResult:
+        """Add one text delta. After a match every later call returns empty text with the same stop.
+
+        judge=False (min_tokens not reached yet): the delta cannot end the request; only stop strings
+        that end in a later, judged delta count (vLLM checks only the new text once past min_tokens).
+        """
         if self.matched is not None:
             return StopResult("", self.matched)
         if not self.stop:
             return StopResult(delta)
         text = self._held + delta
         best: tuple[int, int, str] | None = None  # (end, -length, stop): first completed, then longest
-        for s in self.stop:
-            at = text.find(s)  # a string's first occurrence is also the one that ends first
+        for s in self.stop if judge else ():
+            # Only occurrences that end inside the delta: the held tail holds no judged match (it was
+            # searched already) and an unjudged one does not count.
+            at = text.find(s, max(0, len(self._held) - len(s) + 1))  # the first occurrence ends first
             if at >= 0 and (best is None or (at + len(s), -len(s)) < best[:2]):
                 best = (at + len(s), -len(s), s)
         if best is not None:

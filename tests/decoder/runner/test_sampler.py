@@ -1,12 +1,22 @@
-"""The sampler on synthetic logits: greedy, seeds, top-k/top-p, penalties, logprobs."""
+"""The sampler on synthetic logits: greedy, seeds, top-k/top-p, penalties, logprobs, and the extras
+(logit_bias, min_p, repetition_penalty, blocked stop tokens) against transformers' logits processors."""
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from services.common.errors import InvalidArgument
 from services.decoder.engine.step import SamplingParams, ScheduledChunk
-from services.decoder.runner.sampler import Sampler, filter_logits
+from services.decoder.runner.sampler import Sampler, filter_logits, process_logits, warp_logits
 from tests.tolerance import assert_close
 
 # Floating-point comparisons: run again under the second kernel dispatch (Makefile).
@@ -15,8 +25,10 @@ pytestmark = pytest.mark.numerics
 V = 50
 
 
-def chunk(rid: str, sampling: SamplingParams, outputs: list[int] | None = None) -> ScheduledChunk:
-    return ScheduledChunk(rid, [1], 0, [0], True, sampling, list(outputs or []))
+def chunk(rid: str, sampling: SamplingParams, outputs: list[int] | None = None, prompt: tuple[int, ...] = (),
+          blocked: tuple[int, ...] = ()) -> ScheduledChunk:
+    return ScheduledChunk(rid, [1], 0, [0], True, sampling, list(outputs or []), prompt_token_ids=prompt,
+                          blocked_token_ids=blocked)
 
 
 def logits_rows(n: int, seed: int = 0) -> torch.Tensor:
@@ -107,3 +119,122 @@ def test_invalid_sampling_is_refused():
         Sampler(0)(logits, [chunk("a", SamplingParams(temperature=-1))])
     with pytest.raises(InvalidArgument, match="top_p"):
         Sampler(0)(logits, [chunk("a", SamplingParams(top_p=0.0))])
+
+
+# -- the extras, against transformers' logits processors ---------------------------------------
+
+PROMPT, OUTPUTS = (3, 9, 9, 17, 4), [17, 22, 3]
+
+
+def hf_processed(logits: torch.Tensor, processors: list, context: list[int]) -> torch.Tensor:
+    """logits [V] through transformers' processors, for one sequence whose tokens so far are context."""
+    return LogitsProcessorList(processors)(torch.tensor([context]), logits[None].clone())[0]
+
+
+def test_logit_bias_is_added_to_the_raw_logits():
+    logits = logits_rows(1, seed=11)[0]
+    bias = ((4, 100.0), (7, -100.0), (12, 2.5), (30, -0.75))
+    ours = process_logits(logits[None], [chunk("a", SamplingParams(logit_bias=bias))])[0]
+    ref = hf_processed(logits, [SequenceBiasLogitsProcessor([[[t], b] for t, b in bias])], [1])
+    assert_close(ours, ref, k=1, what="biased logits")
+    assert_close(torch.softmax(ours, -1), torch.softmax(ref, -1), k=V, what="biased probabilities")
+    # Greedy follows the bias; +100 all but forces a token, -100 all but bans one.
+    out = Sampler(0)(logits[None], [chunk("a", SamplingParams(temperature=0, logit_bias=bias, logprobs=0))])[0]
+    assert out.token_id == 4
+    assert_close(out.logprob, torch.log_softmax(logits, -1)[4], k=V)    # logprobs stay the raw model's
+
+
+def test_repetition_penalty_covers_prompt_and_output():
+    logits = logits_rows(1, seed=12)[0]
+    for penalty in (1.3, 0.7):
+        ours = process_logits(logits[None], [chunk("a", SamplingParams(repetition_penalty=penalty), OUTPUTS,
+                                                   PROMPT)])[0]
+        ref = hf_processed(logits, [RepetitionPenaltyLogitsProcessor(penalty)], [*PROMPT, *OUTPUTS])
+        assert_close(ours, ref, k=1, what=f"repetition penalty {penalty}")
+        seen = sorted({*PROMPT, *OUTPUTS})
+        unseen = [t for t in range(V) if t not in seen]
+        assert torch.equal(ours[unseen], logits[unseen])
+
+
+@pytest.mark.parametrize("top_k", [1, 5, 20, V - 1])
+def test_top_k_matches_transformers(top_k):
+    logits = logits_rows(1, seed=13)[0]
+    ours = warp_logits(logits, SamplingParams(temperature=0.8, top_k=top_k))
+    ref = hf_processed(logits, [TemperatureLogitsWarper(0.8), TopKLogitsWarper(top_k)], [1])
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(ref)) and int(torch.isfinite(ours).sum()) == top_k
+    assert_close(torch.softmax(ours, -1), torch.softmax(ref, -1), k=V)
+
+
+@pytest.mark.parametrize("min_p", [0.01, 0.1, 0.5, 1.0])
+def test_min_p_matches_transformers(min_p):
+    logits = logits_rows(1, seed=14)[0]
+    ours = warp_logits(logits, SamplingParams(temperature=1.5, min_p=min_p))
+    ref = hf_processed(logits, [TemperatureLogitsWarper(1.5), MinPLogitsWarper(min_p)], [1])
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(ref))
+    assert_close(torch.softmax(ours, -1), torch.softmax(ref, -1), k=V)
+    if min_p == 1.0:
+        assert int(torch.isfinite(ours).sum()) == 1
+
+
+def test_the_whole_chain_in_a_mixed_batch_follows_vllm_order():
+    """bias -> repetition -> temperature -> min_p -> top-k -> top-p, each row with its own parameters,
+    equals transformers' processors chained in that order on that row alone."""
+    logits = logits_rows(4, seed=15)
+    params = [SamplingParams(temperature=0.7, top_k=10, top_p=0.9, min_p=0.05, repetition_penalty=1.2,
+                             logit_bias=((5, 3.0), (8, -4.0))),
+              SamplingParams(temperature=1.3),
+              SamplingParams(temperature=1.0, min_p=0.2, logit_bias=((1, 1.5),)),
+              SamplingParams(temperature=0.5, top_p=0.8, repetition_penalty=0.9)]
+    chunks = [chunk(str(i), p, OUTPUTS, PROMPT) for i, p in enumerate(params)]
+    processed = process_logits(logits, chunks)
+    for i, p in enumerate(params):
+        ours = warp_logits(processed[i], p)
+        hf = [SequenceBiasLogitsProcessor([[[t], b] for t, b in p.logit_bias])] if p.logit_bias else []
+        hf += [RepetitionPenaltyLogitsProcessor(p.repetition_penalty), TemperatureLogitsWarper(p.temperature)]
+        hf += [MinPLogitsWarper(p.min_p)] if p.min_p else []
+        hf += [TopKLogitsWarper(p.top_k)] if p.top_k else []
+        hf += [TopPLogitsWarper(p.top_p)] if p.top_p < 1 else []
+        ref = hf_processed(logits[i], hf, [*PROMPT, *OUTPUTS])
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(ref)), i
+        assert_close(torch.softmax(ours, -1), torch.softmax(ref, -1), k=V, what=f"row {i}")
+
+
+def test_blocked_tokens_are_never_chosen_and_logprobs_stay_raw():
+    logits = logits_rows(2, seed=16)
+    best = int(logits[0].argmax())
+    # Even +100 on a blocked id cannot bring it back (min_tokens beats logit_bias, as in vLLM).
+    p = SamplingParams(temperature=0, logit_bias=((best, 100.0),), logprobs=1)
+    out = Sampler(0)(logits, [chunk("a", p, blocked=(best, 2)), chunk("b", SamplingParams(temperature=0))])
+    assert out[0].token_id not in (best, 2) and out[1].token_id == int(logits[1].argmax())
+    assert out[0].top_logprobs[0][0] == best
+    drawn = {Sampler(0)(logits[:1], [chunk("a", SamplingParams(temperature=50.0, seed=s), blocked=(best,))])[0]
+             .token_id for s in range(200)}
+    assert best not in drawn and len(drawn) > 10
+
+
+def test_seeded_extras_are_independent_of_batch():
+    target = logits_rows(1, seed=17)[0]
+    params = SamplingParams(temperature=1.1, top_k=25, top_p=0.95, min_p=0.02, repetition_penalty=1.15, seed=77,
+                            presence_penalty=0.3, frequency_penalty=0.2, logit_bias=((3, 2.0), (9, -1.0)))
+    others = [SamplingParams(temperature=0.9, repetition_penalty=1.4, logit_bias=((3, -50.0),), min_p=0.3),
+              SamplingParams(temperature=0, logit_bias=((9, 80.0),), seed=3),
+              SamplingParams(temperature=2.0, top_k=3, presence_penalty=-1.0, seed=4)]
+    outputs = []
+    for step in range(12):
+        rows = [logits_rows(1, seed=300 + step)[0], target, logits_rows(1, seed=400 + step)[0],
+                logits_rows(1, seed=500 + step)[0]]
+        chunks = [chunk("x", others[0], [5, 6], (1, 2)), chunk("t", params, outputs, PROMPT),
+                  chunk("y", others[1], outputs[:2]), chunk("z", others[2], [3, 3], blocked=(3,))]
+        in_batch = Sampler(step)(torch.stack(rows), chunks)[1].token_id
+        alone = Sampler(999)(target[None], [chunk("t", params, outputs, PROMPT)])[0].token_id
+        assert in_batch == alone, step
+        outputs.append(in_batch)
+    assert len(set(outputs)) > 1
+
+
+def test_invalid_extras_are_refused():
+    logits = logits_rows(1)
+    with pytest.raises(InvalidArgument, match="min_p"):
+        Sampler(0)(logits, [chunk("a", SamplingParams(min_p=1.5))])
+    with pytest.raises(InvalidArgument, match="repetition_penalty"):
+        Sampler(0)(logits, [chunk("a", SamplingParams(repetition_penalty=0.0))])

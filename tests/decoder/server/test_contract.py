@@ -152,6 +152,12 @@ def _error(stub, req):
     (D.GenerateRequest(model="nope", text="hi"), "NOT_FOUND", "MODEL_NOT_FOUND"),
     (D.GenerateRequest(adapter="nope", text="hi"), "NOT_FOUND", "ADAPTER_NOT_FOUND"),
     (D.GenerateRequest(text="hi", images=[D.ImageInput()]), "INVALID_ARGUMENT", "UNSUPPORTED"),
+    *[(D.GenerateRequest(text="hi", sampling=D.SamplingParams(max_tokens=2, **bad)), "INVALID_ARGUMENT",
+       "INVALID_ARGUMENT") for bad in (
+        {"logit_bias": {5: 100.5}}, {"logit_bias": {5: -101}}, {"logit_bias": {49152: 1}},
+        {"logit_bias": {-1: 1}}, {"min_p": 1.5}, {"min_p": -0.1}, {"repetition_penalty": 0},
+        {"repetition_penalty": -1}, {"min_tokens": -1}, {"min_tokens": 3}, {"top_k": -2},
+        {"stop_token_ids": [49152]})],
 ])
 def test_bad_input_is_refused_and_server_stays_up(stub, req, code, reason):
     got_code, got_reason, details = _error(stub, req)
@@ -171,3 +177,45 @@ def test_duplicate_live_request_id_is_refused_and_the_first_finishes(stub):
     rest = list(first)
     assert rest[-1].usage.completion_tokens == 40
     wait_idle(stub)
+
+
+def _tokenize_error(stub, req, method="Tokenize"):
+    with pytest.raises(grpc.RpcError) as info:
+        getattr(stub, method)(req)
+    return info.value.code().name, dict(info.value.trailing_metadata() or ()).get(REASON_KEY)
+
+
+def test_tokenize_equals_the_tokenizer_and_what_generate_prompts_with(stub, tiny_chat_model):
+    from tokenizers import Tokenizer
+    ref = Tokenizer.from_file(str(tiny_chat_model / "tokenizer.json"))
+    text = "The quick brown fox, twice: the quick brown fox."
+    reply = stub.Tokenize(D.TokenizeRequest(text=text, add_special_tokens=True, return_token_strs=True))
+    assert list(reply.token_ids) == ref.encode(text).ids and reply.max_model_len == 256
+    assert list(reply.token_strs) == [ref.id_to_token(i) for i in reply.token_ids]
+    assert stub.Tokenize(D.TokenizeRequest(text="")).token_ids == []
+    # The chat form is the prompt Generate runs: its usage counts exactly these ids.
+    request = chat("Hello there, who are you?", max_tokens=1)
+    reply = stub.Tokenize(D.TokenizeRequest(chat=request.chat))
+    ids = list(reply.token_ids)
+    usage = list(stub.Generate(request))[-1].usage
+    assert usage.prompt_tokens == len(ids) and not reply.token_strs
+    text = stub.Detokenize(D.DetokenizeRequest(token_ids=ids)).text
+    assert text.startswith("<|im_start|>") and ref.encode(text, add_special_tokens=False).ids == ids
+    without = stub.Tokenize(D.TokenizeRequest(chat=D.ChatMessages(messages=request.chat.messages)))
+    assert list(without.token_ids) == ids[:len(without.token_ids)] and len(without.token_ids) < len(ids)
+
+
+@pytest.mark.parametrize("method, req, code", [
+    ("Tokenize", D.TokenizeRequest(), "INVALID_ARGUMENT"),
+    ("Tokenize", D.TokenizeRequest(chat=D.ChatMessages()), "INVALID_ARGUMENT"),
+    ("Tokenize", D.TokenizeRequest(chat=D.ChatMessages(messages=[D.ChatMessage(role="user", content=[
+        D.ContentPart(text="look"), D.ContentPart(image_index=0)])])), "INVALID_ARGUMENT"),
+    ("Tokenize", D.TokenizeRequest(model="nope", text="hi"), "NOT_FOUND"),
+    ("Tokenize", D.TokenizeRequest(adapter="nope", text="hi"), "NOT_FOUND"),
+    ("Detokenize", D.DetokenizeRequest(token_ids=[5, 49152]), "INVALID_ARGUMENT"),
+    ("Detokenize", D.DetokenizeRequest(token_ids=[-1]), "INVALID_ARGUMENT"),
+    ("Detokenize", D.DetokenizeRequest(model="nope", token_ids=[5]), "NOT_FOUND"),
+])
+def test_bad_tokenize_input_is_refused(stub, method, req, code):
+    assert _tokenize_error(stub, req, method)[0] == code
+    assert stub.Tokenize(D.TokenizeRequest(text="ok")).token_ids

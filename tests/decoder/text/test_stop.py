@@ -6,7 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.errors import InvalidArgument
-from services.decoder.text.stop import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, StopMatcher, validate_stop_strings
+from services.decoder.text.stop import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    StopMatcher,
+    StopResult,
+    validate_stop_strings,
+)
 
 
 def _run(stop, deltas, include=False):
@@ -55,6 +61,18 @@ def test_first_completed_stop_wins_then_longest():
     assert _run(["abc", "b"], ["xabc"]) == ("xa", "b")  # "b" completes first, wherever the text is cut
     assert _run(["abc", "b"], ["xa", "bc"]) == ("xa", "b")
     assert _run(["bc", "abc"], ["xabcd"]) == ("x", "abc")  # same end: the longer one
+
+
+def test_unjudged_text_cannot_stop_and_only_later_text_counts():
+    """min_tokens: deltas fed with judge=False never end the request; a stop string counts once it ends in
+    a judged delta, even if it started in unjudged text (vLLM searches the new text only)."""
+    m = StopMatcher(["END", "b", "abc"])
+    assert m.feed("xx END ab", judge=False) == StopResult("xx END ")   # "END" and "b" unjudged; "ab" held
+    assert m.held == "ab"
+    assert m.feed("d") == StopResult("abd")                             # the held "b" was not judged
+    m = StopMatcher(["END"])
+    assert m.feed("EN", judge=False).text == "" and m.held == "EN"
+    assert m.feed("D tail") == StopResult("", "END")                    # ends in the judged delta
 
 
 def test_no_stop_strings_passes_through():

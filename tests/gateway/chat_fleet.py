@@ -1,0 +1,60 @@
+"""One decoder subprocess on the tiny chat model (SmolLM2's tokenizer and template, random weights) behind a real
+gateway, for the gateway test modules that need generation: `chat_fleet` yields what they drive it with."""
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from gateway.config import GatewayConfig
+from services.common.pb import decoder_pb2, decoder_pb2_grpc
+from tests.conftest import free_port
+from tests.gateway.fleet import GatewayThread, python_module, stop, wait_serving
+
+KEY = "sk-chat"
+MODEL = "tiny-chat"
+MAX_LEN = 1024
+
+
+@contextlib.contextmanager
+def chat_fleet(model_folder: Path, logs: Path):
+    """Yields {"url", "client" (openai), "http" (httpx with the key), "stub" (the decoder's gRPC stub)}."""
+    port = free_port()
+    decoder = python_module("services.decoder", [
+        "--model", str(model_folder), "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
+        "--num-blocks", "512", "--block-size", "4", "--max-num-batched-tokens", "64", "--max-n", "4",
+        "--max-model-len", str(MAX_LEN), "--threads", "1"], logs / "decoder.log")
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_serving(address, "tessera.decoder.v1.DecoderService", decoder)
+        cfg = GatewayConfig(host="127.0.0.1", port=free_port(), decoder=(address,), api_key=KEY)
+        with GatewayThread(cfg) as gw, grpc.insecure_channel(address) as channel, \
+                httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+            yield {"url": gw.url, "http": http, "stub": decoder_pb2_grpc.DecoderServiceStub(channel),
+                   "client": openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)}
+    finally:
+        stop(decoder)
+
+
+def wait_idle(fleet: dict, timeout: float = 20) -> None:
+    """The engine holds nothing: no request running or waiting, every KV block free."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        s = fleet["stub"].GetModelInfo(decoder_pb2.GetModelInfoRequest(), timeout=5).stats
+        if s.running == 0 and s.waiting == 0 and s.free_blocks == s.total_blocks:
+            return
+        time.sleep(0.05)
+    pytest.fail("the decoder did not return to idle")
+
+
+def still_up(fleet: dict) -> None:
+    """Idle, and a normal request still succeeds."""
+    wait_idle(fleet)
+    reply = fleet["http"].post("/v1/completions", json={"prompt": "still here", "max_tokens": 2})
+    assert reply.status_code == 200, reply.text
+    wait_idle(fleet)
