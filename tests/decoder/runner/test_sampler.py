@@ -16,7 +16,7 @@ from transformers import (
 
 from services.common.errors import InvalidArgument
 from services.decoder.engine.step import SamplingParams, ScheduledChunk
-from services.decoder.runner.sampler import Sampler, filter_logits, process_logits, warp_logits
+from services.decoder.runner.sampler import Sampler, categorical, filter_logits, process_logits, warp_logits
 from tests.tolerance import assert_close
 
 # Floating-point comparisons: run again under the second kernel dispatch (Makefile).
@@ -60,6 +60,29 @@ def test_seeded_sampling_is_independent_of_batch():
         other.append(Sampler(0)(target[None], [chunk("t", SamplingParams(temperature=1.3, top_p=0.95, top_k=20,
                                                                            seed=4321), other)])[0].token_id)
     assert other != outputs
+
+
+def test_categorical_draws_follow_the_probabilities():
+    """Chi-square over 20,000 seeded draws (df = 4 non-zero entries - 1): the inverse-CDF draw
+    matches its probabilities and never returns a zero entry; a uniform pick fails the same bound."""
+    from scipy.stats import chi2
+    probs = torch.tensor([0.5, 0.0, 0.25, 0.15, 0.0, 0.1])
+    g = torch.Generator().manual_seed(11)
+    n = 20_000
+    counts = torch.bincount(torch.tensor([categorical(probs, g) for _ in range(n)]), minlength=6).double()
+    assert counts[1] == 0 and counts[4] == 0
+    live = probs > 0
+    bound = chi2.ppf(1 - 1e-6, df=int(live.sum()) - 1)
+
+    def statistic(c):
+        expected = probs[live].double() * n
+        return float(((c[live] - expected) ** 2 / expected).sum())
+    assert statistic(counts) < bound
+    uniform = torch.zeros(6, dtype=torch.float64)
+    uniform[live] = n / int(live.sum())
+    assert statistic(uniform) > bound
+    # Any positive total works (the row need not be normalised).
+    assert categorical(torch.tensor([0.0, 3.0]), g) == 1
 
 
 def test_top_k_only_draws_from_the_k_best():
