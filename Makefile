@@ -7,18 +7,22 @@ STAMP := $(VENV)/.installed-stamp
 PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := gen/.stamp
 MODELS_STAMP := models/.stamp
+KERNELS_STAMP := build/.kernels-stamp
+KERNEL_SOURCES := $(wildcard services/decoder/kernels/*.cpp) services/decoder/kernels/native.py \
+	services/decoder/kernels/paged_attention_cpu.py
 PYTEST_ARGS ?=
 # The numerics-marked tests run a second time under other kernels on the same CPU: AVX2 for
 # ATen and oneDNN (as on an AVX2-only machine) and MKL's compatible code path (another summation
 # order in every sgemm). A tolerance that holds on the author's CPU only then fails everywhere.
 NUMERICS_DISPATCH := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=COMPATIBLE
 
-.PHONY: help install protos models lint test test-slow up down bench bench-load bench-peers clean
+.PHONY: help install protos models kernels lint test test-slow up down bench bench-load bench-peers clean
 
 help:
 	@echo "make install   - .venv with pinned torch (CPU) and every dependency"
 	@echo "make protos    - generate gRPC stubs into gen/ (gitignored)"
 	@echo "make models    - prepare default models into models/ (no hub downloads)"
+	@echo "make kernels   - compile the decoder's C++ operators for this CPU into build/ (test and up do it)"
 	@echo "make test      - the test suite, then its numerics tests under a second kernel dispatch (does its own set-up)"
 	@echo "make up        - start the local fleet as processes; make down stops it"
 	@echo "make bench     - benchmarks in bench/, each prints its ratio last"
@@ -46,18 +50,26 @@ $(MODELS_STAMP): deploy/models.py deploy/adapters.py $(STAMP)
 	$(PY) -m deploy.models --out models
 	touch $@
 
+kernels: $(KERNELS_STAMP)
+# Compiled once per machine (-march=native; services/decoder/kernels/native.py), so no request
+# pays the compile. Without a compiler the decoder runs its torch paths and logs a WARNING.
+$(KERNELS_STAMP): $(KERNEL_SOURCES) $(STAMP)
+	@mkdir -p build
+	@if $(PY) -m services.decoder.kernels.paged_attention_cpu; then touch $@; \
+	else echo "WARNING: C++ kernels not built (reason above); the decoder will use its torch paths"; fi
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
+test: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP) $(KERNELS_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 	@echo "== numerics again under $(NUMERICS_DISPATCH)"
 	$(NUMERICS_DISPATCH) $(PY) -m pytest -q -m numerics $(PYTEST_ARGS) tests
 
-test-slow: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
+test-slow: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP) $(KERNELS_STAMP)
 	$(PY) -m pytest -q --run-slow $(PYTEST_ARGS) tests
 
-up: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
+up: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP) $(KERNELS_STAMP)
 	$(PY) -m deploy.launcher up
 
 down:
@@ -67,7 +79,7 @@ down:
 # bench/lora.py runs vLLM side by side from .venv-peers: `make bench-peers` first.
 # The LoRA kernels need CUDA; elsewhere they run their CPU dry run (Triton interpreter, tiny shapes).
 BENCHES := bench/pooling.py bench/decoder.py bench/vision.py bench/lora.py
-bench: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
+bench: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP) $(KERNELS_STAMP)
 	@for b in $(BENCHES); do echo "== $$b"; $(PY) $$b || exit 1; done
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
 		echo "== bench/lora_kernels.py"; $(PY) bench/lora_kernels.py; \
@@ -76,7 +88,7 @@ bench: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
 	fi
 
 # 64 clients for 60 s through the gateway against a fleet it starts itself (bench/load.py); not in make test.
-bench-load: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP)
+bench-load: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP) $(KERNELS_STAMP)
 	$(PY) bench/load.py
 
 # The peer engine for side-by-side benchmarks; never needed by make test.

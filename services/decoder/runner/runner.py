@@ -16,7 +16,8 @@ from services.decoder.engine.step import StepInput, StepOutput
 from services.decoder.model.decoder import CausalLM
 from services.decoder.model.linear import pack_linears
 from services.decoder.model.loader import load_model
-from services.decoder.runner.attention import PagedAttention, Workspace
+from services.decoder.runner.attention import TORCH as TORCH_ATTENTION
+from services.decoder.runner.attention import PagedAttention, Workspace, choose_decode_backend
 from services.decoder.runner.batch import StepBatch
 from services.decoder.runner.kv_cache import KVCache
 from services.decoder.runner.sampler import Sampler
@@ -39,6 +40,10 @@ class Runner:
         self.cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                              self.dtype, self.device)
         self.workspace = Workspace()
+        # Decode attention: the C++ operator over the paged cache or the torch gather path,
+        # timed at this model's heads at load (runner/attention.py); CUDA runs the torch path.
+        self.attention_backend = (choose_decode_backend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
+                                                        self.dtype) if self.device.type == "cpu" else TORCH_ATTENTION)
         self.sampler = Sampler(seed)
         # The adapter bank installed on self.model, if any (attach_lora); chunks whose
         # features carry a "lora_slot" need it.

@@ -228,6 +228,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             supports_images=st.runner.config.vision is not None, block_size=st.engine_config.block_size,
             dtype=self.cfg.dtype,
             lora_backend=st.adapters.bank.backend if st.adapters else "", linear_backend=st.runner.linear_backend,
+            attention_backend=st.runner.attention_backend,
             max_loras=self.cfg.max_loras if st.adapters else 0, max_lora_rank=self.cfg.max_lora_rank,
             stats=decoder_pb2.EngineStats(
                 free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, running=s.num_running,

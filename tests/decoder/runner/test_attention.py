@@ -1,11 +1,24 @@
-"""The per-step attention plan and the paged attention against plain causal attention."""
+"""The per-step attention plan and the paged attention against plain causal attention, on both
+decode backends (the C++ in-place operator and the torch gather path)."""
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from services.decoder.runner.attention import MAX_DECODE_PADDING, AttentionPlan, PagedAttention, Workspace
+from services.decoder.kernels import native, paged_attention_cpu
+from services.decoder.runner import attention
+from services.decoder.runner.attention import (
+    CPP,
+    MAX_DECODE_PADDING,
+    TORCH,
+    AttentionPlan,
+    PagedAttention,
+    Workspace,
+    decode_backend,
+)
 from services.decoder.runner.kv_cache import KVCache
 from tests.tolerance import assert_close
 
@@ -15,13 +28,25 @@ pytestmark = pytest.mark.numerics
 BS = 4
 
 
+def _cpp_available() -> bool:
+    try:
+        paged_attention_cpu.load()
+        return True
+    except native.ToolchainMissing:
+        return False
+
+
+BACKENDS = [TORCH, pytest.param(CPP, marks=pytest.mark.skipif(not _cpp_available(), reason="no C++ toolchain"))]
+
+
 def test_slot_mapping_follows_block_tables():
     spans = [(0, 6, [7, 2]), (5, 1, [3, 9]), (9, 3, [1, 4, 8])]
-    plan = AttentionPlan.build(spans, BS, torch.device("cpu"))
+    plan = AttentionPlan.build(spans, BS, torch.device("cpu"), backend=TORCH)
     expected = [7 * 4 + p for p in range(4)] + [2 * 4 + 0, 2 * 4 + 1]       # positions 0..5
     expected += [9 * 4 + 1]                                                 # position 5
     expected += [8 * 4 + 1, 8 * 4 + 2, 8 * 4 + 3]                           # positions 9..11
     assert plan.slot_mapping.tolist() == expected
+    assert AttentionPlan.build(spans, BS, torch.device("cpu"), backend=CPP).slot_mapping.tolist() == expected
     assert [(p.lo, p.hi) for p in plan.prefills] == [(0, 6), (7, 10)]
     assert plan.prefills[0].context_slots is None and plan.prefills[1].mask.shape == (3, 12)
 
@@ -29,7 +54,7 @@ def test_slot_mapping_follows_block_tables():
 def test_decode_groups_bound_padding_and_cover_every_row():
     lengths = [1, 2, 40, 38, 31, 29, 10, 9, 100]
     spans = [(n - 1, 1, list(range(100, 100 + -(-n // BS)))) for n in lengths]
-    plan = AttentionPlan.build(spans, BS, torch.device("cpu"))
+    plan = AttentionPlan.build(spans, BS, torch.device("cpu"), backend=TORCH)
     rows = sorted(r for g in plan.decode for r in g.rows.tolist())
     assert rows == list(range(len(lengths)))
     for g in plan.decode:
@@ -39,7 +64,27 @@ def test_decode_groups_bound_padding_and_cover_every_row():
     assert 1 < len(plan.decode) < len(lengths)
 
 
-def test_paged_attention_equals_causal_attention():
+def test_cpp_plan_holds_every_decode_row_once():
+    """Decode rows and the rows of a short chunk after 0 go to the operator; other chunks stay SDPA."""
+    long = attention.PREFILL_IN_PLACE_MAX + 1
+    spans = [(0, 6, [7, 2]), (5, 1, [3, 9]), (9, 3, [1, 4, 8]), (0, 1, [6]), (12, 1, [10, 11, 12, 13, 5]),
+             (2, long, list(range(20, 26)))]
+    plan = AttentionPlan.build(spans, BS, torch.device("cpu"), backend=CPP)
+    rows = plan.decode_rows
+    assert plan.decode == [] and rows.rows.tolist() == [6, 7, 8, 9, 10, 11]
+    assert [(p.lo, p.hi) for p in plan.prefills] == [(0, 6), (12, 12 + long)]
+    assert rows.context_lens.tolist() == [6, 10, 11, 12, 1, 13] and rows.block_tables.dtype == torch.int32
+    assert rows.block_tables.tolist() == [[3, 9, 0, 0], [1, 4, 8, 0], [1, 4, 8, 0], [1, 4, 8, 0], [6, 0, 0, 0],
+                                          [10, 11, 12, 13]]
+    assert plan.slot_mapping.tolist() == AttentionPlan.build(spans, BS, torch.device("cpu"),
+                                                             backend=TORCH).slot_mapping.tolist()
+    only_decode = AttentionPlan.build([(3, 1, [1]), (0, 1, [2])], BS, torch.device("cpu"), backend=CPP)
+    assert only_decode.decode_rows.rows is None            # rows 0..B-1: the operator needs no index
+    assert AttentionPlan.build([(0, 5, [1, 2])], BS, torch.device("cpu"), backend=CPP).decode_rows is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_paged_attention_equals_causal_attention(backend):
     """Random q/k/v for 3 requests written over two steps; each row equals plain attention."""
     torch.manual_seed(0)
     h, kvh, d = 4, 2, 8
@@ -50,7 +95,7 @@ def test_paged_attention_equals_causal_attention():
     # Step 1: prefixes (one whole, one cut), step 2: the rest, including a 1-token decode row.
     for cuts in ({9: (0, 6), 5: (0, 4), 14: (0, 9)}, {9: (6, 9), 5: (4, 5), 14: (9, 14)}):
         spans = [(a, b - a, tables[n]) for n, (a, b) in cuts.items()]
-        plan = AttentionPlan.build(spans, BS, torch.device("cpu"))
+        plan = AttentionPlan.build(spans, BS, torch.device("cpu"), backend=backend)
         q, k, v = (torch.cat([seqs[n][i][a:b] for n, (a, b) in cuts.items()]) for i in range(3))
         out = PagedAttention(cache, plan, ws)(0, q, k, v)
         row = 0
@@ -62,7 +107,99 @@ def test_paged_attention_equals_causal_attention():
             row += b - a
 
 
+@pytest.mark.skipif(not _cpp_available(), reason="no C++ toolchain")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backends_agree_on_a_ragged_decode_step(dtype):
+    """64 decode rows of very different lengths (several torch groups) plus a prefill chunk:
+    the in-place operator and the gather path give the same attention."""
+    torch.manual_seed(1)
+    h, kvh, d, bs = 9, 3, 64, 16
+    lengths = [1, 2, 15, 16, 17, 300, 299, 40, 150] * 7 + [1]
+    need = [-(-(n + 1) // bs) for n in lengths] + [3]
+    cache = KVCache(1, sum(need) + 5, bs, kvh, d, dtype)
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    order = torch.randperm(sum(need) + 5).tolist()
+    tables, used = [], 0
+    for nb in need:
+        tables.append(order[used:used + nb])
+        used += nb
+    spans = [(n, 1, t) for n, t in zip(lengths, tables, strict=False)] + [(20, 9, tables[-1])]
+    n_tok = len(lengths) + 9
+    q = torch.randn(n_tok, h, d).to(dtype)
+    k, v = torch.randn(n_tok, kvh, d).to(dtype), torch.randn(n_tok, kvh, d).to(dtype)
+    outs = {}
+    for backend in (TORCH, CPP):
+        plan = AttentionPlan.build(spans, bs, torch.device("cpu"), backend=backend)
+        outs[backend] = PagedAttention(cache, plan, Workspace())(0, q, k, v)
+    assert len(AttentionPlan.build(spans, bs, torch.device("cpu"), backend=TORCH).decode) > 1
+    assert_close(outs[CPP], outs[TORCH], dtype=dtype, k=max(lengths) + 1)
+
+
+def test_decode_backend_follows_env_and_says_why(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="tessera.attention")
+    monkeypatch.setattr(attention, "_backend", None)
+    monkeypatch.setenv(attention.ENV, "torch")
+    assert decode_backend() == TORCH and decode_backend() == TORCH
+    assert [r.levelname for r in caplog.records] == ["INFO"] and "TESSERA_ATTENTION=torch" in caplog.text
+
+    def broken(build=True):
+        raise native.BuildError("compiling paged_attention_cpu.cpp failed: boom")
+
+    monkeypatch.setattr(paged_attention_cpu, "load", broken)
+    caplog.clear()
+    monkeypatch.setattr(attention, "_backend", None)
+    monkeypatch.setenv(attention.ENV, "auto")
+    assert decode_backend() == TORCH
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "boom" in caplog.text
+    monkeypatch.setattr(attention, "_backend", None)
+    monkeypatch.setenv(attention.ENV, "cpp")
+    with pytest.raises(native.BuildError, match="boom"):
+        decode_backend()
+    monkeypatch.setattr(attention, "_backend", None)
+    monkeypatch.setenv(attention.ENV, "fast")
+    with pytest.raises(ValueError, match="TESSERA_ATTENTION"):
+        decode_backend()
+
+
+@pytest.mark.skipif(not _cpp_available(), reason="no C++ toolchain")
+def test_decode_backend_is_the_operator_when_it_loads(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="tessera.attention")
+    monkeypatch.setattr(attention, "_backend", None)
+    monkeypatch.delenv(attention.ENV, raising=False)
+    assert decode_backend() == CPP and "cpp-paged" in caplog.text
+
+
 def test_kv_cache_size():
     cache = KVCache(3, 10, BS, 2, 8, torch.bfloat16)
     assert cache.k[0].shape == (10, BS, 2, 8)
     assert cache.bytes == 10 * KVCache.bytes_per_block(3, BS, 2, 8, torch.bfloat16) == 10 * 2 * 3 * BS * 2 * 8 * 2
+
+
+@pytest.mark.skipif(not _cpp_available(), reason="no C++ toolchain")
+def test_choose_decode_backend_keeps_the_faster_measured_path(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="tessera.attention")
+    monkeypatch.delenv(attention.ENV, raising=False)
+    for slow, fast in ((TORCH, CPP), (CPP, TORCH)):
+        monkeypatch.setattr(attention, "_backend", None)
+        timed = []
+
+        def fake(backend, rows, *shape, slow=slow, timed=timed):
+            timed.append((backend, rows, shape))
+            return 2e-3 if backend == slow else 1e-3
+
+        monkeypatch.setattr(attention, "_time_decode", fake)
+        assert attention.choose_decode_backend(9, 3, 64, 16, torch.bfloat16) == fast == decode_backend()
+        assert {(b, r) for b, r, _ in timed} == {(b, r) for b in (CPP, TORCH) for r in attention.TIMING_ROWS}
+        assert timed[0][2] == (9, 3, 64, 16, torch.bfloat16) and f"decode attention: {fast}, timed" in caplog.text
+    monkeypatch.setattr(attention, "_backend", None)
+    monkeypatch.setenv(attention.ENV, "cpp")          # forced: no timing
+    assert attention.choose_decode_backend(9, 3, 64, 16, torch.float32) == CPP
+
+
+@pytest.mark.skipif(not _cpp_available(), reason="no C++ toolchain")
+def test_decode_timing_runs_both_paths(monkeypatch):
+    monkeypatch.setattr(attention, "TIMING_CONTEXT", 40)
+    monkeypatch.setattr(attention, "TIMING_REPS", 1)
+    for backend in (CPP, TORCH):
+        assert 0 < attention._time_decode(backend, 3, 4, 2, 16, 4, torch.float32) < 1

@@ -67,6 +67,7 @@ def test_model_info(stub, tiny_chat_model):
     # The matmul path chosen at load (services/common/linear_path.py), per weight shape.
     assert info.linear_backend.startswith(("auto float32: ", "packed float32: ", "plain float32: "))
     assert "64x64" in info.linear_backend
+    assert info.attention_backend in ("cpp-paged", "torch-gather")
 
 
 def test_stream_order_text_and_usage(stub, decoder_server):
