@@ -29,6 +29,9 @@ log = logging.getLogger("tessera.linear_path")
 
 MODES = ("auto", "packed", "plain")
 ENV = "TESSERA_LINEAR_PATH"
+# The --linear-path flag's help, shared by the decoder and pooling configs.
+HELP = ("CPU matmul path per weight shape: auto times oneDNN-packed against plain matmuls at load and keeps "
+        "the faster per row count; packed or plain forces one")
 # Decode batch 1, small and large decode batches, a prefill chunk.
 ROWS = (1, 4, 16, 64, 256)
 # Buckets above the first cost at most this many multiply-adds per call (about 3 ms in

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common import linear_path as linear_path_mod
 from services.common.config import option
 from services.common.server import ServerConfig
 
@@ -40,9 +41,7 @@ class PoolingConfig:
     threads: int = option(0, "torch intra-op threads; 0 keeps torch's default")
     dtype: str = option("float32", "weights and activations dtype", choices=("float32", "bfloat16"))
     packed: bool = option(True, "use the packed (padding-free) BERT forward where the architecture allows")
-    linear_path: str = option("auto", "CPU matmul path per weight shape: auto times oneDNN-packed against "
-                              "plain matmuls at load and keeps the faster per row count; packed or plain forces one",
-                              choices=("auto", "packed", "plain"), env="TESSERA_LINEAR_PATH")
+    linear_path: str = option("auto", linear_path_mod.HELP, choices=linear_path_mod.MODES, env=linear_path_mod.ENV)
     fault_fail_at_forward: int = option(0, "TESTING ONLY: make forward N on the device raise, as a failure of the "
                                            "forward worker (its batch fails INTERNAL, waiting calls UNAVAILABLE, "
                                            "health goes NOT_SERVING); 0 disables")

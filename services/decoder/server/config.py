@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common import linear_path as linear_path_mod
 from services.common.config import option
 from services.common.server import ServerConfig
 
@@ -26,9 +27,7 @@ class DecoderConfig:
     served_model_name: str = option("", "name clients use in `model`; default: the folder's name")
     dtype: str = option("fp32", "weights and KV dtype (bf16 on a CPU without AVX-512 bf16 support runs "
                         "slower plain matmuls, logged at load)", choices=("fp32", "bf16", "fp16"))
-    linear_path: str = option("auto", "CPU matmul path per weight shape: auto times oneDNN-packed against "
-                              "plain matmuls at load and keeps the faster per row count; packed or plain forces one",
-                              choices=("auto", "packed", "plain"), env="TESSERA_LINEAR_PATH")
+    linear_path: str = option("auto", linear_path_mod.HELP, choices=linear_path_mod.MODES, env=linear_path_mod.ENV)
     device: str = option("cpu", "torch device: cpu or cuda")
     threads: int = option(0, "torch intra-op threads; 0 keeps torch's default (all cores)")
     block_size: int = option(16, "tokens per KV block")
