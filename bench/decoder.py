@@ -9,6 +9,11 @@ the same token count; outputs are compared token for token.
   (c) prefix cache: TTFT with a shared 1,000-token prefix vs a cold request
   (d) headroom: tokens/s at the largest batch / the fp32 matmul bound
   (e) --peer vllm: the same workload on vLLM in .venv-peers (make bench-peers)
+  (f) --peer llamacpp: llama.cpp's llama-server (build/peers/, make bench-peers) on F32 GGUF for
+      fp32 and BF16 GGUF for bf16, `-t <threads> -np <prompts>`: the same prompt token ids all
+      at once (wall clock), in each KV layout (unified and --no-kv-unified, the faster one counts),
+      and batch-1 decode by the server's own timings (predicted_per_second, best of 3 per layout).
+      --peer is repeatable: --peer vllm --peer llamacpp.
 
 The last line printed holds the ratios.
 """
@@ -23,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.peers import llamacpp  # noqa: E402
 from bench.workload import SMOLLM2, gsm8k_messages, run_vllm_peer  # noqa: E402
 from services.decoder.engine.config import EngineConfig  # noqa: E402
 from services.decoder.engine.engine_core import EngineCore  # noqa: E402
@@ -116,16 +122,23 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2, help="torch threads for every engine")
     ap.add_argument("--parts", default="a,b,c,d", help="which parts to run (a,b,c,d)")
-    ap.add_argument("--peer", choices=("vllm",), help="also run the workload on vLLM (part e)")
+    ap.add_argument("--peer", choices=("vllm", "llamacpp"), action="append", default=[],
+                    help="also run the workload on vLLM (part e) and/or llama.cpp (part f); repeatable")
+    ap.add_argument("--llamacpp-kv", choices=("both", "unified", "split"), default="both",
+                    help="llama-server KV layout(s): unified, --no-kv-unified (split), or both")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     parts = set(args.parts.split(","))
+    peers = set(args.peer)
     batch = prompts(args.prompts)
     ratios = []
+    llamacpp_b1, llamacpp_64 = [], []
     best_tps = {}
+    if "llamacpp" in peers:
+        kv_modes = llamacpp.kv_modes_supported() if args.llamacpp_kv == "both" else (args.llamacpp_kv,)
     for dtype in args.dtypes.split(","):
         ours = Tessera(dtype)
-        if "a" in parts or args.peer:
+        if "a" in parts or peers:
             ours.generate(batch[:2], 4, tag="warm")
             mine, t_ours = ours.generate(batch, args.max_tokens)
             tps = len(batch) * args.max_tokens / t_ours
@@ -138,11 +151,22 @@ def main() -> None:
                 print(f"(a) {dtype} transformers static batches of 16: {ref_tps:.1f} tok/s ({t_ref:.1f}s); "
                       f"identical outputs {agreement(mine, theirs):.0%}")
                 ratios.append(f"throughput_{dtype}={tps / ref_tps:.2f}x")
-            if args.peer == "vllm":
+            if "vllm" in peers:
                 peer = run_vllm(dtype, batch, args.max_tokens, args.threads)
                 print(f"(e) {dtype} vLLM: {peer['tok_s']:.1f} tok/s; identical outputs "
                       f"{agreement(mine, peer['outputs']):.0%}")
                 ratios.append(f"vs_vllm_{dtype}={tps / peer['tok_s']:.2f}x")
+        lc = None
+        if "llamacpp" in peers:
+            lc = llamacpp.run(dtype, batch, args.max_tokens, args.threads, kv_modes)
+            for mode, m in lc["modes"].items():
+                load = "/".join(f"{x:.1f}" for x in m["load"])
+                print(f"(f) {dtype} llama.cpp {llamacpp.GGUF[dtype].name} -t {args.threads} -np {len(batch)} "
+                      f"-c {lc['ctx']} ({lc['per_slot']}/slot), {mode} KV: {m['tok_s']:.1f} tok/s "
+                      f"({m['tokens']} tokens in {m['seconds']:.1f}s); identical outputs "
+                      f"{agreement(mine, m['outputs']):.0%}; batch-1 "
+                      f"{', '.join(f'{x:.1f}' for x in m['b1'])} tok/s; load avg {load}")
+            llamacpp_64.append(f"vs_llamacpp_{dtype}={tps / lc['modes'][lc['best']]['tok_s']:.2f}x")
         if "b" in parts:
             one = batch[:1]
             _, t1 = ours.generate(one, 1, tag="b1")
@@ -154,6 +178,10 @@ def main() -> None:
             ref_b1 = (args.max_tokens - 1) / (rn - r1)
             print(f"(b) {dtype} batch-1 decode: tessera {ours_b1:.1f} tok/s, transformers {ref_b1:.1f} tok/s")
             ratios.append(f"batch1_{dtype}={ours_b1 / ref_b1:.2f}x")
+            if lc is not None:
+                print(f"(f) {dtype} batch-1 decode: tessera {ours_b1:.1f} tok/s, llama.cpp {lc['b1']:.1f} tok/s "
+                      f"(best of its runs)")
+                llamacpp_b1.append(f"vs_llamacpp_b1_{dtype}={ours_b1 / lc['b1']:.2f}x")
         if "c" in parts and dtype == "fp32":
             text = [t for p in batch for t in p]
             prefix_a, prefix_b = text[:1000], text[1000:2000]
@@ -170,7 +198,7 @@ def main() -> None:
         print(f"(d) fp32 GEMM {flops / 1e9:.1f} GFLOP/s -> bound {bound:.0f} tok/s for {params / 1e6:.0f}M params; "
               f"largest batch reached {best_tps['fp32']:.1f} tok/s")
         ratios.append(f"headroom_fp32={best_tps['fp32'] / bound:.2f}")
-    print("ratios: " + " ".join(ratios))
+    print("ratios: " + " ".join(ratios + llamacpp_b1 + llamacpp_64))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,174 @@
+"""llama.cpp side of bench/decoder.py: a `llama-server` child process, driven over HTTP.
+
+Built by `make bench-peers` (build/peers/, see the Makefile); runs in the main venv, standard
+library only. The server listens on 127.0.0.1 on a free port and is always stopped on exit from
+the `with` block, errors included. Prompts go to /completion as token ids: the same ids tessera
+and vLLM get, so no chat template or tokenizer of llama.cpp's is involved.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PEERS_DIR = ROOT / "build" / "peers"
+LLAMA_SERVER = PEERS_DIR / "llama.cpp-build" / "bin" / "llama-server"
+GGUF = {
+    "fp32": PEERS_DIR / "gguf" / "SmolLM2-135M-Instruct-F32.gguf",
+    "bf16": PEERS_DIR / "gguf" / "SmolLM2-135M-Instruct-BF16.gguf",
+}
+
+
+def require_built(dtype: str) -> Path:
+    for path in (LLAMA_SERVER, GGUF[dtype]):
+        if not path.exists():
+            raise SystemExit(f"{path} is missing: run `make bench-peers`")
+    return GGUF[dtype]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the bench process dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def server_flags() -> str:
+    """`llama-server --help`, to check for flags this build may lack."""
+    proc = subprocess.run([str(LLAMA_SERVER), "--help"], capture_output=True, text=True, check=False)
+    return proc.stdout + proc.stderr
+
+
+class LlamaServer:
+    """`with LlamaServer(model, ...) as srv:` starts llama-server and waits until it is healthy."""
+
+    def __init__(self, model: Path, threads: int, parallel: int, ctx: int, kv_unified: bool | None = None,
+                 startup_s: float = 300.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [str(LLAMA_SERVER), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+                    "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-c", str(ctx),
+                    "--no-webui", "--no-warmup"]
+        if kv_unified is not None:
+            self.cmd.append("--kv-unified" if kv_unified else "--no-kv-unified")
+        self.startup_s = startup_s
+        self.proc: subprocess.Popen | None = None
+        self.log = tempfile.TemporaryFile(mode="w+")
+
+    def __enter__(self) -> LlamaServer:
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def tail(self, chars: int = 4000) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-chars:]
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"llama-server exited with {self.proc.returncode}:\n{' '.join(self.cmd)}\n"
+                                 f"{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.25)
+        raise SystemExit(f"llama-server not healthy after {self.startup_s:.0f}s:\n{self.tail()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def complete(self, prompt: list[int], n_predict: int, timeout_s: float = 1800.0) -> dict:
+        """Greedy, eos ignored, exactly n_predict tokens; the server's JSON (tokens, timings)."""
+        body = {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "temperature": 0.0,
+                "top_k": 1, "return_tokens": True, "stream": False}
+        req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise SystemExit(f"llama-server /completion failed: {e.code} {e.read()[:2000]!r}\n{self.tail()}") from e
+
+    def generate(self, batch: list[list[int]], n_predict: int) -> tuple[list[list[int]], float]:
+        """All prompts at once, one HTTP request each; (outputs, wall seconds)."""
+        with ThreadPoolExecutor(max_workers=len(batch)) as pool:
+            start = time.perf_counter()
+            results = list(pool.map(lambda p: self.complete(p, n_predict), batch))
+            seconds = time.perf_counter() - start
+        return [r["tokens"] for r in results], seconds
+
+    def batch1(self, prompt: list[int], n_predict: int, repeats: int = 3) -> list[float]:
+        """Decode tokens/s of one request alone, by the server's own timings (predicted_per_second)."""
+        return [self.complete(prompt, n_predict)["timings"]["predicted_per_second"] for _ in range(repeats)]
+
+
+def slot_ctx(batch: list[list[int]], max_tokens: int) -> int:
+    """Per-slot context that holds the longest prompt + max_tokens, rounded up to 256."""
+    need = max(map(len, batch)) + max_tokens
+    return -(-need // 256) * 256
+
+
+def run(dtype: str, batch: list[list[int]], max_tokens: int, threads: int, kv_modes: tuple[str, ...]) -> dict:
+    """64-chat throughput in each KV mode and batch-1 decode, on F32 (fp32) or BF16 (bf16) GGUF.
+
+    Returns {"modes": {mode: {"tok_s", "seconds", "outputs", "b1": [tok/s ...], "load": 1/5/15-min
+    load average when the mode finished}}, "best": mode,
+    "b1": best batch-1 tok/s over the modes, "ctx": ...}.
+    """
+    model = require_built(dtype)
+    per_slot = slot_ctx(batch, max_tokens)
+    ctx = per_slot * len(batch)
+    modes = {}
+    for mode in kv_modes:
+        with LlamaServer(model, threads, len(batch), ctx, kv_unified=(mode == "unified")) as srv:
+            srv.complete(batch[0], 4)                      # warm-up, as the vLLM side does
+            outputs, seconds = srv.generate(batch, max_tokens)
+            tokens = sum(map(len, outputs))
+            b1 = srv.batch1(batch[0], max_tokens)
+        modes[mode] = {"tok_s": tokens / seconds, "seconds": seconds, "tokens": tokens, "outputs": outputs,
+                       "b1": b1, "load": os.getloadavg()}
+    best = max(modes, key=lambda m: modes[m]["tok_s"])
+    return {"modes": modes, "best": best, "b1": max(max(m["b1"]) for m in modes.values()),
+            "ctx": ctx, "per_slot": per_slot}
+
+
+def kv_modes_supported() -> tuple[str, ...]:
+    return ("unified", "split") if "--no-kv-unified" in server_flags() else ("unified",)
