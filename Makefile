@@ -78,7 +78,7 @@ down:
 # Every benchmark in bench/ (workload.py is their shared data).
 # bench/lora.py runs vLLM side by side from .venv-peers: `make bench-peers` first.
 # The LoRA kernels need CUDA; elsewhere they run their CPU dry run (Triton interpreter, tiny shapes).
-BENCHES := bench/pooling.py bench/decoder.py bench/vision.py bench/lora.py
+BENCHES := bench/pooling.py bench/decoder.py bench/vision.py bench/lora.py bench/structured.py
 bench: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP) $(KERNELS_STAMP)
 	@for b in $(BENCHES); do echo "== $$b"; $(PY) $$b || exit 1; done
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \

@@ -31,6 +31,7 @@ from services.common.pb import decoder_pb2
 from .backends import Backend
 from .routes.common import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, StrictBody
 from .routing import Route
+from .structured_output import DECODER_PARAM, StructuredFields
 
 log = logging.getLogger("tessera.gateway.generation")
 
@@ -44,8 +45,9 @@ class StreamOptions(StrictBody):
     include_usage: bool = Field(False, description="end the stream with a chunk carrying usage (choices: [])")
 
 
-class SamplingFields(StrictBody):
-    """The request fields both generation endpoints take; ranges are judged by the decoder (one rule book)."""
+class SamplingFields(StructuredFields):
+    """The request fields both generation endpoints take; ranges are judged by the decoder (one rule book).
+    The structured-output fields come from gateway/structured_output.py."""
 
     model: str | None = Field(None, description="a model from /v1/models; omitted: the served language model")
     n: int = Field(1, ge=1, le=INT32_MAX, description="choices per prompt (the decoder's --max-n bounds it)")
@@ -134,7 +136,17 @@ class SamplingFields(StrictBody):
                             ("repetition_penalty", self.repetition_penalty)):
             if value is not None:
                 setattr(params, name, value)
+        constraint = self.structured_output()
+        if constraint is not None:
+            params.structured_output.CopyFrom(constraint)
         return params
+
+    def error_fields(self, fields: dict[str, str] | None = None) -> dict[str, str]:
+        """fields plus the renaming of the decoder's structured_output param to the body field sent."""
+        out = dict(fields or {})
+        if self.constraint_field is not None:
+            out[DECODER_PARAM] = self.constraint_field
+        return out
 
 
 def finish_reason(message: decoder_pb2.GenerateResponse) -> str | None:

@@ -3,8 +3,9 @@
 - The gateway talks to the services over gRPC only: it imports nothing from services/ but
   services/common.
 - In the decoder, dependencies point one way: server -> engine -> runner -> model/lora -> kernels
-  (text/ is used by the server only; multimodal/ sits beside the runner), except for the engine's
-  contract types, which both sides of it share.
+  (text/ is used by the server only; multimodal/ sits beside the runner; grammar/ is used by the
+  server and the runner, never the engine), except for the engine's contract types, which both
+  sides of it share.
 - No two modules import each other, directly or through others, type-checking imports included.
 """
 from __future__ import annotations
@@ -17,12 +18,14 @@ PACKAGES = ("gateway", "services", "deploy", "bench")
 
 # Decoder subpackage -> the decoder subpackages it must never import (the layers above it).
 DECODER_ABOVE = {
-    "kernels": {"server", "engine", "runner", "model", "lora", "multimodal", "text"},
-    "model": {"server", "engine", "runner", "lora", "multimodal", "text"},
-    "lora": {"server", "engine", "runner", "multimodal", "text"},
+    "kernels": {"server", "engine", "runner", "model", "lora", "multimodal", "text", "grammar"},
+    "model": {"server", "engine", "runner", "lora", "multimodal", "text", "grammar"},
+    "lora": {"server", "engine", "runner", "multimodal", "text", "grammar"},
     "runner": {"server", "engine", "text"},
-    "engine": {"server", "text", "runner", "model", "lora", "kernels", "multimodal"},
-    "text": {"server", "engine", "runner", "model", "lora", "kernels", "multimodal"},
+    # Structured outputs: the server compiles, the runner's sampler masks; the engine never sees a grammar.
+    "grammar": {"server", "engine", "runner", "model", "lora", "kernels", "multimodal", "text"},
+    "engine": {"server", "text", "runner", "model", "lora", "kernels", "multimodal", "grammar"},
+    "text": {"server", "engine", "runner", "model", "lora", "kernels", "multimodal", "grammar"},
 }
 # The engine core's torch-free data types and hooks: the contract it hands the runner (StepInput,
 # SamplingParams), reports upward (RequestOutput) and calls hooks with (Request). Layers on both

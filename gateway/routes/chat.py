@@ -130,8 +130,8 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     generate = decoder_pb2.GenerateRequest(**model.target(), chat=chat_messages(body.messages), images=images,
                                            sampling=body.sampling(max_tokens, logprobs))
     # The decoder names its own fields; the caller should read the ones it sent.
-    fields = {"prompt": "messages", "logprobs": "top_logprobs",
-              "max_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens"}
+    fields = body.error_fields({"prompt": "messages", "logprobs": "top_logprobs",
+                                "max_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens"})
     generation = Generation(routing.route(request, model), [generate], rid, body.n, fields)
     await generation.start()
     head = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()), "model": model.name}

@@ -88,7 +88,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         **model.target(), sampling=sampling,
         **({"text": p} if isinstance(p, str) else {"token_ids": decoder_pb2.TokenIds(ids=p)}))
         for p in prompts]
-    generation = Generation(routing.route(request, model), requests, rid, body.n)
+    generation = Generation(routing.route(request, model), requests, rid, body.n, body.error_fields())
     await generation.start()
     head = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": model.name}
     want_logprobs = body.logprobs is not None

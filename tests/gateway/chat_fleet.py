@@ -22,13 +22,14 @@ MAX_LEN = 1024
 
 
 @contextlib.contextmanager
-def chat_fleet(model_folder: Path, logs: Path):
-    """Yields {"url", "client" (openai), "http" (httpx with the key), "stub" (the decoder's gRPC stub)}."""
+def chat_fleet(model_folder: Path, logs: Path, extra_args: tuple[str, ...] = ()):
+    """Yields {"url", "client" (openai), "http" (httpx with the key), "stub" (the decoder's gRPC stub)}.
+    extra_args go to the decoder after the defaults (a flag given again wins)."""
     port = free_port()
     decoder = python_module("services.decoder", [
         "--model", str(model_folder), "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
         "--num-blocks", "512", "--block-size", "4", "--max-num-batched-tokens", "64", "--max-n", "4",
-        "--max-model-len", str(MAX_LEN), "--threads", "1"], logs / "decoder.log")
+        "--max-model-len", str(MAX_LEN), "--threads", "1", *extra_args], logs / "decoder.log")
     address = f"127.0.0.1:{port}"
     try:
         wait_serving(address, "tessera.decoder.v1.DecoderService", decoder)

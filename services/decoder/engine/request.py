@@ -49,7 +49,8 @@ class Request:
     M-RoPE sections); span_keys salt only the blocks they overlap. Both are fixed
     when the request is added (hashes are computed once and kept across
     preemption). features are handed to the runner in every chunk; an adapter
-    lease hook may put the slot it grants there.
+    lease hook may put the slot it grants there, and the runner its per-request
+    state (a grammar matcher). Each choice gets its own copy of the dict.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams, *,

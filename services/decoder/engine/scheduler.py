@@ -230,7 +230,7 @@ class Scheduler:
                 continue                # a prefill chunk that did not reach the end
             tok = result.sampled[req.request_id]
             req.append_output(tok.token_id)
-            status = self._stop_status(req, tok.token_id)
+            status = self._stop_status(req, tok.token_id, tok.complete)
             if status is None:
                 outputs.append(self._output(req, [tok]))
             else:
@@ -242,8 +242,14 @@ class Scheduler:
         return [self._finish(req, RequestStatus.FINISHED_ERROR, error=message)
                 for req, _ in plan.scheduled if not req.is_finished]
 
-    def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
+    def _stop_status(self, req: Request, token_id: int, complete: bool = False) -> RequestStatus | None:
         sampling = req.sampling
+        if complete:
+            # The runner's grammar is complete: nothing may follow. A stop token that completed it is
+            # counted but not shown, like any other.
+            if token_id in self.config.eos_token_ids or token_id in sampling.stop_token_ids:
+                req.stop_token_id = token_id
+            return RequestStatus.FINISHED_STOPPED
         # min_tokens: a stop token counts only after that many other tokens (vLLM's rule; the sampler
         # blocks them until then, so this matters only for a runner that ignores blocked_token_ids).
         if req.num_output_tokens > sampling.min_tokens and (

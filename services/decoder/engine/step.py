@@ -53,7 +53,9 @@ class ScheduledChunk:
     # Tokens generated so far (penalties, seeded sampling); prompt length for positions.
     output_token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
-    # Per-request features the runner consumes (M-RoPE positions, image rows, lora slot).
+    # Per-request features the runner consumes (M-RoPE positions, image rows, lora slot, grammar).
+    # The request's own dict, not a copy: the runner may keep per-request state in it (a grammar
+    # matcher), which then lives exactly as long as the request, preemption included.
     features: dict[str, Any] = field(default_factory=dict)
     # The whole prompt (the request's own tuple, not a copy): the repetition penalty covers it.
     prompt_token_ids: Sequence[int] = ()
@@ -77,11 +79,14 @@ class StepInput:
 
 @dataclass
 class SampledToken:
-    """The runner's answer for one sampled chunk."""
+    """The runner's answer for one sampled chunk. complete: the request's constraint (a grammar the
+    runner holds in its features) is complete, nothing may follow this token: the engine ends the
+    request with "stop", whatever min_tokens or ignore_eos say."""
 
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    complete: bool = False
 
 
 @dataclass

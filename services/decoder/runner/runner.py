@@ -45,6 +45,8 @@ class Runner:
         self.attention_backend = (choose_decode_backend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
                                                         self.dtype) if self.device.type == "cpu" else TORCH_ATTENTION)
         self.sampler = Sampler(seed)
+        # How constrained rows get their grammar masks applied, chosen by timing at the real width.
+        self.grammar_mask_path = self.sampler.grammars.choose(cfg.vocab_size, self.device)
         # The adapter bank installed on self.model, if any (attach_lora); chunks whose
         # features carry a "lora_slot" need it.
         self.lora: AdapterBank | None = None

@@ -1,7 +1,11 @@
 """Next-token choice for the sampled rows of a step.
 
 Order of application (vLLM v1's sampler):
-  on the raw logits [M, V], every row at once (`process_logits`):
+  0. structured outputs: a constrained row's disallowed tokens -> -inf, in place on the raw logits
+     (services/decoder/grammar/mask.py; vLLM also masks before its sampler). EOS is allowed only
+     where the grammar may end. Where the grammar allows nothing but a stop token, step 1 does not
+     block it: a complete grammar ends the choice even before min_tokens;
+  on the logits [M, V], every row at once (`process_logits`):
     1. blocked ids -> -inf: the stop tokens while a request's min_tokens is unmet (the engine
        names them in ScheduledChunk.blocked_token_ids);
     2. logit_bias: logit[t] += bias[t];
@@ -22,8 +26,12 @@ and each draw uses its own torch.Generator seeded from (seed, number of tokens g
 far). The generator is derived, not stored, so preemption, recompute and finished requests
 leave no state.
 
-Logprobs are log_softmax of the raw model logits (before bias, penalties, temperature and
-filtering), the same choice as vLLM's default: they describe the model, not the sampler.
+Logprobs are log_softmax of the raw model logits (before the grammar, bias, penalties, temperature
+and filtering), the same choice as vLLM's default: they describe the model, not the sampler (a
+grammar-forced token may carry a low logprob).
+
+After the draw, each constrained row's matcher accepts its token; SampledToken.complete tells the
+engine that the grammar is complete (only a stop could follow), so the choice ends with "stop".
 """
 from __future__ import annotations
 
@@ -33,6 +41,8 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.decoder.engine.step import SampledToken, SamplingParams, ScheduledChunk
+from services.decoder.grammar.mask import GrammarMasks
+from services.decoder.grammar.state import clear_bits
 
 _MASK64 = (1 << 64) - 1
 
@@ -66,9 +76,9 @@ def _index(pairs: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Te
     return torch.tensor(rows, device=device), torch.tensor(ids, device=device)
 
 
-def _block(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
+def _block(logits: torch.Tensor, chunks: list[ScheduledChunk], exempt: frozenset[int]) -> None:
     vocab = logits.shape[1]
-    pairs = [(i, t) for i, c in enumerate(chunks) for t in c.blocked_token_ids if 0 <= t < vocab]
+    pairs = [(i, t) for i, c in enumerate(chunks) if i not in exempt for t in c.blocked_token_ids if 0 <= t < vocab]
     if pairs:
         logits[_index(pairs, logits.device)] = float("-inf")
 
@@ -134,8 +144,10 @@ def _modifies(c: ScheduledChunk) -> bool:
                 or p.frequency_penalty)
 
 
-def process_logits(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, chunks: list[ScheduledChunk],
+                   exempt: frozenset[int] = frozenset()) -> torch.Tensor:
     """Steps 1-4 of the module docstring. logits [M, V] raw, one row per chunk -> [M, V].
+    Rows in exempt skip step 1 (a grammar that can only stop there).
 
     Returns logits itself when no row asks for any of them, else a modified copy (the raw logits
     stay intact for the logprobs).
@@ -143,7 +155,7 @@ def process_logits(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> torch.
     if not any(_modifies(c) for c in chunks):
         return logits
     out = logits.clone()
-    _block(out, chunks)
+    _block(out, chunks, exempt)
     _bias(out, chunks)
     _repetition(out, chunks)
     _presence_frequency(out, chunks)
@@ -200,20 +212,31 @@ class Sampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        self.grammars = GrammarMasks()
 
     def __call__(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[SampledToken]:
-        """logits [M, V] fp32 for M sampled chunks -> one SampledToken per chunk, same order."""
+        """logits [M, V] fp32 for M sampled chunks -> one SampledToken per chunk, same order.
+        Constrained rows of logits are masked in place (after the raw logprobs are taken)."""
         for c in chunks:
             check_sampling(c.sampling)
         want_logprobs = [c.sampling.logprobs is not None for c in chunks]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        processed = process_logits(logits, chunks)
+        constrained = self.grammars.rows(chunks)
+        exempt = frozenset()
+        if constrained:
+            bitmask = self.grammars.fill(constrained, len(chunks), logits.shape[1])
+            self.grammars.apply(logits, bitmask, constrained)
+            exempt = frozenset(i for i, _ in constrained if chunks[i].blocked_token_ids
+                               and not bool(clear_bits(bitmask[i], chunks[i].blocked_token_ids).any()))
+        processed = process_logits(logits, chunks, exempt)
         greedy = [c.sampling.temperature == 0 for c in chunks]
         argmax = torch.argmax(processed, dim=-1).tolist() if any(greedy) else None
         results = []
         for i, c in enumerate(chunks):
             token = argmax[i] if greedy[i] else self._draw(processed[i], c)
             results.append(self._answer(token, raw_logprobs[i] if want_logprobs[i] else None, c.sampling))
+        for i, state in constrained:
+            results[i].complete = state.advance(results[i].token_id)
         return results
 
     def _draw(self, row: torch.Tensor, c: ScheduledChunk) -> int:

@@ -43,6 +43,10 @@ class DecoderConfig:
     fault_fail_at_step: int = option(0, "TESTING ONLY: make the forward of engine step N raise, to exercise "
                                         "failure handling (requests fail, health goes NOT_SERVING); 0 disables")
     max_images: int = option(8, "most images per request (vision-language models)")
+    # Structured outputs (services/decoder/grammar): compiled off the engine thread, cached by text.
+    grammar_threads: int = option(2, "threads that compile structured-output grammars (JSON schema, regex, "
+                                     "choice, EBNF) off the engine thread")
+    grammar_cache_size: int = option(256, "compiled grammars kept (least recently used dropped first)")
     # LoRA adapters (services/decoder/lora). --max-loras 0 installs no bank at all.
     max_loras: int = option(4, "adapter slots resident on the device (adapters in one batch); 0 disables LoRA")
     max_lora_rank: int = option(16, "largest adapter rank; every slot is padded to it")
@@ -56,7 +60,8 @@ class DecoderConfig:
     def __post_init__(self):
         if not self.model:
             raise ValueError("--model DIR is required")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_n", "max_images"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_n", "max_images",
+                     "grammar_threads", "grammar_cache_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("num_blocks", "max_model_len", "threads", "max_logprobs"):

@@ -31,6 +31,10 @@ from services.common.server import Server
 from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.output import EngineStats, RequestOutput
+from services.decoder.grammar.compiled import Grammar
+from services.decoder.grammar.compiler import GrammarCompiler
+from services.decoder.grammar.spec import GrammarSpec
+from services.decoder.grammar.state import FEATURE as GRAMMAR_FEATURE
 from services.decoder.lora.registry import check_name
 from services.decoder.model.config import ModelConfig
 from services.decoder.multimodal.request import place_images, request_images
@@ -39,6 +43,7 @@ from services.decoder.server.adapters import Adapters, adapter_info
 from services.decoder.server.async_engine import AsyncEngine
 from services.decoder.server.config import DecoderConfig, DecoderServerConfig
 from services.decoder.server.sampling import sampling_params
+from services.decoder.server.structured_output import grammar_spec
 from services.decoder.text.chat_template import ChatTemplate
 from services.decoder.text.choice import Choice
 from services.decoder.text.tokenizer import Tokenizer
@@ -55,6 +60,10 @@ _PREEMPTIONS = Gauge("tessera_decoder_preemptions", "requests preempted so far")
 _TTFT = Histogram("tessera_decoder_time_to_first_token_seconds", "time to first token", buckets=LATENCY_BUCKETS)
 _ITL = Histogram("tessera_decoder_inter_token_latency_seconds", "time between tokens", buckets=LATENCY_BUCKETS)
 _REQUESTS = Counter("tessera_decoder_requests", "finished requests by finish reason", ["reason"])
+_GRAMMARS = Counter("tessera_decoder_grammar_requests", "structured-output requests by compile cache result",
+                    ["cache"])
+_GRAMMAR_WAIT = Histogram("tessera_decoder_grammar_wait_seconds", "time a request waited for its grammar "
+                          "(compile, or a cache hit)", buckets=LATENCY_BUCKETS)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -87,6 +96,7 @@ class Loaded:
     template: ChatTemplate | None
     engine_config: EngineConfig
     runner: Runner
+    grammars: GrammarCompiler
     adapters: Adapters | None = None     # None with --max-loras 0
 
 
@@ -109,6 +119,10 @@ def load(cfg: DecoderConfig) -> Loaded:
         max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or runner.max_position_embeddings,
         enable_prefix_caching=cfg.enable_prefix_caching, eos_token_ids=eos)
     adapters = Adapters(cfg, runner) if cfg.max_loras else None
+    # Its vocabulary builds on its own pool from here on; serving does not wait for it.
+    grammars = GrammarCompiler(tokenizer.backend, vocab_size=runner.vocab_size, stop_token_ids=eos,
+                               special_token_ids=tokenizer.all_special_ids, threads=cfg.grammar_threads,
+                               cache_size=cfg.grammar_cache_size)
     if cfg.fault_fail_at_step:
         inject_fault(runner, cfg.fault_fail_at_step)
     core = EngineCore(runner, engine_cfg, leases=adapters.leases if adapters else None)
@@ -121,7 +135,8 @@ def load(cfg: DecoderConfig) -> Loaded:
         def on_step(stats: EngineStats, outputs: list[RequestOutput]) -> None:
             _export(stats, outputs)
             adapters.export(core)
-    return Loaded(name, AsyncEngine(core, on_step=on_step), tokenizer, template, engine_cfg, runner, adapters)
+    return Loaded(name, AsyncEngine(core, on_step=on_step), tokenizer, template, engine_cfg, runner, grammars,
+                  adapters)
 
 
 class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
@@ -187,14 +202,20 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         params, include_stop = sampling_params(
             request.sampling, prompt_len=len(prompt), max_model_len=limit, vocab_size=st.runner.vocab_size,
             max_n=self.cfg.max_n, max_logprobs=self.cfg.max_logprobs)
+        spec = grammar_spec(request.sampling)
+        start = last = time.monotonic()        # time to first token includes the grammar's compile
+        # Compiled here, on the grammar pool, before the engine sees the request: a slow schema delays
+        # only its own request, and one that does not compile is refused with nothing queued.
+        grammar = await self._grammar(st, spec) if spec is not None else None
         rid = request.request_id or uuid.uuid4().hex
         choices = [Choice(i, st.tokenizer, params.stop, include_stop, params.logprobs is not None,
                           params.min_tokens) for i in range(params.n)]
         completion = [0] * params.n
         cached = 0
-        start = last = time.monotonic()
         first = True
         features = {**(placed.features or {}), **lora_features} if lora_features else placed.features
+        if grammar is not None:
+            features = {**(features or {}), GRAMMAR_FEATURE: grammar}
         async for out in st.engine.generate(rid, prompt, params, features=features, span_keys=placed.span_keys,
                                             extra_keys=lora_keys):
             if out.finish_reason == "error":
@@ -218,6 +239,17 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             prompt_tokens=len(prompt), completion_tokens=sum(completion),
             total_tokens=len(prompt) + sum(completion), cached_tokens=cached))
 
+    @staticmethod
+    async def _grammar(st: Loaded, spec: GrammarSpec) -> Grammar:
+        start = time.monotonic()
+        future, hit = st.grammars.submit(spec)
+        _GRAMMARS.labels("hit" if hit else "miss").inc()
+        try:
+            # Shielded: a caller that goes away must not cancel a compile other requests share.
+            return await asyncio.shield(asyncio.wrap_future(future))
+        finally:
+            _GRAMMAR_WAIT.observe(time.monotonic() - start)
+
     @grpc_errors
     async def GetModelInfo(self, request, context):
         st = self._ready()
@@ -228,7 +260,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             supports_images=st.runner.config.vision is not None, block_size=st.engine_config.block_size,
             dtype=self.cfg.dtype,
             lora_backend=st.adapters.bank.backend if st.adapters else "", linear_backend=st.runner.linear_backend,
-            attention_backend=st.runner.attention_backend,
+            attention_backend=st.runner.attention_backend, grammar_mask_backend=st.runner.grammar_mask_path,
             max_loras=self.cfg.max_loras if st.adapters else 0, max_lora_rank=self.cfg.max_lora_rank,
             stats=decoder_pb2.EngineStats(
                 free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, running=s.num_running,
@@ -359,3 +391,4 @@ async def serve(server_cfg: DecoderServerConfig, cfg: DecoderConfig) -> None:
         await server.serve_until_signal()
     finally:
         servicer.state.engine.stop()
+        servicer.state.grammars.close()
