@@ -19,23 +19,13 @@ import openai
 import pytest
 
 from services.common.pb import decoder_pb2
+from tests.decoder.grammar.cases import CHOICES, REGEX, SCHEMA
 from tests.decoder.lora.adapters import Spec, write_adapter
 from tests.decoder.server.conftest import tiny_chat_model  # noqa: F401 - the fixture, shared with the decoder
 from tests.gateway.chat_fleet import MODEL, chat_fleet, still_up, wait_idle
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 10},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
-    "role": {"enum": ["admin", "user", "guest"]},
-    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                                 "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                "required": ["city", "zip"]}},
-    "required": ["name", "age", "tags", "role", "address"]}
 FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "description": "a person", "schema": SCHEMA,
                                                  "strict": True}}
-REGEX = r"[a-z]{3,8}@[a-z]{2,6}\.(com|org)"
-CHOICES = ["yes", "no", "maybe"]
 GRAMMAR = 'root ::= "(" num ("+" num){0,3} ")"\nnum ::= [0-9]{1,3}'
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 ADAPTER = "tinylora"

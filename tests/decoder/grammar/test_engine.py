@@ -16,20 +16,10 @@ from services.decoder.engine.step import SamplingParams
 from services.decoder.grammar.spec import GrammarSpec
 from services.decoder.grammar.state import FEATURE
 from services.decoder.runner.runner import Runner
+from tests.decoder.grammar.cases import CHOICES, REGEX, SCHEMA
 from tests.decoder.grammar.conftest import EOS
 from tests.decoder.server.conftest import tiny_chat_model  # noqa: F401 - the fixture
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 10},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
-    "role": {"enum": ["admin", "user", "guest"]},
-    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                                 "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                "required": ["city", "zip"]}},
-    "required": ["name", "age", "tags", "role", "address"]}
-REGEX = r"[a-z]{3,8}@[a-z]{2,6}\.(com|org)"
-CHOICES = ["yes", "no", "maybe"]
 GRAMMAR = 'root ::= "(" num ("+" num){0,3} ")"\nnum ::= [0-9]{1,3}'
 PROMPT = "Tell me about a person, as JSON, in one line please."
 
