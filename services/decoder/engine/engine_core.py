@@ -146,7 +146,9 @@ class EngineCore:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks, kv_usage=kv.usage,
             num_preemptions=self.scheduler.num_preemptions, prefix_queries=kv.prefix_queries,
-            prefix_hits=kv.prefix_hits, num_steps=self.num_steps)
+            prefix_hits=kv.prefix_hits, num_steps=self.num_steps,
+            num_draft_tokens=self.scheduler.num_draft_tokens, num_accepted_tokens=self.scheduler.num_accepted_tokens,
+            num_verifications=self.scheduler.num_verifications)
 
     def check_idle(self) -> None:
         """Raise unless nothing is queued or held: every block free, no request left (tests, drain)."""

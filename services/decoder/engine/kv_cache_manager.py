@@ -98,6 +98,15 @@ class KVCacheManager:
             self.pool.cache(self.pool.blocks[request.block_ids[i]], hashes[i])
         self._num_registered[request.request_id] = num_full
 
+    def trim(self, request: Request) -> None:
+        """Return the blocks past the request's computed positions: after a verification, those
+        that only rejected drafts were written to. They were allocated this step and are not in
+        the prefix cache (a block is registered only once computed and full)."""
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if len(request.block_ids) > keep:
+            self.pool.release([self.pool.blocks[i] for i in reversed(request.block_ids[keep:])])
+            del request.block_ids[keep:]
+
     def free(self, request: Request) -> None:
         """Return all the request's blocks (tail first) and empty its table."""
         blocks = [self.pool.blocks[i] for i in reversed(request.block_ids)]

@@ -10,8 +10,8 @@ from services.decoder.engine.step import SampledToken
 class RequestOutput:
     """News for one choice of one API request after a step.
 
-    new_tokens: tokens sampled this step (0 or 1 today), with the runner's
-    logprobs. finish_reason: None while running, else "stop" | "length" |
+    new_tokens: tokens emitted this step, with the runner's logprobs: 0 or 1,
+    or with speculative decoding a run of accepted drafts and the token after. finish_reason: None while running, else "stop" | "length" |
     "abort" | "error" (error carries a message). stop_token_id: the eos or stop
     token that ended the choice; it is the last of new_tokens and the layer
     above leaves it out of the text. Counts are totals so far, for usage.
@@ -38,7 +38,8 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """Live counters (GetModelInfo, /metrics). Token counts for the prefix cache."""
+    """Live counters (GetModelInfo, /metrics). Token counts for the prefix cache. Speculative
+    decoding: draft tokens proposed and accepted, and verifications (chunks that carried drafts)."""
 
     num_running: int
     num_waiting: int
@@ -49,3 +50,16 @@ class EngineStats:
     prefix_queries: int
     prefix_hits: int
     num_steps: int
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verifications: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens; 0 before any draft."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted drafts per verification; 0 before any."""
+        return self.num_accepted_tokens / self.num_verifications if self.num_verifications else 0.0

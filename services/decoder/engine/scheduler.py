@@ -9,6 +9,17 @@ computed count drops to 0 and it goes back to the front of the waiting queue
 with its outputs, which are recomputed as part of its tokens. Then waiting
 requests are admitted first come, first served while budget, seats and blocks
 allow.
+
+Speculative decoding (EngineConfig.speculative) only adds tokens to decode chunks:
+a decoding request whose context repeats an n-gram gets its last token plus the
+drafts that followed there (engine/drafter.py), verified in the same forward as
+everyone else's tokens. Drafts are capped so that the whole run fits max_tokens,
+max_model_len, the step budget and the min_tokens regime, and carry no stop
+token; so only the run's last token can end the request. After the step, the
+computed count covers the accepted drafts only; blocks that held nothing but
+rejected positions go back to the pool, and only accepted tokens are hashed into
+the prefix cache. A step with disable_by_batch_size or more running requests
+drafts nothing.
 """
 from __future__ import annotations
 
@@ -18,6 +29,7 @@ from typing import Protocol
 
 from services.common.errors import ContextLengthExceeded, InvalidArgument, TesseraError
 from services.decoder.engine.config import EngineConfig
+from services.decoder.engine.drafter import NgramDrafter
 from services.decoder.engine.kv_cache_manager import KVCacheManager, cdiv
 from services.decoder.engine.output import RequestOutput
 from services.decoder.engine.request import Request, RequestStatus
@@ -94,6 +106,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
+        spec = config.speculative
+        self.drafter = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min) if spec else None
+        # Speculative decoding counters: drafted / accepted tokens, chunks that carried drafts.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_verifications = 0
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -121,13 +139,20 @@ class Scheduler:
         # Oldest first, so the preemption victim (the latest arrival) is always
         # at the end and never one already given tokens in this step.
         self.running.sort(key=lambda r: r.arrival_seq)
+        spec = self.config.speculative
+        drafting = spec is not None and len(self.running) < spec.disable_by_batch_size
+        drafts: dict[str, list[int]] = {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 raise RuntimeError(f"running request with nothing to compute: {req}")
-            while self.kv.allocate_slots(req, n) is None:
+            draft = self._draft(req, budget) if drafting and req.num_tokens - req.num_computed_tokens == 1 else []
+            while self.kv.allocate_slots(req, n + len(draft)) is None:
+                if draft:               # drafts are the first thing to give up, before anyone's KV
+                    draft = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -135,16 +160,30 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break
-            scheduled.append((req, n))
-            budget -= n
+            if draft:
+                drafts[req.request_id] = draft
+            scheduled.append((req, n + len(draft)))
+            budget -= n + len(draft)
             i += 1
 
         # Admitting while we just preempted would only thrash the same blocks.
         if not preempted:
             budget = self._admit(budget, scheduled, failed)
 
-        chunks = [self._chunk(req, n) for req, n in scheduled]
+        chunks = [self._chunk(req, n, drafts.get(req.request_id, [])) for req, n in scheduled]
         return SchedulerOutput(scheduled, StepInput(chunks), preempted), failed
+
+    def _draft(self, req: Request, budget: int) -> list[int]:
+        """Drafts for a decoding request: as many as the whole run (drafts + 1) may emit without
+        passing max_tokens or max_model_len, fitting the budget, and all inside the min_tokens
+        regime of the first (the sampler blocks stop tokens alike on every row of a chunk)."""
+        sampling = req.sampling
+        limit = min(self.config.speculative.num_speculative_tokens, budget - 1,
+                    sampling.max_tokens - req.num_output_tokens - 1,
+                    self.config.max_model_len - req.num_tokens - 1)
+        if req.num_output_tokens < sampling.min_tokens:
+            limit = min(limit, sampling.min_tokens - req.num_output_tokens - 1)
+        return self.drafter.propose(req.all_token_ids, limit, frozenset(self._stop_ids(req)))
 
     def _admit(self, budget: int, scheduled: list[tuple[Request, int]], failed: list[RequestOutput]) -> int:
         skipped: list[Request] = []
@@ -183,14 +222,16 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
-    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+    def _chunk(self, req: Request, n: int, draft: list[int]) -> ScheduledChunk:
         start = req.num_computed_tokens
+        known = n - len(draft)
         return ScheduledChunk(
-            request_id=req.request_id, token_ids=req.all_token_ids[start:start + n], start=start,
-            block_table=list(req.block_ids), sample=start + n == req.num_tokens, sampling=req.sampling,
+            request_id=req.request_id, token_ids=req.all_token_ids[start:start + known] + draft, start=start,
+            block_table=list(req.block_ids), sample=start + known == req.num_tokens, sampling=req.sampling,
             output_token_ids=list(req.output_token_ids), num_prompt_tokens=req.num_prompt_tokens,
             features=req.features, prompt_token_ids=req.prompt_token_ids,
-            blocked_token_ids=self._stop_ids(req) if req.num_output_tokens < req.sampling.min_tokens else ())
+            blocked_token_ids=self._stop_ids(req) if req.num_output_tokens < req.sampling.min_tokens else (),
+            draft_token_ids=draft)
 
     def _stop_ids(self, req: Request) -> tuple[int, ...]:
         """The ids whose sampling would end the request (EOS unless ignore_eos, and stop_token_ids)."""
@@ -214,6 +255,11 @@ class Scheduler:
         got = set(result.sampled)
         if got != expected:
             raise ValueError(f"runner sampled {sorted(got)}, expected {sorted(expected)}")
+        drafts = {c.request_id: c.draft_token_ids for c in plan.step.chunks}
+        for rid, toks in result.accepted.items():
+            ids = [t.token_id for t in toks]
+            if ids != drafts.get(rid, [])[:len(ids)] or (ids and rid not in expected):
+                raise ValueError(f"runner accepted {ids} for {rid}, not a prefix of its drafts {drafts.get(rid)}")
         for rid, tok in result.sampled.items():
             if isinstance(tok.token_id, bool) or not isinstance(tok.token_id, int) or tok.token_id < 0:
                 raise ValueError(f"runner returned token id {tok.token_id!r} for {rid}")
@@ -221,20 +267,36 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
         """Advance computed counts, register newly full blocks, append samples and apply stop rules."""
         outputs = []
-        for req, n in plan.scheduled:
-            req.num_computed_tokens += n
+        for (req, n), chunk in zip(plan.scheduled, plan.step.chunks, strict=True):
+            if not chunk.sample:        # a prefill chunk that did not reach the end
+                req.num_computed_tokens += n
+                self.kv.cache_computed_blocks(req)
+                req.prompt_done = req.prompt_done or req.num_computed_tokens >= req.num_prompt_tokens
+                continue
+            accepted = result.accepted.get(req.request_id, [])
+            if chunk.draft_token_ids:
+                self.num_verifications += 1
+                self.num_draft_tokens += len(chunk.draft_token_ids)
+                self.num_accepted_tokens += len(accepted)
+            # KV now holds the known tokens and the accepted drafts; a rejected draft's is garbage
+            # that the position's real token overwrites before anything reads it.
+            req.num_computed_tokens += n - len(chunk.draft_token_ids) + len(accepted)
+            req.prompt_done = req.prompt_done or req.num_computed_tokens >= req.num_prompt_tokens
+            emitted: list[SampledToken] = []
+            status = None
+            for tok in [*accepted, result.sampled[req.request_id]]:
+                req.append_output(tok.token_id)
+                emitted.append(tok)
+                status = self._stop_status(req, tok.token_id, tok.complete)
+                if status is not None:
+                    break               # the rest of the run is dropped, its KV never counted
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
             self.kv.cache_computed_blocks(req)
-            if req.num_computed_tokens >= req.num_prompt_tokens:
-                req.prompt_done = True
-            if req.num_computed_tokens < req.num_tokens:
-                continue                # a prefill chunk that did not reach the end
-            tok = result.sampled[req.request_id]
-            req.append_output(tok.token_id)
-            status = self._stop_status(req, tok.token_id, tok.complete)
             if status is None:
-                outputs.append(self._output(req, [tok]))
+                self.kv.trim(req)
+                outputs.append(self._output(req, emitted))
             else:
-                outputs.append(self._finish(req, status, new_tokens=[tok]))
+                outputs.append(self._finish(req, status, new_tokens=emitted))
         return outputs
 
     def fail(self, plan: SchedulerOutput, message: str) -> list[RequestOutput]:

@@ -42,6 +42,11 @@ class ScheduledChunk:
     positions < start is already in the cache. block_table covers at least
     start+len positions. sample is True when the chunk ends at the last known
     token, so its last row's logits choose the next token.
+
+    Speculative decoding: draft_token_ids (d >= 0 of them) are the last d of
+    token_ids, proposed after the last known token. Then the chunk's last d + 1
+    rows are sampled: row j verifies draft j (the token it predicts must be that
+    draft for the run to go on) and the last row gives the bonus token.
     """
 
     request_id: str
@@ -62,6 +67,7 @@ class ScheduledChunk:
     # Ids the sampler must not choose this step: the stop tokens while min_tokens is unmet. The
     # engine decides it, since it owns the stop rules (the EOS set includes the tokenizer's).
     blocked_token_ids: tuple[int, ...] = ()
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -93,13 +99,17 @@ class SampledToken:
 class StepOutput:
     # request_id -> sampled token, for chunks with sample=True only.
     sampled: dict[str, SampledToken]
+    # request_id -> the drafts the runner accepted, in order, for chunks with drafts: a prefix of
+    # draft_token_ids (maybe empty). They come before `sampled` (the token sampled at the first
+    # rejected draft, or the bonus token after the last draft). Absent: none accepted.
+    accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
 
 
 class Runner(Protocol):
     """What the engine core drives: one forward (plus sampling) per step.
 
     execute returns one SampledToken per chunk with sample=True, keyed by
-    request_id. KV for position p of a chunk's request lives in slot
+    request_id, and for chunks with drafts the accepted ones. KV for position p of a chunk's request lives in slot
     block_table[p // block_size] * block_size + p % block_size. Raising fails the
     requests of that step only; the core stays usable.
     """

@@ -23,8 +23,8 @@ class StepBatch:
     input_ids: torch.Tensor                       # [N] long
     positions: torch.Tensor                       # [N] or [3, N] long: rotary positions
     plan: AttentionPlan
-    sample_rows: torch.Tensor                     # [M] rows whose logits are sampled
-    sampled: list[ScheduledChunk]                 # the M chunks, in the same order
+    sample_rows: torch.Tensor                     # [R] rows whose logits are sampled: 1 + drafts per chunk
+    sampled: list[ScheduledChunk]                 # the chunks that own them, in the same order
     image_rows: list[tuple[int, torch.Tensor]]    # (row in the step, embedding [hidden])
     # (first row, rows, slot) per chunk whose request leased an adapter slot; empty
     # for a base-only step, which then does no LoRA work at all.
@@ -43,7 +43,8 @@ class StepBatch:
             ids.extend(c.token_ids)
             physical.append(torch.arange(c.start, c.start + n, device=device))
             if c.sample:
-                sample_rows.append(offset + n - 1)
+                # The last known token's row, then one row per draft (each verifies the next).
+                sample_rows.extend(range(offset + n - 1 - len(c.draft_token_ids), offset + n))
                 sampled.append(c)
             slot = c.features.get("lora_slot", -1)
             if slot != -1:

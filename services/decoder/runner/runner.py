@@ -78,7 +78,8 @@ class Runner:
 
     @torch.inference_mode()
     def logits(self, step: StepInput) -> tuple[torch.Tensor, StepBatch]:
-        """Run the step; fp32 logits [M, vocab] of its M sampled chunks (batch.sampled order)."""
+        """Run the step; fp32 logits [R, vocab] of the sampled rows: per sampled chunk (batch.sampled
+        order) its last known token's row and one row per draft."""
         batch = StepBatch.build(step, self.block_size, self.device, self.config.mrope_sections)
         if int(batch.input_ids.max()) >= self.vocab_size or int(batch.input_ids.min()) < 0:
             raise InvalidArgument(f"token ids must be in [0, {self.vocab_size})", param="prompt")
@@ -97,7 +98,9 @@ class Runner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
-        """One engine step: write KV for every chunk, sample one token per chunk with sample=True."""
+        """One engine step: write KV for every chunk, sample one token per chunk with sample=True
+        (after the drafts it accepted, if it had any)."""
         logits, batch = self.logits(step)
-        tokens = self.sampler(logits, batch.sampled)
-        return StepOutput({c.request_id: t for c, t in zip(batch.sampled, tokens, strict=True)})
+        runs = self.sampler.run(logits, batch.sampled)
+        return StepOutput({c.request_id: run[-1] for c, run in zip(batch.sampled, runs, strict=True)},
+                          {c.request_id: run[:-1] for c, run in zip(batch.sampled, runs, strict=True) if len(run) > 1})

@@ -32,10 +32,25 @@ grammar-forced token may carry a low logprob).
 
 After the draw, each constrained row's matcher accepts its token; SampledToken.complete tells the
 engine that the grammar is complete (only a stop could follow), so the choice ends with "stop".
+
+Speculative decoding (`Sampler.run`): a chunk with d drafts has d + 1 rows, verified in order.
+Row j is sampled exactly as a chunk without drafts would be at that point: its outputs so far are
+the chunk's plus the drafts accepted before it (penalties, the seed's per-token stream), and its
+grammar matcher has accepted just those. Draft j is accepted when the token sampled at row j is
+that draft; the first sampled token that is not (or the bonus row after the last draft) ends the
+run. For greedy rows that is "accept while the draft is the argmax". For temperature > 0 it is
+the speculative-sampling rule for a point-mass draft distribution, in its coupled form: with p the
+target distribution after temperature, min_p, top-k and top-p, P(accept draft t) = p(t), and on
+rejection the token emitted is distributed as p(x) / (1 - p(t)) for x != t, which is p with t
+removed and renormalised; the output distribution is p at every position. Drawing it this way
+also keeps seeded outputs the same as with speculation off, token for token (the same per-token
+seed draws at the same position from the same distribution). The grammar is never rolled back:
+it only ever accepts the tokens emitted, and a draft it forbids has p = 0, so it is rejected.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -238,6 +253,36 @@ class Sampler:
         for i, state in constrained:
             results[i].complete = state.advance(results[i].token_id)
         return results
+
+    def run(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[list[SampledToken]]:
+        """Verify drafts: logits [R, V], chunk i owning 1 + len(draft_token_ids) consecutive rows in
+        chunk order -> the tokens each chunk emits, 1 to len(drafts) + 1 of them (module docstring)."""
+        if not any(c.draft_token_ids for c in chunks):
+            return [[t] for t in self(logits, chunks)]
+        first = [0]
+        for c in chunks:
+            first.append(first[-1] + len(c.draft_token_ids) + 1)
+        if first[-1] != logits.shape[0]:
+            raise ValueError(f"{logits.shape[0]} logits rows for {first[-1]} sampled positions")
+        runs: list[list[SampledToken]] = [[] for _ in chunks]
+        alive = list(range(len(chunks)))
+        position = 0
+        while alive:
+            # Row `position` of every chunk still verifying, as the chunk it would have been
+            # without speculation: its outputs extended by the drafts accepted so far.
+            rows = torch.tensor([first[i] + position for i in alive], device=logits.device)
+            view = [chunks[i] if not runs[i] else replace(
+                chunks[i], output_token_ids=chunks[i].output_token_ids + [t.token_id for t in runs[i]])
+                for i in alive]
+            going = []
+            for i, tok in zip(alive, self(logits.index_select(0, rows), view), strict=True):
+                runs[i].append(tok)
+                drafts = chunks[i].draft_token_ids
+                if position < len(drafts) and tok.token_id == drafts[position] and not tok.complete:
+                    going.append(i)
+            alive = going
+            position += 1
+        return runs
 
     def _draw(self, row: torch.Tensor, c: ScheduledChunk) -> int:
         p = c.sampling

@@ -12,7 +12,8 @@ FINISH = {"stop": decoder_pb2.FINISH_REASON_STOP, "length": decoder_pb2.FINISH_R
 
 
 class Choice:
-    """Text state of choice `index`. done: nothing more will be sent for it."""
+    """Text state of choice `index`. done: nothing more will be sent for it. num_tokens: the tokens
+    sent so far (with a stop string, up to the one that completed it: what usage counts)."""
 
     def __init__(self, index: int, tokenizer: Tokenizer, stop: tuple[str, ...], include_stop: bool,
                  want_logprobs: bool, min_tokens: int = 0):
@@ -34,12 +35,20 @@ class Choice:
         tokens = out.new_tokens
         # The eos / stop token that ended the choice is counted but not shown as text.
         text_tokens = tokens[:-1] if out.stop_token_id is not None and tokens else tokens
-        ids = [t.token_id for t in text_tokens]
-        self.num_tokens += len(tokens)
-        result = self.matcher.feed(self.detok.add(ids), judge=self.num_tokens > self.min_tokens)
-        text = result.text
+        # One token at a time: in a run of several (speculative decoding), a stop string ends the
+        # choice at the token that completed it, and the tokens after it are neither sent nor counted.
+        text, stopped = "", False
+        for k, t in enumerate(text_tokens):
+            self.num_tokens += 1
+            result = self.matcher.feed(self.detok.add([t.token_id]), judge=self.num_tokens > self.min_tokens)
+            text += result.text
+            if result.stop is not None:
+                tokens, stopped = tokens[:k + 1], True
+                break
+        else:
+            self.num_tokens += len(tokens) - len(text_tokens)
         reason = None
-        if result.stop is not None:
+        if stopped:
             self.stopped_by_string = True
             reason = decoder_pb2.FINISH_REASON_STOP
         elif out.finished:

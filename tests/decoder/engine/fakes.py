@@ -25,6 +25,12 @@ def next_token(context: list[int], salt: int, seed: int | None) -> int:
     return h % VOCAB
 
 
+def ngram_token(context: list[int], salt: int, seed: int | None) -> int:
+    """Mostly a function of the last token, so outputs fall into cycles that prompt lookup
+    predicts, but of the whole context at every fifth position, so some drafts are rejected."""
+    return next_token(context if len(context) % 5 == 0 else context[-1:], salt, seed)
+
+
 class InjectedFailure(RuntimeError):
     pass
 
@@ -34,10 +40,14 @@ class FakeRunner:
 
     A broken invariant is recorded in .violations (and raised, failing the step):
     tests assert .violations is empty, since the core turns runner exceptions
-    into error outputs.
+    into error outputs. Drafts are verified as a model would: the token predicted
+    after each accepted position, read back from the cache, must equal the next
+    draft; `rule` is the fake model (next_token, or ngram_token for drafts that
+    often hit).
     """
 
-    def __init__(self, config: EngineConfig, fail_calls: frozenset[int] = frozenset()):
+    def __init__(self, config: EngineConfig, fail_calls: frozenset[int] = frozenset(), rule=next_token):
+        self.rule = rule
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks
         self.kv: dict[int, tuple[int, int, int]] = {}
@@ -84,19 +94,27 @@ class FakeRunner:
                 if other is not c and set(other.block_table) & {
                         b for b, owner in written.items() if owner == c.request_id}:
                     self._violate(f"{other.request_id} holds a block {c.request_id} writes")
-        sampled = {}
+        sampled, accepted = {}, {}
         for c in step.chunks:
             salt = c.features.get("salt", 0)
             for i, t in enumerate(c.token_ids):
                 p = c.start + i
                 self.kv[self._slot(c.block_table, p)] = (t, p, salt)
             if c.sample:
-                end = c.start + len(c.token_ids)
-                context = [self.kv[self._slot(c.block_table, p)][0] for p in range(end)]
-                tok = next_token(context, salt, c.sampling.seed)
-                self.outputs[c.request_id].append(tok)
+                drafts = c.draft_token_ids
+                end = c.start + len(c.token_ids) - len(drafts)
+                run = []
+                for j in range(len(drafts) + 1):
+                    context = [self.kv[self._slot(c.block_table, p)][0] for p in range(end + j)]
+                    tok = self.rule(context, salt, c.sampling.seed)
+                    if j == len(drafts) or tok != drafts[j]:
+                        break
+                    run.append(SampledToken(tok))
+                self.outputs[c.request_id].extend([t.token_id for t in run] + [tok])
                 sampled[c.request_id] = SampledToken(tok)
-        return StepOutput(sampled)
+                if run:
+                    accepted[c.request_id] = run
+        return StepOutput(sampled, accepted)
 
     def _check(self, c) -> None:
         rid = c.request_id
@@ -105,14 +123,15 @@ class FakeRunner:
         if rid not in self.prompts:
             self._violate(f"unknown request {rid}")
         known = self.prompts[rid] + self.outputs[rid]
-        end = c.start + len(c.token_ids)
+        real = c.token_ids[:len(c.token_ids) - len(c.draft_token_ids)]
+        end = c.start + len(real)
         if c.output_token_ids != self.outputs[rid] or c.num_prompt_tokens != len(self.prompts[rid]):
             self._violate(f"{rid}: outputs {c.output_token_ids} != sampled {self.outputs[rid]}")
-        if not c.token_ids or c.start < 0 or end > len(known) or c.token_ids != known[c.start:end]:
+        if not real or c.start < 0 or end > len(known) or real != known[c.start:end]:
             self._violate(f"{rid}: chunk {c.start}+{c.token_ids} does not match tokens {known}")
-        if c.sample != (end == len(known)):
+        if c.sample != (end == len(known)) or (c.draft_token_ids and not c.sample):
             self._violate(f"{rid}: sample={c.sample} but chunk ends at {end} of {len(known)}")
-        if len(c.block_table) * self.block_size < end or len(set(c.block_table)) != len(c.block_table) \
+        if len(c.block_table) * self.block_size < c.start + len(c.token_ids) or len(set(c.block_table)) != len(c.block_table) \
                 or any(not 0 <= b < self.num_blocks for b in c.block_table):
             self._violate(f"{rid}: bad block table {c.block_table} for {end} positions")
         salt = c.features.get("salt", 0)

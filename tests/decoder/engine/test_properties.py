@@ -1,15 +1,25 @@
 """Random workloads through the engine core: every allocation is returned, and
-every choice that finished normally says exactly what an unconstrained run says."""
+every choice that finished normally says exactly what an unconstrained run says,
+with speculative decoding on or off (drafts accepted and rejected at random
+places, mixed with aborts, preemptions and failed steps)."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.decoder.engine.config import EngineConfig
+from services.decoder.engine.config import EngineConfig, SpeculativeConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.kv_cache_manager import cdiv
 
-from .fakes import EOS, CountingLeases, FakeRunner, Job, drive
+from .fakes import EOS, CountingLeases, FakeRunner, Job, drive, ngram_token
 
 TOKENS = st.integers(1, 12)
+
+
+@st.composite
+def speculative_configs(draw):
+    lookup_max = draw(st.integers(1, 3))
+    return SpeculativeConfig(num_speculative_tokens=draw(st.integers(1, 4)), prompt_lookup_max=lookup_max,
+                             prompt_lookup_min=draw(st.integers(1, lookup_max)),
+                             disable_by_batch_size=draw(st.integers(2, 6)))
 
 
 @st.composite
@@ -39,18 +49,18 @@ def _reference(jobs):
     """Big pool, big budget, no prefix cache, everything at once, no aborts, no failures."""
     config = EngineConfig(block_size=4, num_blocks=1024, max_num_batched_tokens=4096, max_num_seqs=256,
                           max_model_len=64, enable_prefix_caching=False, eos_token_ids=(EOS,))
-    runner = FakeRunner(config)
+    runner = FakeRunner(config, rule=ngram_token)
     res = drive(EngineCore(runner, config), runner, jobs, timed=False)
     assert runner.violations == []
     return res
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_return_everything_and_match_the_unconstrained_run(workload):
     config, jobs, fail_calls, lease_capacity = workload
     leases = CountingLeases(lease_capacity)
-    runner = FakeRunner(config, fail_calls)
+    runner = FakeRunner(config, fail_calls, rule=ngram_token)
     core = EngineCore(runner, config, leases)
     res = drive(core, runner, jobs)
     ref = _reference(jobs)

@@ -10,7 +10,7 @@ import re
 import jsonschema
 import pytest
 
-from services.decoder.engine.config import EngineConfig
+from services.decoder.engine.config import EngineConfig, SpeculativeConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.step import SamplingParams
 from services.decoder.grammar.spec import GrammarSpec
@@ -50,10 +50,10 @@ def runner(tiny_chat_model):  # noqa: F811
     return Runner.from_folder(tiny_chat_model, "fp32", 4, 512)
 
 
-def core_for(runner, num_blocks=512, budget=64, prefix_caching=True) -> EngineCore:
+def core_for(runner, num_blocks=512, budget=64, prefix_caching=True, speculative=None) -> EngineCore:
     return EngineCore(runner, EngineConfig(block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                            max_num_seqs=8, max_model_len=256, enable_prefix_caching=prefix_caching,
-                                           eos_token_ids=(EOS,)))
+                                           eos_token_ids=(EOS,), speculative=speculative))
 
 
 def run(core: EngineCore, jobs: dict) -> dict:
@@ -106,6 +106,21 @@ def test_valid_through_chunked_prefill_and_preemption(runner, tokenizer, grammar
     # The unconstrained request beside them is untouched by their masks.
     alone = run(core_for(runner), {"free": jobs["free"]})
     assert alone[("free", 0)][0] == roomy[("free", 0)][0]
+
+
+def test_speculative_drafts_pass_the_mask_and_leave_the_matcher_on_the_emitted_tokens(runner, tokenizer, grammars):
+    """Drafts the grammar forbids are rejected, accepted ones advance the matcher once: with speculation on
+    (and squeezed into chunks and preemptions too) every choice equals the run without it."""
+    jobs = jobs_for(tokenizer, grammars)
+    plain = run(core_for(runner), jobs)
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1,
+                             disable_by_batch_size=16)
+    for core in (core_for(runner, speculative=spec),
+                 core_for(runner, num_blocks=24, budget=5, prefix_caching=False, speculative=spec)):
+        got = run(core, jobs)
+        assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in plain.items()}
+        stats = core.stats()
+        assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens, stats
 
 
 def test_each_choice_of_n_has_its_own_matcher(runner, tokenizer, grammars):

@@ -41,11 +41,11 @@ CASES = {
 }
 
 
-def build(root: Path, name: str, seed: int = 0) -> Path:
-    """Write checkpoint `name` under root and return its folder."""
+def build(root: Path, name: str, seed: int = 0, vocab_size: int = VOCAB) -> Path:
+    """Write checkpoint `name` (with another vocabulary size if given) under root and return its folder."""
     family, overrides, save_kwargs = CASES[name]
     config_cls, model_cls = _CLASSES[family]
-    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
                   pad_token_id=0)
     kwargs.update(overrides)
@@ -57,7 +57,7 @@ def build(root: Path, name: str, seed: int = 0) -> Path:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             else:
                 p.copy_(0.15 * torch.randn_like(p))
-    folder = root / name
+    folder = root / (name if vocab_size == VOCAB else f"{name}_vocab{vocab_size}")
     model.save_pretrained(folder, **save_kwargs)
     GenerationConfig(bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0).save_pretrained(folder)
     return folder

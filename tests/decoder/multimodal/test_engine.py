@@ -108,3 +108,19 @@ def test_preemption_with_images_gives_the_same_output(vl_ckpt, prompts, solo):
     for name in prompts:
         assert_same(got[name], solo[name])
     core.check_idle()
+
+
+def test_speculation_with_images_gives_the_same_output(vl_ckpt, prompts):
+    """Drafts after an image prompt: verified at M-RoPE text positions (physical + delta), in one batch
+    with the other image requests; the tokens equal the run without speculation."""
+    from services.decoder.engine.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1,
+                             disable_by_batch_size=8)
+    plain = run(make_core(vl_ckpt, block_size=BLOCK), dict(prompts), greedy(24))
+    core = make_core(vl_ckpt, block_size=BLOCK, speculative=spec)
+    got = run(core, dict(prompts), greedy(24))
+    assert core.stats().num_accepted_tokens > 0, core.stats()
+    for name in prompts:
+        assert_same(got[name], plain[name])
+    core.check_idle()
