@@ -10,6 +10,7 @@ ends) is picked.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -151,7 +152,11 @@ class Backend:
             base = Model(info.name, GENERATION, self, {
                 "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
                 "has_chat_template": info.has_chat_template, "supports_images": info.supports_images,
-                "dtype": info.dtype, "max_loras": info.max_loras, "max_lora_rank": info.max_lora_rank})
+                "dtype": info.dtype, "max_loras": info.max_loras, "max_lora_rank": info.max_lora_rank,
+                # The format tool_choice "auto" is parsed in; None: the decoder has auto tool choice off.
+                "tool_call_parser": info.tool_call_parser or None,
+                # n-gram speculative decoding's settings; None: off.
+                "speculative": json.loads(info.speculative) if info.speculative else None})
             # Each registered LoRA adapter is a model of its own name (vLLM's convention), run on this base.
             listed = await self.call(self.decoder.ListAdapters, decoder_pb2.ListAdaptersRequest(), "model-discovery")
             return [base, *(Model(a.name, GENERATION, self, {**base.extra, "rank": a.rank,

@@ -1,19 +1,23 @@
 """POST /v1/chat/completions in OpenAI's shape, served by the decoder's Generate with the model's chat template.
 
-Messages travel as role + content parts; the decoder renders its own template (with the generation
-prompt) and validates roles and content again. `image_url` parts must be inline data: URIs (nothing is
-ever fetched): gateway/images.py checks them, sends the bytes to the vision service in one Encode
-call, and the decoder gets the rows, grids and hashes as GenerateRequest.images, each part naming its
-image by ContentPart.image_index in message order.
+Messages travel as role + content parts (plus an assistant's tool_calls and a tool message's
+tool_call_id); the decoder renders its own template (with the generation prompt and the tools) and
+validates roles and content again. Tool calling (tools, tool_choice, parallel_tool_calls) is planned by
+gateway/tools.py and each choice's text is read back into calls by gateway/tool_calls.py.
+`image_url` parts must be inline data: URIs (nothing is ever fetched): gateway/images.py checks them,
+sends the bytes to the vision service in one Encode call, and the decoder gets the rows, grids and hashes
+as GenerateRequest.images, each part naming its image by ContentPart.image_index in message order.
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 
+from services.common.errors import InvalidArgument
 from services.common.pb import decoder_pb2
 
 from .. import images as image_inputs
@@ -21,6 +25,9 @@ from .. import routing, sse
 from ..backends import GENERATION
 from ..errors import request_id
 from ..generation import Generation, SamplingFields, finish_reason
+from ..structured_output import DECODER_PARAM
+from ..tool_calls import ChoiceToolCalls
+from ..tools import Tool, ToolFields, ToolPlan
 from .common import ERROR_RESPONSES, INT32_MAX, StrictBody, catalog
 
 router = APIRouter()
@@ -43,12 +50,49 @@ class ImagePart(StrictBody):
     image_url: ImageURL
 
 
+class FunctionCall(StrictBody):
+    name: str
+    arguments: str = Field(description="JSON text of an object, as the model's earlier answer gave it")
+
+
+class ToolCall(StrictBody):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(StrictBody):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = Field(
+        None, description="required, except on an assistant message with tool_calls")
+    name: str | None = Field(None, description="the author's name, passed to the chat template")
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant only: the calls it made")
+    tool_call_id: str | None = Field(None, description="tool only (and required there): the call it answers")
+
+    @model_validator(mode="after")
+    def _fields_fit_role(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            raise ValueError("tool messages need a tool_call_id (the id of the call they answer)"
+                             if self.role == "tool" else "only tool messages carry tool_call_id")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (it may be omitted only on an assistant message with"
+                             " tool_calls)")
+        return self
 
 
-class ChatRequest(SamplingFields):
+def check_tool_messages(messages: list[Message]) -> None:
+    """Each tool message answers a call an earlier assistant message made (OpenAI's rule)."""
+    made: set[str] = set()
+    for i, message in enumerate(messages):
+        made.update(call.id for call in message.tool_calls or ())
+        if message.role == "tool" and message.tool_call_id not in made:
+            raise InvalidArgument(f"messages[{i}]: tool_call_id {message.tool_call_id!r} answers no tool call of"
+                                  f" an earlier assistant message", param="messages")
+
+
+class ChatRequest(ToolFields, SamplingFields):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="deprecated by OpenAI for"
                                                                          " max_completion_tokens; same meaning")
@@ -76,10 +120,12 @@ def _image_refs(messages: list[Message]) -> list[image_inputs.ImageRef]:
             for j, part in enumerate(message.content) if isinstance(part, ImagePart)]
 
 
-def _to_proto(message: Message, first_image: int) -> decoder_pb2.ChatMessage:
-    """The message's parts; image parts name their image by index, counting from first_image."""
+def _parts(message: Message, first_image: int) -> list[decoder_pb2.ContentPart]:
+    """The message's parts (none for null content); image parts name their image by index from first_image."""
+    if message.content is None:
+        return []
     if isinstance(message.content, str):
-        return decoder_pb2.ChatMessage(role=message.role, content=[decoder_pb2.ContentPart(text=message.content)])
+        return [decoder_pb2.ContentPart(text=message.content)]
     parts, index = [], first_image
     for part in message.content:
         if isinstance(part, ImagePart):
@@ -87,16 +133,27 @@ def _to_proto(message: Message, first_image: int) -> decoder_pb2.ChatMessage:
             index += 1
         else:
             parts.append(decoder_pb2.ContentPart(text=part.text))
-    return decoder_pb2.ChatMessage(role=message.role, content=parts)
+    return parts
 
 
-def chat_messages(messages: list[Message], add_generation_prompt: bool = True) -> decoder_pb2.ChatMessages:
-    """The decoder's ChatMessages (a chat completion always asks for the generation prompt)."""
+def _to_proto(message: Message, first_image: int) -> decoder_pb2.ChatMessage:
+    calls = [decoder_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+             for c in message.tool_calls or ()]
+    return decoder_pb2.ChatMessage(role=message.role, content=_parts(message, first_image), name=message.name or "",
+                                   tool_calls=calls, tool_call_id=message.tool_call_id or "")
+
+
+def chat_messages(messages: list[Message], add_generation_prompt: bool = True,
+                  tools: list[Tool] | None = None) -> decoder_pb2.ChatMessages:
+    """The decoder's ChatMessages (a chat completion always asks for the generation prompt). Raises
+    InvalidArgument for a tool message that answers no earlier call."""
+    check_tool_messages(messages)
     out, images = [], 0
     for message in messages:
         out.append(_to_proto(message, images))
         images += sum(1 for p in out[-1].content if p.WhichOneof("kind") == "image_index")
-    return decoder_pb2.ChatMessages(messages=out, add_generation_prompt=add_generation_prompt)
+    tools_json = json.dumps([t.to_json() for t in tools], ensure_ascii=False) if tools else ""
+    return decoder_pb2.ChatMessages(messages=out, add_generation_prompt=add_generation_prompt, tools_json=tools_json)
 
 
 async def _images(request: Request, refs: list[image_inputs.ImageRef], model, rid: str
@@ -123,33 +180,50 @@ def _logprobs(entries) -> dict:
 async def create_chat_completion(body: ChatRequest, request: Request):
     """Answer a conversation with the model's chat template; whole, or streamed as chat.completion.chunk events."""
     model = await catalog(request).resolve(body.model, GENERATION)
+    plan = body.tool_plan(model.name, model.extra.get("tool_call_parser"), body.constraint_field)
+    chat = chat_messages(body.messages, tools=body.tools)
     rid = request_id(request)
     images = await _images(request, _image_refs(body.messages), model, rid)
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    generate = decoder_pb2.GenerateRequest(**model.target(), chat=chat_messages(body.messages), images=images,
-                                           sampling=body.sampling(max_tokens, logprobs))
+    sampling = body.sampling(max_tokens, logprobs)
+    plan.apply(sampling)
+    generate = decoder_pb2.GenerateRequest(**model.target(), chat=chat, images=images, sampling=sampling)
     # The decoder names its own fields; the caller should read the ones it sent.
     fields = body.error_fields({"prompt": "messages", "logprobs": "top_logprobs",
                                 "max_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens"})
+    if plan.schema is not None:
+        fields[DECODER_PARAM] = "tools"    # a forced call's schema is the tools' parameters
     generation = Generation(routing.route(request, model), [generate], rid, body.n, fields)
     await generation.start()
     head = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()), "model": model.name}
     if body.stream:
-        return sse.stream(generation, _chunks(generation, head, body.logprobs, body.include_usage), rid)
+        return sse.stream(generation, _chunks(generation, head, body.logprobs, body.include_usage, plan), rid)
     choices = await sse.collect(request, generation)
     if not isinstance(choices, list):
         return choices
-    return {**head, "choices": [{
-        "index": i, "message": {"role": "assistant", "content": "".join(c.text)},
-        "logprobs": _logprobs(c.logprobs) if body.logprobs else None, "finish_reason": c.finish_reason,
-    } for i, c in enumerate(choices)], "usage": generation.usage.to_json()}
+    return {**head, "choices": [{"index": i, **_answer(c, plan), "logprobs": _logprobs(c.logprobs) if body.logprobs
+                                 else None} for i, c in enumerate(choices)], "usage": generation.usage.to_json()}
 
 
-async def _chunks(generation: Generation, head: dict, want_logprobs: bool, include_usage: bool):
-    """chat.completion.chunk events: the role for every choice, content deltas, a finish chunk per choice,
-    then (include_usage) a last chunk with usage and no choices."""
+def _answer(choice, plan: ToolPlan) -> dict:
+    """{"message", "finish_reason"} of one whole choice; with a tool parser, its calls read from the text."""
+    text = "".join(choice.text)
+    if plan.parser is None:
+        return {"message": {"role": "assistant", "content": text}, "finish_reason": choice.finish_reason}
+    calls = ChoiceToolCalls(plan.parser())
+    content, made = calls.whole(text)
+    message = {"role": "assistant", "content": content or (None if made else "")}
+    if made:
+        message["tool_calls"] = made
+    return {"message": message, "finish_reason": calls.finish_reason(choice.finish_reason)}
+
+
+async def _chunks(generation: Generation, head: dict, want_logprobs: bool, include_usage: bool, plan: ToolPlan):
+    """chat.completion.chunk events: the role for every choice, content and tool-call deltas, a finish chunk per
+    choice, then (include_usage) a last chunk with usage and no choices."""
     head = {**head, "object": "chat.completion.chunk", **({"usage": None} if include_usage else {})}
+    calls = [ChoiceToolCalls(plan.parser()) for _ in range(generation.num_choices)] if plan.parser else None
 
     def chunk(index: int, delta: dict, logprobs=None, reason: str | None = None) -> dict:
         return {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
@@ -158,10 +232,17 @@ async def _chunks(generation: Generation, head: dict, want_logprobs: bool, inclu
     for index in range(generation.num_choices):
         yield chunk(index, {"role": "assistant", "content": ""})
     async for index, delta in generation:
-        if delta.text or (want_logprobs and delta.logprobs):
-            yield chunk(index, {"content": delta.text}, _logprobs(delta.logprobs) if want_logprobs else None)
         reason = finish_reason(delta)
+        if calls is None:
+            deltas = [{"content": delta.text}] if delta.text else []
+        else:
+            deltas = calls[index].feed(delta.text) + (calls[index].finish() if reason else [])
+        logprobs = _logprobs(delta.logprobs) if want_logprobs else None
+        if want_logprobs and delta.logprobs and not deltas:
+            deltas = [{"content": ""}]     # text held back (a partial tag): the logprobs still go out now
+        for k, piece in enumerate(deltas):
+            yield chunk(index, piece, logprobs if k == 0 else None)
         if reason:
-            yield chunk(index, {}, reason=reason)
+            yield chunk(index, {}, reason=calls[index].finish_reason(reason) if calls else reason)
     if include_usage:
         yield {**head, "choices": [], "usage": generation.usage.to_json()}

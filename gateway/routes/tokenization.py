@@ -7,9 +7,10 @@ Routed by `model` as generation is: an adapter's name goes to the decoder servin
 - prompt: {model, prompt, add_special_tokens (default true), return_token_strs};
 - chat: {model, messages, add_generation_prompt (default true), add_special_tokens (default false),
   return_token_strs}: with the defaults, exactly the ids /v1/chat/completions prompts the model with.
+  `tools` (checked as chat completions check them) are rendered by the template as a chat completion
+  with those tools renders them, so the count is that request's prompt length.
 Refused with a 400 rather than answered wrong: image parts (an image's length is its grid, known only
-once the vision service encoded it) and `tools` (tessera renders no tool definitions yet, so a count
-with tools would not be the count of a request with tools).
+once the vision service encoded it).
 The answer is {count, max_model_len, tokens, token_strs}; token_strs (the vocabulary's spelling of each
 id) is null unless return_token_strs is true, as in vLLM.
 
@@ -27,6 +28,7 @@ from services.common.pb import decoder_pb2
 
 from ..backends import GENERATION
 from ..errors import request_id
+from ..tools import Tool
 from .chat import ImagePart, Message, chat_messages
 from .common import ERROR_RESPONSES, INT64_MAX, INT64_MIN, StrictBody, catalog
 
@@ -42,7 +44,8 @@ class TokenizeRequest(StrictBody):
                                                               " default true for prompt, false for messages")
     add_generation_prompt: bool | None = Field(None, description="chat form only; default true")
     return_token_strs: bool = Field(False, description="also return each id's vocabulary entry")
-    tools: list | None = Field(None, description="not supported yet: refused")
+    tools: list[Tool] | None = Field(None, min_length=1, description="chat form only: the tools a chat"
+                                                                     " completion would send")
 
 
 class DetokenizeRequest(StrictBody):
@@ -55,7 +58,8 @@ def _tokenize_request(body: TokenizeRequest, target: dict[str, str]) -> decoder_
     if body.messages is None:
         return decoder_pb2.TokenizeRequest(**target, text=body.prompt, return_token_strs=body.return_token_strs,
                                            add_special_tokens=body.add_special_tokens is not False)
-    chat = chat_messages(body.messages, add_generation_prompt=body.add_generation_prompt is not False)
+    chat = chat_messages(body.messages, add_generation_prompt=body.add_generation_prompt is not False,
+                         tools=body.tools)
     return decoder_pb2.TokenizeRequest(**target, chat=chat, return_token_strs=body.return_token_strs,
                                        add_special_tokens=bool(body.add_special_tokens))
 
@@ -65,9 +69,8 @@ def _check(body: TokenizeRequest) -> None:
         raise InvalidArgument("send prompt (text) or messages (a conversation)", param="prompt")
     if body.prompt is not None and body.messages is not None:
         raise InvalidArgument("send either prompt or messages, not both", param="messages")
-    if body.tools is not None:
-        raise InvalidArgument("tools are not supported by /tokenize yet: tessera renders no tool definitions,"
-                              " so the count would not match a request with tools", param="tools")
+    if body.messages is None and body.tools is not None:
+        raise InvalidArgument("tools need messages (the chat form)", param="tools")
     if body.messages is None and body.add_generation_prompt is not None:
         raise InvalidArgument("add_generation_prompt needs messages (the chat form)", param="add_generation_prompt")
     for i, message in enumerate(body.messages or ()):

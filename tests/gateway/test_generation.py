@@ -250,6 +250,9 @@ TOO_LONG = "word " * (MAX_LEN + 10)
     ("/v1/chat/completions", {"messages": HELLO, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": HELLO, "temperature": "hot"}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": HELLO, "tools": []}, 400, "tools"),
+    # SmolLM2's template renders no tools, so tool_choice "auto" (the default with tools) is refused.
+    ("/v1/chat/completions", {"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tool_choice"),
 ])
 def test_bad_input_is_a_clear_4xx_and_nothing_leaks(http, fleet, path, body, status, param):
     for stream in (False, True):  # a refused stream is a plain HTTP error too, before any event

@@ -2,6 +2,9 @@
 official `openai` client (the `make up` path, with the model `make models` prepares)."""
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import openai
 import pytest
 
@@ -38,3 +41,24 @@ def test_capital_of_france_is_paris(client):
     chunks = list(streamed)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again hits the prefix cache
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 20},
+                                                "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                                "required": ["city", "unit"]}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_tools_on_the_make_up_model(client):
+    """SmolLM2's template has no tool format: a forced call (required, named) is valid; auto is a clear 400."""
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        reply = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=choice,
+                                               parallel_tool_calls=False, max_tokens=64, temperature=0).choices[0]
+        assert reply.finish_reason == "tool_calls", reply
+        call = reply.message.tool_calls[0]
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
+        client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER])

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from services.common import linear_path as linear_path_mod
 from services.common.config import option
 from services.common.server import ServerConfig
+from services.common.tool_parsers import HELP as TOOL_CALL_PARSERS_HELP
+from services.common.tool_parsers import NAMES as TOOL_CALL_PARSERS
+from services.decoder.engine.config import SpeculativeConfig
 
 # The projections an adapter may target (services.decoder.lora.weights.TARGETS; not
 # imported here so reading the config never imports torch).
@@ -47,6 +50,13 @@ class DecoderConfig:
     grammar_threads: int = option(2, "threads that compile structured-output grammars (JSON schema, regex, "
                                      "choice, EBNF) off the engine thread")
     grammar_cache_size: int = option(256, "compiled grammars kept (least recently used dropped first)")
+    # Tool calls: "required" and a named function are forced by a grammar and need nothing here; "auto" (the
+    # default with tools) parses the model's own call format, so the model's decoder names it (as vLLM does).
+    enable_auto_tool_choice: bool = option(False, "accept tool_choice \"auto\" (the default with tools): the "
+                                                  "gateway parses the model's own tool calls with --tool-call-parser;"
+                                                  " the chat template must render tools")
+    tool_call_parser: str = option("", f"the model's tool-call format, named as in vLLM: {TOOL_CALL_PARSERS_HELP};"
+                                       f" needs --enable-auto-tool-choice", metavar="NAME")
     # LoRA adapters (services/decoder/lora). --max-loras 0 installs no bank at all.
     max_loras: int = option(4, "adapter slots resident on the device (adapters in one batch); 0 disables LoRA")
     max_lora_rank: int = option(16, "largest adapter rank; every slot is padded to it")
@@ -56,6 +66,12 @@ class DecoderConfig:
     lora_root: str = option("", "folder that LoadAdapter paths are confined to; empty refuses runtime loads",
                             metavar="DIR")
     lora: tuple[str, ...] = option((), "preload an adapter at start: NAME=DIR (repeatable)", metavar="NAME=DIR")
+    # Speculative decoding (services/decoder/engine/drafter.py), vLLM's flag and keys.
+    speculative_config: str = option(
+        "", 'n-gram (prompt lookup) speculative decoding as JSON, e.g. \'{"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\'; optional '
+            '"disable_by_batch_size" (default 8): no drafts in a step with that many running requests. '
+            'Empty: off', metavar="JSON")
 
     def __post_init__(self):
         if not self.model:
@@ -70,6 +86,18 @@ class DecoderConfig:
         if self.kv_cache_gb <= 0:
             raise ValueError("kv_cache_gb must be positive")
         self._check_lora()
+        self._check_tools()
+        if self.speculative_config.strip():
+            SpeculativeConfig.from_json(self.speculative_config)    # a bad value is a usage error at start
+
+    def _check_tools(self) -> None:
+        if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser {self.tool_call_parser!r}: choose from {', '.join(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice needs --tool-call-parser NAME (the model's tool-call format)")
+        if self.tool_call_parser and not self.enable_auto_tool_choice:
+            # Without it the parser would never be used: say so rather than start with a flag that does nothing.
+            raise ValueError("tool_call_parser is used by tool_choice \"auto\" only: add --enable-auto-tool-choice")
 
     def _check_lora(self) -> None:
         if self.max_loras < 0 or self.max_lora_rank < 1:
@@ -87,6 +115,11 @@ class DecoderConfig:
             raise ValueError(f"lora: a name is given twice in {names}")
         if self.lora and not self.max_loras:
             raise ValueError("lora: preloading adapters needs --max-loras >= 1")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed --speculative-config, or None when it is off. ValueError on a bad value."""
+        return SpeculativeConfig.from_json(self.speculative_config) if self.speculative_config.strip() else None
 
     @property
     def preload_adapters(self) -> list[tuple[str, str]]:

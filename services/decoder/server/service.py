@@ -42,6 +42,7 @@ from services.decoder.runner.runner import Runner
 from services.decoder.server.adapters import Adapters, adapter_info
 from services.decoder.server.async_engine import AsyncEngine
 from services.decoder.server.config import DecoderConfig, DecoderServerConfig
+from services.decoder.server.messages import template_messages, template_tools
 from services.decoder.server.sampling import sampling_params
 from services.decoder.server.structured_output import grammar_spec
 from services.decoder.text.chat_template import ChatTemplate
@@ -62,6 +63,12 @@ _ITL = Histogram("tessera_decoder_inter_token_latency_seconds", "time between to
 _REQUESTS = Counter("tessera_decoder_requests", "finished requests by finish reason", ["reason"])
 _GRAMMARS = Counter("tessera_decoder_grammar_requests", "structured-output requests by compile cache result",
                     ["cache"])
+_DRAFTED = Gauge("tessera_decoder_spec_draft_tokens", "speculative decoding: draft tokens proposed so far")
+_ACCEPTED = Gauge("tessera_decoder_spec_accepted_tokens", "speculative decoding: draft tokens accepted so far")
+_VERIFICATIONS = Gauge("tessera_decoder_spec_verifications", "speculative decoding: chunks verified with drafts")
+_ACCEPTANCE = Gauge("tessera_decoder_spec_acceptance_rate", "speculative decoding: accepted / drafted tokens")
+_ACCEPTED_LENGTH = Gauge("tessera_decoder_spec_mean_accepted_length",
+                         "speculative decoding: accepted drafts per verification")
 _GRAMMAR_WAIT = Histogram("tessera_decoder_grammar_wait_seconds", "time a request waited for its grammar "
                           "(compile, or a cache hit)", buckets=LATENCY_BUCKETS)
 
@@ -75,6 +82,11 @@ def _export(stats: EngineStats, _outputs: list[RequestOutput]) -> None:
     _PREFIX_QUERIES.set(stats.prefix_queries)
     _PREFIX_HITS.set(stats.prefix_hits)
     _PREEMPTIONS.set(stats.num_preemptions)
+    _DRAFTED.set(stats.num_draft_tokens)
+    _ACCEPTED.set(stats.num_accepted_tokens)
+    _VERIFICATIONS.set(stats.num_verifications)
+    _ACCEPTANCE.set(stats.acceptance_rate)
+    _ACCEPTED_LENGTH.set(stats.mean_accepted_length)
 
 
 def kv_blocks(model_cfg: ModelConfig, cfg: DecoderConfig) -> int:
@@ -113,11 +125,16 @@ def load(cfg: DecoderConfig) -> Loaded:
                                 linear_path=cfg.linear_path)
     tokenizer = Tokenizer.from_folder(folder)
     template = ChatTemplate.from_folder(folder, tokenizer)
+    if cfg.enable_auto_tool_choice and (template is None or not template.supports_tools):
+        # Parsing calls the template never asks for would invent a format the model was not taught.
+        raise ValueError(f"--enable-auto-tool-choice: {folder}'s chat template does not render tools, so the model "
+                         f"has no tool-call format to parse; serve a tool-capable model (Qwen2.5, Qwen3) or leave "
+                         f"auto tool choice off (tool_choice required or named still works)")
     eos = tuple(dict.fromkeys((*runner.eos_token_ids, *tokenizer.stop_token_ids)))
     engine_cfg = EngineConfig(
         block_size=cfg.block_size, num_blocks=num_blocks, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or runner.max_position_embeddings,
-        enable_prefix_caching=cfg.enable_prefix_caching, eos_token_ids=eos)
+        enable_prefix_caching=cfg.enable_prefix_caching, eos_token_ids=eos, speculative=cfg.speculative)
     adapters = Adapters(cfg, runner) if cfg.max_loras else None
     # Its vocabulary builds on its own pool from here on; serving does not wait for it.
     grammars = GrammarCompiler(tokenizer.backend, vocab_size=runner.vocab_size, stop_token_ids=eos,
@@ -127,9 +144,10 @@ def load(cfg: DecoderConfig) -> Loaded:
         inject_fault(runner, cfg.fault_fail_at_step)
     core = EngineCore(runner, engine_cfg, leases=adapters.leases if adapters else None)
     name = cfg.served_model_name or folder.resolve().name
-    log.info("loaded %s (%s, %s): %d KV blocks of %d tokens, max_model_len %d, chat template: %s",
-             name, model_cfg.family, cfg.dtype, num_blocks, cfg.block_size, engine_cfg.max_model_len,
-             template is not None)
+    log.info("loaded %s (%s, %s): %d KV blocks of %d tokens, max_model_len %d, chat template: %s, "
+             "speculative decoding: %s", name, model_cfg.family, cfg.dtype, num_blocks, cfg.block_size,
+             engine_cfg.max_model_len, template is not None,
+             engine_cfg.speculative.to_json() if engine_cfg.speculative else "off")
     on_step = _export
     if adapters is not None:
         def on_step(stats: EngineStats, outputs: list[RequestOutput]) -> None:
@@ -172,8 +190,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                                   param="messages")
         if not chat.messages:
             raise InvalidArgument("messages must not be empty", param="messages")
-        messages = [{"role": m.role, "content": [_part(p) for p in m.content]} for m in chat.messages]
-        text = st.template.render(messages, add_generation_prompt=chat.add_generation_prompt)
+        text = st.template.render(template_messages(chat), add_generation_prompt=chat.add_generation_prompt,
+                                  tools=template_tools(chat))
         return st.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     @staticmethod
@@ -221,9 +239,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             if out.finish_reason == "error":
                 raise Internal(f"generation failed (request_id={rid}): {out.error}")
             choice = choices[out.index]
-            completion[out.index] = out.num_completion_tokens
             cached = max(cached, out.num_cached_tokens)
+            if choice.done:
+                continue                # ended by a stop string: the engine's later tokens are not the choice's
             msg = choice.delta(out)
+            # A stop string ends the count at the token that completed it, even inside a speculative run.
+            completion[out.index] = choice.num_tokens if choice.stopped_by_string else out.num_completion_tokens
             if msg is None:
                 continue
             now = time.monotonic()
@@ -261,12 +282,16 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             dtype=self.cfg.dtype,
             lora_backend=st.adapters.bank.backend if st.adapters else "", linear_backend=st.runner.linear_backend,
             attention_backend=st.runner.attention_backend, grammar_mask_backend=st.runner.grammar_mask_path,
+            speculative=st.engine_config.speculative.to_json() if st.engine_config.speculative else "",
+            tool_call_parser=self.cfg.tool_call_parser,
             max_loras=self.cfg.max_loras if st.adapters else 0, max_lora_rank=self.cfg.max_lora_rank,
             stats=decoder_pb2.EngineStats(
                 free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, running=s.num_running,
                 waiting=s.num_waiting, preemptions=s.num_preemptions, prefix_queries=s.prefix_queries,
                 prefix_hits=s.prefix_hits,
-                adapter_refs=st.adapters.registry.total_refs if st.adapters else 0))
+                adapter_refs=st.adapters.registry.total_refs if st.adapters else 0,
+                draft_tokens=s.num_draft_tokens, accepted_tokens=s.num_accepted_tokens,
+                verifications=s.num_verifications))
 
     @grpc_errors
     async def Tokenize(self, request, context):
@@ -349,12 +374,6 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         await st.engine.call(unregister)
         log.info("unloaded adapter %s", request.name)
         return decoder_pb2.UnloadAdapterResponse()
-
-
-def _part(part) -> dict:
-    if part.WhichOneof("kind") == "text":
-        return {"type": "text", "text": part.text}
-    return {"type": "image"}
 
 
 def inject_fault(runner: Runner, step: int) -> None:

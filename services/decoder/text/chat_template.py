@@ -131,6 +131,25 @@ def _iterates_content(source: str) -> bool:
     return False
 
 
+@lru_cache(maxsize=16)
+def _reads_tools(source: str) -> bool:
+    """Whether the template reads the `tools` variable at all: one that never does cannot show the model its
+    tools, so it has no tool-call format to parse (SmolLM2-135M-Instruct's is such a template)."""
+    env = ImmutableSandboxedEnvironment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    return any(node.name == "tools" and node.ctx == "load" for node in env.parse(source).find_all(jinja2.nodes.Name))
+
+
+@lru_cache(maxsize=16)
+def _reads_tool_calls(source: str) -> bool:
+    """Whether the template reads a message's `tool_calls` (`m.tool_calls` or `m['tool_calls']`)."""
+    env = ImmutableSandboxedEnvironment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    tree = env.parse(source)
+    if any(n.attr == "tool_calls" for n in tree.find_all(jinja2.nodes.Getattr)):
+        return True
+    return any(isinstance(n.arg, jinja2.nodes.Const) and n.arg.value == "tool_calls"
+               for n in tree.find_all(jinja2.nodes.Getitem))
+
+
 def _plain(value, where: str):
     """Caller data -> plain JSON types (dict/list/str/int/float/bool/None); anything else is refused."""
     if value is None or type(value) in (str, int, float, bool):
@@ -264,16 +283,27 @@ class ChatTemplate:
             return self.templates["default"]
         raise InvalidArgument(f"the model has several chat templates and no default: {sorted(self.templates)}")
 
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template a request with tools uses renders them."""
+        return _reads_tools(self.source(tools=[]))
+
     def render(self, messages: Sequence[Mapping], *, add_generation_prompt: bool, tools=None,
                documents=None, **template_kwargs) -> str:
         """Messages -> the prompt text. template_kwargs override the special-token variables, as in transformers.
 
         add_generation_prompt has no default on purpose: transformers defaults to False, serving wants True.
 
-        Raises InvalidArgument for bad messages and for conversations the template refuses (raise_exception).
+        Raises InvalidArgument for bad messages and for conversations the template refuses (raise_exception),
+        Unsupported for tool_calls the template would not render.
         """
         source = self.source(tools)
         chat = normalize_messages(messages, parts_template=_iterates_content_cached(source))
+        if any(m.get("tool_calls") for m in chat) and not _reads_tool_calls(source):
+            # The template would render the turn without its calls: refused, not silently dropped.
+            raise Unsupported("this model's chat template does not render an assistant message's tool_calls (it has "
+                              "no tool-call format); send the calls and their results as text content instead",
+                              param="messages")
         variables = {**self.special_tokens_map, **_plain(template_kwargs, "chat_template_kwargs")}
         try:
             return compile_template(source).render(
