@@ -11,8 +11,9 @@ class RequestOutput:
     """News for one choice of one API request after a step.
 
     new_tokens: tokens emitted this step, with the runner's logprobs: 0 or 1,
-    or with speculative decoding a run of accepted drafts and the token after. finish_reason: None while running, else "stop" | "length" |
-    "abort" | "error" (error carries a message). stop_token_id: the eos or stop
+    or with speculative decoding a run of accepted drafts and the token after.
+    finish_reason: None while running, else "stop" | "length" | "abort" |
+    "error" (error carries a message). stop_token_id: the eos or stop
     token that ended the choice; it is the last of new_tokens and the layer
     above leaves it out of the text. Counts are totals so far, for usage.
     """

@@ -131,7 +131,8 @@ class FakeRunner:
             self._violate(f"{rid}: chunk {c.start}+{c.token_ids} does not match tokens {known}")
         if c.sample != (end == len(known)) or (c.draft_token_ids and not c.sample):
             self._violate(f"{rid}: sample={c.sample} but chunk ends at {end} of {len(known)}")
-        if len(c.block_table) * self.block_size < c.start + len(c.token_ids) or len(set(c.block_table)) != len(c.block_table) \
+        if len(c.block_table) * self.block_size < c.start + len(c.token_ids) \
+                or len(set(c.block_table)) != len(c.block_table) \
                 or any(not 0 <= b < self.num_blocks for b in c.block_table):
             self._violate(f"{rid}: bad block table {c.block_table} for {end} positions")
         salt = c.features.get("salt", 0)

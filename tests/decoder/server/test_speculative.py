@@ -20,9 +20,13 @@ SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
 QUOTE = "Repeat after me: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat."
 
 
+class Stubs(list):
+    addresses: list[str]
+
+
 @pytest.fixture(scope="module")
 def servers(tiny_chat_model):
-    """(plain stub, speculative stub), each a real decoder on an ephemeral port."""
+    """(plain stub, speculative stub), each a real decoder on an ephemeral port; .addresses holds theirs."""
     from services.decoder.server.service import start
     loop = LoopThread()
     started, channels = [], []
@@ -31,7 +35,9 @@ def servers(tiny_chat_model):
                             max_n=4, speculative_config=spec)
         started.append(loop.run(start(DecoderServerConfig(host="127.0.0.1", port=0), cfg)))
         channels.append(grpc.insecure_channel(f"127.0.0.1:{started[-1][0].port}"))
-    yield [decoder_pb2_grpc.DecoderServiceStub(ch) for ch in channels]
+    stubs = Stubs(decoder_pb2_grpc.DecoderServiceStub(ch) for ch in channels)
+    stubs.addresses = [f"127.0.0.1:{server.port}" for server, _ in started]
+    yield stubs
     for ch in channels:
         ch.close()
     for server, servicer in started:
@@ -68,6 +74,29 @@ def test_model_info_reports_the_config_and_the_counters(servers):
     info = spec.GetModelInfo(D.GetModelInfoRequest())
     assert json.loads(info.speculative) == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
                                             "prompt_lookup_min": 1, "disable_by_batch_size": 8}
+
+
+def test_the_gateway_lists_whether_speculation_is_on(servers):
+    from gateway.backends import Backend
+    from gateway.config import GatewayConfig
+
+    async def listed():
+        cards = []
+        for address in servers.addresses:
+            backend = Backend("decoder", address, GatewayConfig(decoder=(address,)))
+            backend.open()
+            try:
+                cards.append((await backend.models())[0].extra["speculative"])
+            finally:
+                await backend.close()
+        return cards
+
+    loop = LoopThread()
+    try:
+        plain, spec = loop.run(listed())
+    finally:
+        loop.close()
+    assert plain is None and spec["method"] == "ngram" and spec["num_speculative_tokens"] == 4
 
 
 def test_streams_equal_the_server_without_speculation(servers):
