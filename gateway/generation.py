@@ -155,11 +155,15 @@ def finish_reason(message: decoder_pb2.GenerateResponse) -> str | None:
 
 @dataclass
 class Usage:
-    """Token counts summed over a request's calls."""
+    """Token counts summed over a request's calls. A chat with images also says how many it sent and how many
+    the vision service answered from its feature cache (prompt_tokens_details.images / .cached_images, beside
+    OpenAI's cached_tokens, which counts prefix-cache hits)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    images: int = 0
+    cached_images: int = 0
 
     def add(self, usage) -> None:
         self.prompt_tokens += usage.prompt_tokens
@@ -169,7 +173,9 @@ class Usage:
     def to_json(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens,
+                                          **({"images": self.images, "cached_images": self.cached_images}
+                                             if self.images else {})}}
 
 
 @dataclass

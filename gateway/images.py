@@ -75,8 +75,9 @@ def decode_uris(refs: list[ImageRef], max_bytes: int) -> list[vision_pb2.ImageDa
 
 
 async def encode(vision: Backend, refs: list[ImageRef], images: list[vision_pb2.ImageData],
-                 request_id: str) -> list[decoder_pb2.ImageInput]:
-    """One Encode call for all of the request's images -> ImageInputs in the same order.
+                 request_id: str) -> tuple[list[decoder_pb2.ImageInput], int]:
+    """One Encode call for all of the request's images -> (ImageInputs in the same order, how many of them
+    the vision service answered from its feature cache).
 
     The call is made here rather than through Backend.call because the vision service names the failing
     image as param images[k]; that index is turned back into the part's place in the messages.
@@ -96,7 +97,7 @@ async def encode(vision: Backend, refs: list[ImageRef], images: list[vision_pb2.
     for image in reply.images:
         IMAGES.labels("cache" if image.cached else "encoder").inc()
     return [decoder_pb2.ImageInput(rows=image.rows, grid=image.grid, content_hash=image.content_hash)
-            for image in reply.images]
+            for image in reply.images], sum(image.cached for image in reply.images)
 
 
 def _part_named(param: str, refs: list[ImageRef]) -> str | None:

@@ -20,6 +20,19 @@ if not os.path.exists("/dev/nvidia0"):
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="run tests marked slow (make test-slow)")
+    parser.addoption("--cluster", action="store_true",
+                     help="collect tests/cluster: the compose cluster in real containers (make cluster-test)")
+
+
+CLUSTER_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/cluster drives real containers: `make cluster-test` only. Without --cluster it is not collected
+    at all (neither run nor counted as skipped), so `make test` stays what it was."""
+    if str(collection_path) == CLUSTER_TESTS and not config.getoption("--cluster"):
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

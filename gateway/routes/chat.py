@@ -157,10 +157,11 @@ def chat_messages(messages: list[Message], add_generation_prompt: bool = True,
 
 
 async def _images(request: Request, refs: list[image_inputs.ImageRef], model, rid: str
-                  ) -> list[decoder_pb2.ImageInput]:
-    """The rows of the request's images, or a clear refusal before any vision work is wasted."""
+                  ) -> tuple[list[decoder_pb2.ImageInput], int]:
+    """(The rows of the request's images, how many came from the vision cache), or a clear refusal before any
+    vision work is wasted."""
     if not refs:
-        return []
+        return [], 0
     cfg = request.app.state.config
     vision = next((b for b in request.app.state.backends if b.role == "vision"), None)
     image_inputs.check_urls(refs, cfg.max_images_per_request, model, vision)
@@ -183,7 +184,7 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     plan = body.tool_plan(model.name, model.extra.get("tool_call_parser"), body.constraint_field)
     chat = chat_messages(body.messages, tools=body.tools)
     rid = request_id(request)
-    images = await _images(request, _image_refs(body.messages), model, rid)
+    images, cached_images = await _images(request, _image_refs(body.messages), model, rid)
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sampling = body.sampling(max_tokens, logprobs)
@@ -195,6 +196,8 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     if plan.schema is not None:
         fields[DECODER_PARAM] = "tools"    # a forced call's schema is the tools' parameters
     generation = Generation(routing.route(request, model), [generate], rid, body.n, fields)
+    if images:
+        generation.usage.images, generation.usage.cached_images = len(images), cached_images
     await generation.start()
     head = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()), "model": model.name}
     if body.stream:

@@ -199,6 +199,9 @@ def test_the_same_image_twice_hits_the_feature_cache_and_the_prefix_cache(client
     # The first call shares at most the system prompt; the second reuses every full block through the image.
     assert first.usage.prompt_tokens_details.cached_tokens < want["image_end"]
     assert second.usage.prompt_tokens_details.cached_tokens >= want["image_end"] // BLOCK * BLOCK
+    # usage says it too: one image each time, computed the first time, from the feature cache the second.
+    assert first.usage.prompt_tokens_details.model_extra == {"images": 1, "cached_images": 0}
+    assert second.usage.prompt_tokens_details.model_extra == {"images": 1, "cached_images": 1}
     assert first.choices[0].message.content == second.choices[0].message.content == want["text"]
 
 
