@@ -6,13 +6,12 @@ enough to force preemption must all give exactly the unconstrained tokens.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.step import SamplingParams
 from services.decoder.runner.runner import Runner
-from tests.decoder.model.checkpoints import build, load_reference
+from tests.decoder.model.checkpoints import build, greedy_reference
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[5, 9, 14, 3, 77, 21, 8], [40, 41], list(range(10, 33)), [7] * 13, [99, 3, 150, 12, 64]]
@@ -25,15 +24,7 @@ def checkpoint(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(checkpoint):
-    model = load_reference(checkpoint)
-    outs = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
+    return greedy_reference(checkpoint, PROMPTS, GREEDY.max_tokens)
 
 
 def run_engine(folder, *, num_blocks, budget, stagger, block_size=4, prefix_caching=True):

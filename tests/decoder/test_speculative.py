@@ -10,11 +10,8 @@ from services.decoder.engine.config import EngineConfig, SpeculativeConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.step import SamplingParams
 from services.decoder.runner.runner import Runner
-from tests.decoder.model.checkpoints import TINY_SHAPE, build, load_reference
+from tests.decoder.model.checkpoints import TINY_SHAPE, build, greedy_reference, load_reference
 from tests.tolerance import assert_close
-
-# Floating-point comparisons: run again under the second kernel dispatch (Makefile).
-pytestmark = pytest.mark.numerics
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1,
                          disable_by_batch_size=64)
@@ -31,15 +28,7 @@ def checkpoint(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(checkpoint):
-    model = load_reference(checkpoint)
-    outs = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
+    return greedy_reference(checkpoint, PROMPTS, GREEDY.max_tokens)
 
 
 def run_engine(folder, speculative, *, budget=512, num_blocks=256, prefix_caching=True, sampling=GREEDY):
@@ -63,6 +52,7 @@ def run_engine(folder, speculative, *, budget=512, num_blocks=256, prefix_cachin
     return tokens, logprobs, core.stats()
 
 
+@pytest.mark.numerics            # the logprobs comparison: run again under the second kernel dispatch (Makefile)
 @pytest.mark.parametrize("budget", [512, 5])
 def test_greedy_with_speculation_equals_transformers(checkpoint, expected, budget):
     tokens, logprobs, stats = run_engine(checkpoint, SPEC, budget=budget)

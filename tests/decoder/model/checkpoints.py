@@ -67,3 +67,16 @@ def load_reference(folder: Path):
     """transformers' own model for a folder, fp32, eval (tests only)."""
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def greedy_reference(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy generate for each prompt alone, eos ignored (the engine tests' expected tokens)."""
+    model = load_reference(folder)
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
