@@ -70,7 +70,7 @@ class DecoderConfig:
     speculative_config: str = option(
         "", 'n-gram (prompt lookup) speculative decoding as JSON, e.g. \'{"method": "ngram", '
             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\'; optional '
-            '"disable_by_batch_size" (default 8): no drafts in a step with that many running requests. '
+            '"disable_by_batch_size" (default 4): no drafts in a step with that many running requests. '
             'Empty: off', metavar="JSON")
 
     def __post_init__(self):

@@ -73,7 +73,7 @@ def test_model_info_reports_the_config_and_the_counters(servers):
     assert plain.GetModelInfo(D.GetModelInfoRequest()).speculative == ""
     info = spec.GetModelInfo(D.GetModelInfoRequest())
     assert json.loads(info.speculative) == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-                                            "prompt_lookup_min": 1, "disable_by_batch_size": 8}
+                                            "prompt_lookup_min": 1, "disable_by_batch_size": 4}
 
 
 def test_the_gateway_lists_whether_speculation_is_on(servers):
