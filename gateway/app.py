@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 
 from fastapi import FastAPI
@@ -28,6 +29,11 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         app.state.backends = backends
         app.state.catalog = Catalog(backends, cfg.model_refresh_s)
         app.state.started = int(time.time())
+        # The app's startup objects (FastAPI, pydantic schemas, protobuf descriptors) live as long as the
+        # process; frozen, full collections walk only what requests allocate (a full pass over them stalled
+        # every request in flight for 100s of ms under load; docs/benchmarks.md, the pooling tail).
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:

@@ -56,6 +56,8 @@ class GatewayConfig:
     tls_client_key: str | None = option(None, "PEM private key of --tls-client-cert", metavar="FILE")
     tls_server_name: str | None = option(None, "name to verify in the backends' certificates instead of the"
                                                " host of each address", metavar="NAME")
+    trace_requests: bool = option(False, "answer a request sent with 'x-tessera-trace: 1' with an x-tessera-trace"
+                                         " header of its stage timestamps (benchmarks: bench/pooling.py)")
     log_level: str = option("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     @property

@@ -48,10 +48,11 @@ class Edge:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        received_ns = time.monotonic_ns()  # the start of a traced request's timeline (x-tessera-trace)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         given = headers.get("x-request-id", "")
         rid = given if _SANE_ID.match(given) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
+        scope.setdefault("state", {}).update(request_id=rid, received_ns=received_ns)
         path = scope["path"]
         route = path if path in self.routes else "other"
         started = time.perf_counter()

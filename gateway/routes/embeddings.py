@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import base64
+import time
 from typing import Annotated, Literal
 
 import torch
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from pydantic import Field, PlainValidator, WithJsonSchema
 
 from services.common.errors import Internal, TesseraError
@@ -49,17 +50,35 @@ def to_inputs(value) -> list[pooling_pb2.EmbedInput]:
             pooling_pb2.EmbedInput(tokens=pooling_pb2.TokenIds(ids=x)) for x in as_batch(value)]
 
 
+TRACE_HEADER = "x-tessera-trace"
+_TIMELINE = ("received", "queued", "forward_start", "forward_end", "resumed", "replied")
+
+
+def trace_header(request: Request, timeline: pooling_pb2.Timeline, sent: int, replied: int) -> str:
+    """One call's stage stamps as `name=ns,...` (CLOCK_MONOTONIC ns; gateway_* here, the rest in the
+    pooling service), in the order they happened."""
+    stamps = {"gateway_received": request.scope["state"]["received_ns"], "gateway_sent": sent,
+              **{name: getattr(timeline, f"{name}_ns") for name in _TIMELINE},
+              "gateway_replied": replied, "gateway_encoded": time.monotonic_ns(),
+              "batch_size": timeline.batch_size}
+    return ",".join(f"{k}={v}" for k, v in stamps.items())
+
+
 @router.post("/v1/embeddings", tags=["embeddings"], responses=ERROR_RESPONSES)
-async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict:
+async def create_embeddings(body: EmbeddingRequest, request: Request, response: Response) -> dict:
     """Embed a text, a batch of texts, or token ids; float lists or base64 float32."""
     model = await catalog(request).resolve(body.model, EMBEDDING)
     rid = request_id(request)
     inputs = to_inputs(body.input)
-    req = pooling_pb2.EmbedRequest(model=model.name, inputs=inputs, truncate=body.truncate, request_id=rid)
+    traced = request.app.state.config.trace_requests and request.headers.get(TRACE_HEADER) == "1"
+    req = pooling_pb2.EmbedRequest(model=model.name, inputs=inputs, truncate=body.truncate, request_id=rid,
+                                   trace=traced)
     if body.dimensions is not None:
         req.dimensions = body.dimensions
     backend = model.backend
+    sent = time.monotonic_ns()
     reply = await backend.call(backend.pooling.Embed, req, rid, fields={"inputs": "input"})
+    replied = time.monotonic_ns()
     try:
         vectors = from_proto(reply.embeddings, dtype=torch.float32, shape=(len(inputs), None), name="embeddings")
     except TesseraError as exc:
@@ -71,6 +90,9 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict:
     else:
         data = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
     usage = reply.usage
-    return {"object": "list", "model": reply.model or model.name,
-            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(data)],
-            "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.total_tokens}}
+    answer = {"object": "list", "model": reply.model or model.name,
+              "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(data)],
+              "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.total_tokens}}
+    if traced:
+        response.headers[TRACE_HEADER] = trace_header(request, reply.timeline, sent, replied)
+    return answer

@@ -38,11 +38,14 @@ sequence UNAVAILABLE (it never ran, so another replica may take it), and new one
 refused UNAVAILABLE at once. Restart the process.
 
 Time is the event loop's clock (loop.time(), monotonic); tests run a virtual-time loop.
+Each forward is also stamped with time.monotonic_ns() in the forward thread itself, so that a
+caller's Span (submit's `span`) says when its rows were computed, not when the loop noticed.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -65,6 +68,15 @@ class BatchLimits:
     max_passes: int = 2      # forwards that may start without a sequence before it is overdue
 
 
+@dataclass
+class Span:
+    """When one submit's sequences ran: time.monotonic_ns() read in the forward thread."""
+
+    start_ns: int = 0        # the first forward holding one of them started
+    end_ns: int = 0          # the last one ended
+    batch_size: int = 0      # sequences in that last forward
+
+
 @dataclass(eq=False)
 class _Item:
     seq: object
@@ -72,6 +84,7 @@ class _Item:
     arrived: float
     future: asyncio.Future = field(repr=False)
     passed: int = 0          # forwards started since it was queued, without it
+    span: tuple[int, int, int] = (0, 0, 0)   # its forward's (start_ns, end_ns, batch size)
 
 
 def select(items: list[_Item], limits: BatchLimits) -> list[_Item]:
@@ -155,9 +168,10 @@ class Batcher:
     def _dead_message(self) -> str:
         return f"the pooling service stopped serving after a failed forward ({self.failed}); restart it"
 
-    async def submit(self, seqs: list) -> list[torch.Tensor]:
-        """Queue seqs and wait for their result rows, in order. Overloaded when the queue
-        cannot take them all (nothing is queued then); Unavailable once the batcher died."""
+    async def submit(self, seqs: list, span: Span | None = None) -> list[torch.Tensor]:
+        """Queue seqs and wait for their result rows, in order; `span`, if given, is filled
+        with when they ran. Overloaded when the queue cannot take them all (nothing is queued
+        then); Unavailable once the batcher died."""
         if self.failed is not None:
             raise Unavailable(self._dead_message())
         if self.closed:
@@ -172,12 +186,16 @@ class Batcher:
         self.metrics.queue_depth.labels(self.name).set(len(self.waiting))
         self.wakeup.set()
         try:
-            return list(await asyncio.gather(*(it.future for it in items)))
+            rows = list(await asyncio.gather(*(it.future for it in items)))
         except asyncio.CancelledError:
             # A cancelled caller's sequences leave the queue rather than wasting a forward.
             gone = set(items)
             self.waiting = [it for it in self.waiting if it not in gone]
             raise
+        if span is not None:
+            last = max(items, key=lambda it: it.span[1])
+            span.start_ns, span.end_ns, span.batch_size = min(it.span[0] for it in items), *last.span[1:]
+        return rows
 
     async def _loop(self) -> None:
         try:
@@ -226,8 +244,12 @@ class Batcher:
         seqs = [it.seq for it in batch]
         self.metrics.batch_size.labels(self.name).observe(len(batch))
         self.metrics.batch_tokens.labels(self.name).observe(sum(it.length for it in batch))
+        loop = asyncio.get_running_loop()
+        queue_wait, now = self.metrics.queue_seconds.labels(self.name), loop.time()
+        for it in batch:
+            queue_wait.observe(now - it.arrived)
         try:
-            rows = await asyncio.get_running_loop().run_in_executor(self.executor, self.run, seqs)
+            rows, start, end = await loop.run_in_executor(self.executor, self._timed, seqs)
         except (TesseraError, ValueError) as exc:
             log.exception("forward refused %d sequences of %s; failing that batch only", len(batch), self.name)
             _fail(batch, exc if isinstance(exc, TesseraError) else
@@ -235,9 +257,17 @@ class Batcher:
             return
         if len(rows) != len(batch):
             raise RuntimeError(f"forward returned {len(rows)} rows for {len(batch)} sequences")
+        self.metrics.forward_seconds.labels(self.name).observe((end - start) / 1e9)
         for i, it in enumerate(batch):
+            it.span = (start, end, len(batch))
             if not it.future.done():
                 it.future.set_result(rows[i])
+
+    def _timed(self, seqs: list) -> tuple[object, int, int]:
+        """run(seqs) in the forward thread, with its (start, end) time.monotonic_ns()."""
+        start = time.monotonic_ns()
+        rows = self.run(seqs)
+        return rows, start, time.monotonic_ns()
 
     async def _die(self, reason: str) -> None:
         """Report first (health reads NOT_SERVING before any caller hears), then fail everyone."""

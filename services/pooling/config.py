@@ -39,6 +39,8 @@ class PoolingConfig:
                              "length to the oldest) before it goes in arrival order; bounds every wait "
                              "(services/pooling/batcher.py); 0 is strict FIFO")
     threads: int = option(0, "torch intra-op threads; 0 keeps torch's default")
+    heap_growth_mb: int = option(256, "return the C heap's free pages (malloc_trim) whenever the resident size has "
+                                      "grown this many MiB since the last trim (services/pooling/heap.py); 0 never")
     dtype: str = option("float32", "weights and activations dtype", choices=("float32", "bfloat16"))
     packed: bool = option(True, "use the packed (padding-free) BERT forward where the architecture allows")
     linear_path: str = option("auto", linear_path_mod.HELP, choices=linear_path_mod.MODES, env=linear_path_mod.ENV)
@@ -54,6 +56,7 @@ class PoolingConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.max_queue < self.max_request_inputs:
             raise ValueError("max_queue must be at least max_request_inputs, or a full request could never run")
-        for name in ("max_wait_ms", "max_model_len", "threads", "max_passes", "fault_fail_at_forward"):
+        for name in ("max_wait_ms", "max_model_len", "threads", "max_passes", "heap_growth_mb",
+                     "fault_fail_at_forward"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

@@ -19,5 +19,11 @@ class PoolingMetrics:
                                     buckets=_SIZE_BUCKETS, registry=self.registry)
         self.batch_tokens = Histogram("tessera_pooling_batch_tokens", "real tokens per forward",
                                       ["model"], buckets=_TOKEN_BUCKETS, registry=self.registry)
+        # The two stages of a request's latency that batching adds: its wait in the queue (hold
+        # timer and earlier forwards) and the forward it ran in.
+        self.queue_seconds = Histogram("tessera_pooling_queue_seconds", "time a sequence waited for its forward",
+                                       ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.forward_seconds = Histogram("tessera_pooling_forward_seconds", "duration of one forward",
+                                         ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.latency = Histogram("tessera_pooling_request_seconds", "request latency", ["rpc", "code"],
                                  buckets=LATENCY_BUCKETS, registry=self.registry)

@@ -1,4 +1,5 @@
-"""A packed fp32 forward for BERT-family encoders: no padding in any linear layer.
+"""A packed forward (fp32, or bf16 with --dtype bfloat16) for BERT-family encoders: no padding in any
+linear layer.
 
 Why: on CPU the linear layers dominate a small encoder's forward. transformers'
 BertModel runs them over the padded [B, L] grid and splits Q/K/V into three GEMMs.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import itertools
 import logging
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from services.common.server import Server, ServerConfig
 from .batcher import Batcher, BatchLimits
 from .config import PoolingConfig
 from .folder import read_spec
+from .heap import Heap
 from .metrics import PoolingMetrics
 from .model import Embedder, Reranker
 from .servicer import SERVICE_NAME, PoolingServicer, Served
@@ -77,6 +79,21 @@ def fault_at_forward(at: int) -> Callable[[Callable], Callable]:
     return wrap
 
 
+def checked_heap(heap: Heap, executor: ThreadPoolExecutor) -> Callable[[Callable], Callable]:
+    """Wrap each model's forward so that a heap check (a trim, when due) runs in the forward thread right
+    after it: queued behind the forward, it delays the next forward, never this one's answer."""
+    def wrap(run: Callable) -> Callable:
+        def run_then_check(seqs):
+            rows = run(seqs)
+            try:
+                executor.submit(heap.check)
+            except RuntimeError:
+                pass   # the executor is shutting down (stop() after this forward began): nothing to bound
+            return rows
+        return run_then_check
+    return wrap
+
+
 async def _stop_serving(handle: PoolingServer, reason: str) -> None:
     """A batcher died: NOT_SERVING on every name first, then stop every batcher on the device."""
     await handle.server.set_serving(False)
@@ -88,7 +105,17 @@ async def _load(handle: PoolingServer, cfg: PoolingConfig) -> None:
     limits = BatchLimits(cfg.max_batch_size, cfg.max_batch_tokens, cfg.max_wait_ms, cfg.max_queue,
                          cfg.max_passes)
     loaded = await asyncio.to_thread(load_models, cfg)
-    armed = fault_at_forward(cfg.fault_fail_at_forward) if cfg.fault_fail_at_forward else (lambda run: run)
+    wrappers = [fault_at_forward(cfg.fault_fail_at_forward)] if cfg.fault_fail_at_forward else []
+    heap = Heap(cfg.heap_growth_mb << 20)
+    if heap.available and cfg.heap_growth_mb:
+        wrappers.append(checked_heap(heap, handle.executor))
+    elif cfg.heap_growth_mb:
+        log.warning("--heap-growth-mb is not enforced here: it needs glibc's malloc_trim and /proc")
+
+    def armed(run: Callable) -> Callable:
+        for wrap in wrappers:
+            run = wrap(run)
+        return run
     on_failure = functools.partial(_stop_serving, handle)
     models = {}
     for spec, runner in loaded:
@@ -97,6 +124,12 @@ async def _load(handle: PoolingServer, cfg: PoolingConfig) -> None:
         models[spec.name] = Served(spec, runner, batcher)
         handle.servicer.defaults[spec.kind] = spec.name
     handle.servicer.models = models
+    # Everything allocated so far (torch, transformers, the model's modules) lives as long as the
+    # process. Frozen, it is never walked again: a full collection then visits only what requests
+    # allocated since, where it walked ~400k objects before and stalled the event loop and the
+    # forward's Python for 100s of ms under load (docs/benchmarks.md, the pooling tail).
+    gc.collect()
+    gc.freeze()
     await handle.server.set_serving(True)
     log.info("serving %s on port %d", ", ".join(models), handle.port)
 

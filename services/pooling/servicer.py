@@ -10,7 +10,7 @@ from services.common import tensors
 from services.common.errors import InvalidArgument, ModelNotFound, TesseraError, Unavailable, Unsupported, grpc_errors
 from services.common.pb import common_pb2, pooling_pb2, pooling_pb2_grpc
 
-from .batcher import Batcher
+from .batcher import Batcher, Span
 from .folder import ModelSpec
 from .metrics import PoolingMetrics
 from .pooling import shorten
@@ -75,6 +75,7 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServiceServicer):
 
     @grpc_errors
     async def Embed(self, request, context):
+        received = time.monotonic_ns()
         with _Timer(self.metrics, "Embed"):
             served = self._model(request.model, "embedding")
             spec = served.spec
@@ -93,13 +94,21 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServiceServicer):
                     raise InvalidArgument(f"inputs[{i}] has neither text nor tokens", param=f"inputs[{i}]")
                 inputs.append(item.text if which == "text" else list(item.tokens.ids))
             seqs = served.runner.tokenize(inputs, request.truncate)
-            vectors = torch.stack(await served.batcher.submit(seqs))
+            queued, span = time.monotonic_ns(), Span()
+            vectors = torch.stack(await served.batcher.submit(seqs, span))
+            resumed = time.monotonic_ns()
             if request.HasField("dimensions"):
                 vectors = shorten(vectors, request.dimensions, spec.normalize)
             tokens = sum(len(s) for s in seqs)
-            return pooling_pb2.EmbedResponse(
+            reply = pooling_pb2.EmbedResponse(
                 model=spec.name, embeddings=tensors.to_proto(vectors.float()),
                 usage=common_pb2.Usage(prompt_tokens=tokens, total_tokens=tokens))
+            if request.trace:
+                reply.timeline.CopyFrom(pooling_pb2.Timeline(
+                    received_ns=received, queued_ns=queued, forward_start_ns=span.start_ns,
+                    forward_end_ns=span.end_ns, resumed_ns=resumed, replied_ns=time.monotonic_ns(),
+                    batch_size=span.batch_size))
+            return reply
 
     @grpc_errors
     async def Rerank(self, request, context):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.common.errors import Internal, InvalidArgument, Overloaded, Unavailable
-from services.pooling.batcher import Batcher, BatchLimits, _Item, select
+from services.pooling.batcher import Batcher, BatchLimits, Span, _Item, select
 from services.pooling.metrics import PoolingMetrics
 from tests.pooling.virtual import SimulatedDevice, run_virtual
 
@@ -226,3 +226,34 @@ def test_fail_stops_a_sibling_batcher():
         return results, b.task.cancelled()
     results, cancelled = run_virtual(main)
     assert [type(r) for r in results] == [Unavailable, Unavailable] and cancelled
+
+
+def test_span_says_when_the_forwards_holding_a_request_ran():
+    """A request split over two forwards by the token budget: its span starts with the first forward and
+    ends (with that forward's batch size) with the second, as stamped in the forward thread."""
+    stamps = []
+
+    def run(seqs):
+        start = time.monotonic_ns()
+        rows = torch.tensor([[float(len(s))] for s in seqs])
+        stamps.append((start, time.monotonic_ns(), len(seqs)))
+        return rows
+
+    async def main():
+        executor = ThreadPoolExecutor(1)
+        batcher = Batcher("m", run, BatchLimits(8, 10, 0, 100), executor, PoolingMetrics())
+        batcher.start()
+        try:
+            split, alone = Span(), Span()
+            # Padded budget 10: the 6 goes alone (6 x 2 > 10), then both 4s share the second forward.
+            await asyncio.gather(batcher.submit([seq(6, 1), seq(4, 2)], split), batcher.submit([seq(4, 3)], alone))
+            return split, alone
+        finally:
+            await batcher.close()
+            executor.shutdown()
+    split, alone = asyncio.run(main())
+    (first_start, first_end, _), (second_start, second_end, second_size) = stamps
+    # The batcher stamps just outside run(), which stamps its own inside.
+    assert split.start_ns <= first_start < first_end <= alone.start_ns <= second_start
+    assert second_end <= split.end_ns == alone.end_ns
+    assert split.batch_size == alone.batch_size == second_size == 2

@@ -96,6 +96,18 @@ def test_concurrent_requests_equal_single_results(stub):
         assert_close(tensors.from_proto(reply.embeddings)[0], single[i % 3], **TINY_SHAPE, what=f"request {i}")
 
 
+def test_timeline_only_when_traced_and_in_stage_order(stub):
+    assert not stub.Embed(pb.EmbedRequest(inputs=text_inputs(TEXTS)), timeout=30).HasField("timeline")
+    before = time.monotonic_ns()
+    reply = stub.Embed(pb.EmbedRequest(inputs=text_inputs(TEXTS), trace=True), timeout=30)
+    after = time.monotonic_ns()
+    t = reply.timeline
+    # CLOCK_MONOTONIC in the service, so it brackets inside the caller's own readings.
+    assert before <= t.received_ns <= t.queued_ns <= t.forward_start_ns < t.forward_end_ns <= t.resumed_ns \
+        <= t.replied_ns <= after
+    assert 1 <= t.batch_size <= 8
+
+
 def test_matryoshka_dimensions_only_when_declared(stub):
     reply = stub.Embed(pb.EmbedRequest(inputs=text_inputs(TEXTS), dimensions=16), timeout=30)
     vectors = tensors.from_proto(reply.embeddings)

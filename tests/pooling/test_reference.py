@@ -69,14 +69,17 @@ def test_minilm_matches_sentence_transformers(minilm, minilm_st):
     assert_cosine(ours, ref, **MINILM_SHAPE)
 
 
-def test_minilm_bfloat16_within_the_bf16_bound_of_sentence_transformers_fp32(minilm_dir, minilm_st, gensim_data):
-    """--dtype bfloat16 (weights and activations; transformers' forward, pooling in fp32) against the fp32
-    reference, short texts and the 50 Lee documents (truncated at 256 tokens, both sides), bounded by
-    tests/tolerance.py for bf16 at MiniLM's shape: cosine >= 0.99399. Measured on an AMD EPYC: 0.99990."""
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "transformers"])
+def test_minilm_bfloat16_within_the_bf16_bound_of_sentence_transformers_fp32(minilm_dir, minilm_st, gensim_data,
+                                                                             packed):
+    """--dtype bfloat16 (weights and activations, pooling in fp32), through the packed forward and through
+    transformers' (--no-packed), against the fp32 reference, short texts and the 50 Lee documents (truncated at
+    256 tokens, both sides), bounded by tests/tolerance.py for bf16 at MiniLM's shape: cosine >= 0.99399.
+    Measured on an AMD EPYC: 0.99990 (transformers), 0.99993 (packed, 256 Lee sentences)."""
     from services.pooling.config import PoolingConfig
     from services.pooling.server import load_models
-    [(spec, model)] = load_models(PoolingConfig(embedding_model=str(minilm_dir), dtype="bfloat16"))
-    assert next(model.module.parameters()).dtype == torch.bfloat16 and model.packed is None
+    [(spec, model)] = load_models(PoolingConfig(embedding_model=str(minilm_dir), dtype="bfloat16", packed=packed))
+    assert next(model.module.parameters()).dtype == torch.bfloat16 and (model.packed is not None) == packed
     texts = TEXTS + _lee_documents(gensim_data)
     ours = embed(model, texts, truncate=True)
     assert ours.dtype == torch.float32 and ours.shape == (len(texts), spec.hidden_size)
