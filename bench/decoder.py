@@ -10,7 +10,7 @@ the same token count; outputs are compared token for token.
   (d) headroom: tokens/s at the largest batch / the fp32 matmul bound
   (e) --peer vllm: the same workload on vLLM in .venv-peers (make bench-peers)
   (f) --peer llamacpp: llama.cpp's llama-server (build/peers/, make bench-peers) on F32 GGUF for
-      fp32 and BF16 GGUF for bf16, `-t <threads> -np <prompts>`: the same prompt token ids all
+      fp32, BF16 GGUF for bf16 and Q8_0 GGUF for int8 (tessera's --quantization int8), `-t <threads> -np <prompts>`: the same prompt token ids all
       at once (wall clock), in each KV layout (unified and --no-kv-unified, the faster one counts),
       and batch-1 decode by the server's own timings (predicted_per_second, best of 3 per layout).
       --peer is repeatable: --peer vllm --peer llamacpp.
@@ -38,6 +38,10 @@ from services.decoder.text.chat_template import ChatTemplate  # noqa: E402
 from services.decoder.text.tokenizer import Tokenizer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Variants beyond a dtype: (runner dtype, --quantization). "int8" is fp32 activations with
+# weight-only int8 (model/quantization.py), set against llama.cpp's Q8_0 GGUF; transformers
+# and vLLM have no such CPU mode here, so it only meets llama.cpp.
+VARIANTS = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "int8": ("fp32", "int8")}
 
 
 def prompts(count: int) -> list[list[int]]:
@@ -49,8 +53,9 @@ def prompts(count: int) -> list[list[int]]:
 class Tessera:
     """The in-process engine (core + runner), as the decoder service runs it."""
 
-    def __init__(self, dtype: str, num_blocks: int = 4096, budget: int = 2048, max_seqs: int = 64):
-        self.runner = Runner.from_folder(SMOLLM2, dtype, 16, num_blocks)
+    def __init__(self, variant: str, num_blocks: int = 4096, budget: int = 2048, max_seqs: int = 64):
+        dtype, quantization = VARIANTS[variant]
+        self.runner = Runner.from_folder(SMOLLM2, dtype, 16, num_blocks, quantization=quantization)
         self.cfg = EngineConfig(block_size=16, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                 max_num_seqs=max_seqs, max_model_len=4096)
         self.core = EngineCore(self.runner, self.cfg)
@@ -117,7 +122,8 @@ def run_vllm(dtype: str, batch: list[list[int]], max_tokens: int, threads: int) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32,bf16")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32,bf16,int8 (int8: --quantization "
+                                                           "int8 over fp32, against llama.cpp's Q8_0 only)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2, help="torch threads for every engine")
@@ -138,20 +144,23 @@ def main() -> None:
         kv_modes = llamacpp.kv_modes_supported() if args.llamacpp_kv == "both" else (args.llamacpp_kv,)
     for dtype in args.dtypes.split(","):
         ours = Tessera(dtype)
+        print(f"{dtype}: linear path {ours.runner.linear_backend}; attention {ours.runner.attention_backend}; "
+              f"quantization {ours.runner.quantization}")
+        reference = dtype in DTYPES        # transformers and vLLM run this variant too
         if "a" in parts or peers:
             ours.generate(batch[:2], 4, tag="warm")
             mine, t_ours = ours.generate(batch, args.max_tokens)
             tps = len(batch) * args.max_tokens / t_ours
             best_tps[dtype] = tps
             print(f"(a) {dtype} tessera: {tps:.1f} tok/s ({t_ours:.1f}s)")
-            if "a" in parts:
+            if "a" in parts and reference:
                 ref = Transformers(dtype)
                 theirs, t_ref = ref.generate(batch, args.max_tokens)
                 ref_tps = len(batch) * args.max_tokens / t_ref
                 print(f"(a) {dtype} transformers static batches of 16: {ref_tps:.1f} tok/s ({t_ref:.1f}s); "
                       f"identical outputs {agreement(mine, theirs):.0%}")
                 ratios.append(f"throughput_{dtype}={tps / ref_tps:.2f}x")
-            if "vllm" in peers:
+            if "vllm" in peers and reference:
                 peer = run_vllm(dtype, batch, args.max_tokens, args.threads)
                 print(f"(e) {dtype} vLLM: {peer['tok_s']:.1f} tok/s; identical outputs "
                       f"{agreement(mine, peer['outputs']):.0%}")
@@ -172,12 +181,15 @@ def main() -> None:
             _, t1 = ours.generate(one, 1, tag="b1")
             _, tn = ours.generate(one, args.max_tokens, tag="bn")
             ours_b1 = (args.max_tokens - 1) / (tn - t1)
-            ref = Transformers(dtype)
-            _, r1 = ref.generate(one, 1)
-            _, rn = ref.generate(one, args.max_tokens)
-            ref_b1 = (args.max_tokens - 1) / (rn - r1)
-            print(f"(b) {dtype} batch-1 decode: tessera {ours_b1:.1f} tok/s, transformers {ref_b1:.1f} tok/s")
-            ratios.append(f"batch1_{dtype}={ours_b1 / ref_b1:.2f}x")
+            if reference:
+                ref = Transformers(dtype)
+                _, r1 = ref.generate(one, 1)
+                _, rn = ref.generate(one, args.max_tokens)
+                ref_b1 = (args.max_tokens - 1) / (rn - r1)
+                print(f"(b) {dtype} batch-1 decode: tessera {ours_b1:.1f} tok/s, transformers {ref_b1:.1f} tok/s")
+                ratios.append(f"batch1_{dtype}={ours_b1 / ref_b1:.2f}x")
+            else:
+                print(f"(b) {dtype} batch-1 decode: tessera {ours_b1:.1f} tok/s")
             if lc is not None:
                 print(f"(f) {dtype} batch-1 decode: tessera {ours_b1:.1f} tok/s, llama.cpp {lc['b1']:.1f} tok/s "
                       f"(best of its runs)")

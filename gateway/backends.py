@@ -156,7 +156,9 @@ class Backend:
                 # The format tool_choice "auto" is parsed in; None: the decoder has auto tool choice off.
                 "tool_call_parser": info.tool_call_parser or None,
                 # n-gram speculative decoding's settings; None: off.
-                "speculative": json.loads(info.speculative) if info.speculative else None})
+                "speculative": json.loads(info.speculative) if info.speculative else None,
+                # Weight-only quantization, e.g. "int8: 211 of 211 linears"; None: the --dtype weights.
+                "quantization": None if info.quantization in ("", "none") else info.quantization})
             # Each registered LoRA adapter is a model of its own name (vLLM's convention), run on this base.
             listed = await self.call(self.decoder.ListAdapters, decoder_pb2.ListAdaptersRequest(), "model-discovery")
             return [base, *(Model(a.name, GENERATION, self, {**base.extra, "rank": a.rank,

@@ -24,6 +24,7 @@ LLAMA_SERVER = PEERS_DIR / "llama.cpp-build" / "bin" / "llama-server"
 GGUF = {
     "fp32": PEERS_DIR / "gguf" / "SmolLM2-135M-Instruct-F32.gguf",
     "bf16": PEERS_DIR / "gguf" / "SmolLM2-135M-Instruct-BF16.gguf",
+    "int8": PEERS_DIR / "gguf" / "SmolLM2-135M-Instruct-Q8_0.gguf",   # against --quantization int8
 }
 
 
@@ -147,7 +148,7 @@ def slot_ctx(batch: list[list[int]], max_tokens: int) -> int:
 
 
 def run(dtype: str, batch: list[list[int]], max_tokens: int, threads: int, kv_modes: tuple[str, ...]) -> dict:
-    """64-chat throughput in each KV mode and batch-1 decode, on F32 (fp32) or BF16 (bf16) GGUF.
+    """64-chat throughput in each KV mode and batch-1 decode, on F32 (fp32), BF16 (bf16) or Q8_0 (int8) GGUF.
 
     Returns {"modes": {mode: {"tok_s", "seconds", "outputs", "b1": [tok/s ...], "load": 1/5/15-min
     load average when the mode finished}}, "best": mode,

@@ -1,4 +1,4 @@
-"""SmolLM2 (HF folder) -> F32 and BF16 GGUF for the llama.cpp peer; run by `make bench-peers`.
+"""SmolLM2 (HF folder) -> F32, BF16 and Q8_0 GGUF for the llama.cpp peer; run by `make bench-peers`.
 
 Runs in build/peers/.venv-convert (the vendored gguf package, transformers 4.x): the main venv's
 transformers 5.x writes a folder that 4.x cannot read as is, so the converter works on a copy:
@@ -18,7 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-OUTTYPES = {"f32": "SmolLM2-135M-Instruct-F32.gguf", "bf16": "SmolLM2-135M-Instruct-BF16.gguf"}
+OUTTYPES = {"f32": "SmolLM2-135M-Instruct-F32.gguf", "bf16": "SmolLM2-135M-Instruct-BF16.gguf",
+            "q8_0": "SmolLM2-135M-Instruct-Q8_0.gguf"}
 
 
 def patched_copy(src: Path, dst: Path) -> None:

@@ -7,7 +7,10 @@ for its shape; forward picks the path from x.shape[0].
 
 The module stays an nn.Linear with its dense `weight` (the adapter bank wraps q/k/v/o/
 gate/up/down_proj by name and reads their shapes; the plain path reads it); the packed
-tensor is an extra, opaque copy, kept only where some row count uses it.
+tensor is an extra, opaque copy, kept only where some row count uses it. Under
+`--quantization int8` (model/quantization.py) a Linear holds an int8 weight and per-row
+scales instead, used at every row count, and its dense weight is released unless another
+module shares it (a tied LM head's is the embedding table).
 """
 from __future__ import annotations
 
@@ -16,14 +19,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common import linear_path
+from services.decoder.model import quantization
 
 
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     rule: linear_path.Rule | None = None
+    qweight: torch.Tensor | None = None     # [out, in] int8 (quantization.quantize)
+    qscale: torch.Tensor | None = None      # [out]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in_features] -> [N, out_features]."""
+        if self.qweight is not None:
+            return quantization.int8_linear(x, self.qweight, self.qscale, self.bias)
         packed = self.packed
         if packed is not None and self.rule.use_packed(x.shape[0]):
             return linear_path.packed_linear(x, packed, self.bias)
@@ -35,10 +43,41 @@ class Linear(nn.Linear):
         self.packed = linear_path.pack(self.weight) if self.rule.ever_packed else None
 
 
-def pack_linears(model: nn.Module, mode: str | None = None) -> str:
-    """Choose the matmul path per weight shape of every Linear of model (auto: by timing;
-    see linear_path.MODES) and pack where used. Returns the plan's one-line summary."""
+    @torch.no_grad()
+    def quantize(self, release: bool) -> None:
+        """Switch to the int8 path; release: drop the dense weight (nothing else reads it)."""
+        self.qweight, self.qscale = quantization.quantize(self.weight)
+        if release:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+
+def quantize_linears(model: nn.Module, mode: str) -> str:
+    """Quantize every eligible Linear of model (mode in quantization.MODES); a one-line summary
+    for the log and GetModelInfo, e.g. "int8: 211 of 211 linears" or "none"."""
+    if mode not in quantization.MODES:
+        raise ValueError(f"quantization {mode!r}: choose from {', '.join(quantization.MODES)}")
+    if mode == "none":
+        return "none"
     linears = [m for m in model.modules() if isinstance(m, Linear)]
+    devices = {m.weight.device.type for m in linears} - {"cpu"}
+    if devices:
+        raise ValueError(f"--quantization {mode} runs on CPU only (the weights are on {', '.join(sorted(devices))})")
+    # A weight that some other module also holds (a tied LM head's embedding table) stays.
+    shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
+    chosen = [m for m in linears if quantization.eligible(m.weight)]
+    for m in chosen:
+        m.quantize(release=id(m.weight) not in shared)
+    left = f"; {len(linears) - len(chosen)} dense (in_features not a multiple of {quantization.K_MULTIPLE})" \
+        if len(chosen) < len(linears) else ""
+    return f"{mode}: {len(chosen)} of {len(linears)} linears{left}"
+
+
+def pack_linears(model: nn.Module, mode: str | None = None) -> str:
+    """Choose the matmul path per weight shape of every dense Linear of model (auto: by timing;
+    see linear_path.MODES) and pack where used. Returns the plan's one-line summary."""
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.qweight is None]
+    if not linears:
+        return "none: every linear is int8"
     plan = linear_path.plan(((m.weight, m.bias) for m in linears), mode)
     for m in linears:
         m.adopt(plan)

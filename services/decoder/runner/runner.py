@@ -14,7 +14,7 @@ import torch
 from services.common.errors import InvalidArgument, Unsupported
 from services.decoder.engine.step import StepInput, StepOutput
 from services.decoder.model.decoder import CausalLM
-from services.decoder.model.linear import pack_linears
+from services.decoder.model.linear import pack_linears, quantize_linears
 from services.decoder.model.loader import load_model
 from services.decoder.runner.attention import TORCH as TORCH_ATTENTION
 from services.decoder.runner.attention import PagedAttention, Workspace, choose_decode_backend
@@ -28,8 +28,10 @@ if TYPE_CHECKING:
 
 class Runner:
     def __init__(self, model: CausalLM, block_size: int, num_blocks: int, seed: int | None = None,
-                 linear_path: str | None = None):
+                 linear_path: str | None = None, quantization: str = "none"):
         self.model = model
+        # Weight-only int8 first (model/quantization.py): the Linears it takes need no matmul path.
+        self.quantization = quantize_linears(model, quantization)
         # The matmul path per weight shape, chosen by timing at load (model/linear.py) unless
         # linear_path forces "packed" or "plain"; one line, e.g. "auto float32: packed on 576x576".
         self.linear_backend = pack_linears(model, linear_path)
@@ -61,8 +63,8 @@ class Runner:
     @classmethod
     def from_folder(cls, folder: str | Path, dtype: str | torch.dtype = "fp32", block_size: int = 16,
                     num_blocks: int = 1024, device: str | torch.device = "cpu",
-                    seed: int | None = None, linear_path: str | None = None) -> Runner:
-        return cls(load_model(folder, dtype, device), block_size, num_blocks, seed, linear_path)
+                    seed: int | None = None, linear_path: str | None = None, quantization: str = "none") -> Runner:
+        return cls(load_model(folder, dtype, device), block_size, num_blocks, seed, linear_path, quantization)
 
     @property
     def vocab_size(self) -> int:

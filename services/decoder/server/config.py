@@ -10,6 +10,12 @@ from services.common.tool_parsers import HELP as TOOL_CALL_PARSERS_HELP
 from services.common.tool_parsers import NAMES as TOOL_CALL_PARSERS
 from services.decoder.engine.config import SpeculativeConfig
 
+# services.decoder.model.quantization.MODES/HELP (not imported: it imports torch).
+QUANTIZATION_MODES = ("none", "int8")
+QUANTIZATION_HELP = ("weight-only quantization of the projections and LM head: int8 keeps int8 weights with one "
+                     "scale per output channel (a quarter of fp32's weight bytes, for batch-1 latency on CPU; the "
+                     "matmul's activations are bf16); none keeps the --dtype weights")
+
 # The projections an adapter may target (services.decoder.lora.weights.TARGETS; not
 # imported here so reading the config never imports torch).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -31,6 +37,7 @@ class DecoderConfig:
     dtype: str = option("fp32", "weights and KV dtype (bf16 on a CPU without AVX-512 bf16 support runs "
                         "slower plain matmuls, logged at load)", choices=("fp32", "bf16", "fp16"))
     linear_path: str = option("auto", linear_path_mod.HELP, choices=linear_path_mod.MODES, env=linear_path_mod.ENV)
+    quantization: str = option("none", QUANTIZATION_HELP, choices=QUANTIZATION_MODES)
     device: str = option("cpu", "torch device: cpu or cuda")
     threads: int = option(0, "torch intra-op threads; 0 keeps torch's default (all cores)")
     block_size: int = option(16, "tokens per KV block")

@@ -122,7 +122,7 @@ def load(cfg: DecoderConfig) -> Loaded:
     model_cfg = ModelConfig.from_folder(folder)
     num_blocks = kv_blocks(model_cfg, cfg)
     runner = Runner.from_folder(folder, cfg.dtype, cfg.block_size, num_blocks, cfg.device, seed=cfg.seed,
-                                linear_path=cfg.linear_path)
+                                linear_path=cfg.linear_path, quantization=cfg.quantization)
     tokenizer = Tokenizer.from_folder(folder)
     template = ChatTemplate.from_folder(folder, tokenizer)
     if cfg.enable_auto_tool_choice and (template is None or not template.supports_tools):
@@ -283,7 +283,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             lora_backend=st.adapters.bank.backend if st.adapters else "", linear_backend=st.runner.linear_backend,
             attention_backend=st.runner.attention_backend, grammar_mask_backend=st.runner.grammar_mask_path,
             speculative=st.engine_config.speculative.to_json() if st.engine_config.speculative else "",
-            tool_call_parser=self.cfg.tool_call_parser,
+            tool_call_parser=self.cfg.tool_call_parser, quantization=st.runner.quantization,
             max_loras=self.cfg.max_loras if st.adapters else 0, max_lora_rank=self.cfg.max_lora_rank,
             stats=decoder_pb2.EngineStats(
                 free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, running=s.num_running,

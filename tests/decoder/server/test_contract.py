@@ -68,6 +68,7 @@ def test_model_info(stub, tiny_chat_model):
     assert info.linear_backend.startswith(("auto float32: ", "packed float32: ", "plain float32: "))
     assert "64x64" in info.linear_backend
     assert info.attention_backend in ("cpp-paged", "torch-gather")
+    assert info.quantization == "none"
 
 
 def test_stream_order_text_and_usage(stub, decoder_server):
