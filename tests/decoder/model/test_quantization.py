@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 from services.decoder.engine.step import StepInput
-from services.decoder.model import load_model
-from services.decoder.model import quantization
+from services.decoder.model import load_model, quantization
 from services.decoder.model.linear import Linear, quantize_linears
 from services.decoder.model.quantization import MODES, dequantize, eligible, int8_linear, int8_linear_ref, quantize
 from services.decoder.runner import Runner
