@@ -12,7 +12,8 @@ the same token count; outputs are compared token for token.
   (f) --peer llamacpp: llama.cpp's llama-server (build/peers/, make bench-peers) on F32 GGUF for
       fp32, BF16 GGUF for bf16 and Q8_0 GGUF for int8 (tessera's --quantization int8),
       `-t <threads> -np <prompts>`: the same prompt token ids all at once (wall clock), in each KV
-      layout (unified and --no-kv-unified, the faster one counts), and batch-1 decode by the server's own timings (predicted_per_second, best of 3 per layout).
+      layout (unified and --no-kv-unified, the faster one counts), and batch-1 decode by the
+      server's own timings (predicted_per_second, best of 3 per layout).
       --peer is repeatable: --peer vllm --peer llamacpp.
 
 The last line printed holds the ratios.
