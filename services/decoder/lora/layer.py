@@ -86,10 +86,15 @@ class LoraLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in_features] -> [N, out_features]: W x (+ bias) + per-row B_s A_s x."""
-        y = super().forward(x)
+        return self.correct(x, super().forward(x))
+
+    def correct(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Base output y [N, out_features] of x [N, in_features] (its own matmul or a fused
+        projection's slice) + per-row B_s A_s x."""
         step = self.lora_step
         if step.meta is None:
             return y
+        y = y.contiguous()       # a fused projection's slice is a strided view; the kernels write rows
         keep = step.dense_mask
         if keep is not None:
             s, width = keep.shape[0], keep.shape[1]

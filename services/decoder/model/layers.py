@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.decoder.model.config import ModelConfig
-from services.decoder.model.linear import Linear
+from services.decoder.model.linear import Linear, fuse
 from services.decoder.model.rotary import apply_rotary
 
 
@@ -47,18 +47,29 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, kv_width, bias=cfg.qkv_bias)
         self.v_proj = Linear(cfg.hidden_size, kv_width, bias=cfg.qkv_bias)
         self.o_proj = Linear(q_width, cfg.hidden_size, bias=cfg.o_bias)
+        self.widths = (q_width, kv_width, kv_width)
+        self.qkv: Linear | None = None        # q|k|v side by side, once fuse() ran
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
+    def fuse(self) -> None:
+        """Q, K and V as one matmul from now on (see CausalLM.fuse_projections)."""
+        self.qkv = fuse([self.q_proj, self.k_proj, self.v_proj])
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).split(self.widths, dim=1)
+            q, k, v = self.q_proj.correct(x, q), self.k_proj.correct(x, k), self.v_proj.correct(x, v)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:      # Qwen3 normalises each head before rotary
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -72,10 +83,19 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up: Linear | None = None    # gate|up side by side, once fuse() ran
+
+    def fuse(self) -> None:
+        self.gate_up = fuse([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=1)
+            gate, up = self.gate_proj.correct(x, gate), self.up_proj.correct(x, up)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -28,6 +28,16 @@ class Linear(nn.Linear):
     qweight: torch.Tensor | None = None     # [out, in] int8 (quantization.quantize)
     qscale: torch.Tensor | None = None      # [out]
 
+    @property
+    def released(self) -> bool:
+        """True once the weight moved elsewhere (fused, or quantized) and the dense copy was dropped."""
+        return self.weight.numel() == 0
+
+    def correct(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """What this projection adds to base output y [N, out] of x [N, in]; a base Linear adds
+        nothing (LoraLinear adds each row's adapter). Lets a fused projection's slices be corrected."""
+        return y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in_features] -> [N, out_features]."""
         if self.qweight is not None:
@@ -48,7 +58,28 @@ class Linear(nn.Linear):
         """Switch to the int8 path; release: drop the dense weight (nothing else reads it)."""
         self.qweight, self.qscale = quantization.quantize(self.weight)
         if release:
-            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+            self.release()
+
+    def release(self) -> None:
+        """Drop the dense weight (in/out_features, dtype and device stay readable)."""
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+
+@torch.no_grad()
+def fuse(parts: list[Linear]) -> Linear:
+    """One Linear whose output is the parts' outputs side by side ([N, sum of out_features]);
+    the parts' dense weights are released (they stay as modules: names, adapters, `correct`)."""
+    first = parts[0]
+    if len({(p.in_features, p.weight.dtype, p.weight.device, p.bias is None) for p in parts}) != 1:
+        raise ValueError("fused projections need the same input width, dtype, device and bias presence")
+    fused = Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
+                   device="meta")
+    fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+    if first.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    for p in parts:
+        p.release()
+    return fused
 
 
 def quantize_linears(model: nn.Module, mode: str) -> str:
@@ -58,7 +89,7 @@ def quantize_linears(model: nn.Module, mode: str) -> str:
         raise ValueError(f"quantization {mode!r}: choose from {', '.join(quantization.MODES)}")
     if mode == "none":
         return "none"
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    linears = [m for m in model.modules() if isinstance(m, Linear) and not m.released]
     devices = {m.weight.device.type for m in linears} - {"cpu"}
     if devices:
         raise ValueError(f"--quantization {mode} runs on CPU only (the weights are on {', '.join(sorted(devices))})")
@@ -75,7 +106,7 @@ def quantize_linears(model: nn.Module, mode: str) -> str:
 def pack_linears(model: nn.Module, mode: str | None = None) -> str:
     """Choose the matmul path per weight shape of every dense Linear of model (auto: by timing;
     see linear_path.MODES) and pack where used. Returns the plan's one-line summary."""
-    linears = [m for m in model.modules() if isinstance(m, Linear) and m.qweight is None]
+    linears = [m for m in model.modules() if isinstance(m, Linear) and not m.released and m.qweight is None]
     if not linears:
         return "none: every linear is int8"
     plan = linear_path.plan(((m.weight, m.bias) for m in linears), mode)

@@ -30,6 +30,7 @@ class Runner:
     def __init__(self, model: CausalLM, block_size: int, num_blocks: int, seed: int | None = None,
                  linear_path: str | None = None, quantization: str = "none"):
         self.model = model
+        model.fuse_projections()
         # Weight-only int8 first (model/quantization.py): the Linears it takes need no matmul path.
         self.quantization = quantize_linears(model, quantization)
         # The matmul path per weight shape, chosen by timing at load (model/linear.py) unless

@@ -1,0 +1,67 @@
+"""The few-row C++ matmul (kernels/gemv_cpu.cpp) against its torch reference, and its refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.decoder.kernels.gemv_cpu import MAX_ROWS, gemv, gemv_ref
+from services.decoder.model.quantization import quantize
+from tests.tolerance import assert_close
+
+pytestmark = pytest.mark.numerics
+
+
+def weights(kind: str, n: int, k: int, g: torch.Generator):
+    w = torch.randn(n, k, generator=g)
+    if kind == "int8":
+        return quantize(w)
+    return w.to({"fp32": torch.float32, "bf16": torch.bfloat16}[kind]), None
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize("n,k,bias", [(576, 576, False), (7, 13, True), (130, 1536, True), (4, 64, False)])
+def test_matches_reference(kind, rows, n, k, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w, scale = weights(kind, n, k, g)
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    y = gemv(x, w, scale, b)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    assert_close(y, gemv_ref(x, w, scale, b), dtype=torch.float32, k=k)
+
+
+def test_bf16_activations_round_once_at_the_end():
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(96, 576, generator=g).bfloat16(), torch.randn(2, 576, generator=g).bfloat16()
+    y = gemv(x, w)
+    assert y.dtype == torch.bfloat16
+    assert_close(y, gemv_ref(x, w), dtype=torch.bfloat16, k=576)
+
+
+def test_each_row_is_independent_of_the_thread_count_bit_for_bit():
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(1000, 576, generator=g), torch.randn(3, 576, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemv(x, w)
+        torch.set_num_threads(max(2, threads))
+        many = gemv(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+    assert torch.equal(gemv(x[1:2], w)[0], one[1])     # and of the other rows
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: gemv(torch.randn(MAX_ROWS + 1, 8), torch.randn(4, 8)), "at most 4 rows"),
+    (lambda: gemv(torch.randn(1, 8), torch.randn(4, 9)), "x has 8 columns"),
+    (lambda: gemv(torch.randn(1, 8), torch.zeros(4, 8, dtype=torch.int8)), "int8 weights need a scale"),
+    (lambda: gemv(torch.randn(1, 8), torch.randn(4, 8), torch.ones(4)), "scale is for int8 weights"),
+    (lambda: gemv(torch.randn(1, 8), torch.randn(4, 8).half()), "float32, bfloat16 or int8"),
+    (lambda: gemv(torch.randn(1, 8), torch.randn(8, 4).t()), "contiguous"),
+])
+def test_bad_arguments_are_refused(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()
