@@ -11,15 +11,28 @@ tensor is an extra, opaque copy, kept only where some row count uses it. Under
 `--quantization int8` (model/quantization.py) a Linear holds an int8 weight and per-row
 scales instead, used at every row count, and its dense weight is released unless another
 module shares it (a tied LM head's is the embedding table).
+
+A decode step of a few rows reads every weight once; for it kernels/gemv_cpu.cpp streams each
+weight row once for all rows. `choose_gemv` times it against the Linear's own path over every
+module of a shape (as a forward would stream them, not one weight hot in cache) at 1..4 rows,
+and each Linear keeps `gemv_rows`: up to how many rows the kernel runs.
 """
 from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.common import linear_path
+from services.decoder.kernels import gemv_cpu, native
 from services.decoder.model import quantization
+
+log = logging.getLogger("tessera.linear")
 
 
 class Linear(nn.Linear):
@@ -27,6 +40,7 @@ class Linear(nn.Linear):
     rule: linear_path.Rule | None = None
     qweight: torch.Tensor | None = None     # [out, in] int8 (quantization.quantize)
     qscale: torch.Tensor | None = None      # [out]
+    gemv_rows: int = 0                       # rows up to which gemv_cpu runs (choose_gemv)
 
     @property
     def released(self) -> bool:
@@ -40,6 +54,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in_features] -> [N, out_features]."""
+        if 0 < x.shape[0] <= self.gemv_rows:
+            return self.gemv(x)
         if self.qweight is not None:
             return quantization.int8_linear(x, self.qweight, self.qscale, self.bias)
         packed = self.packed
@@ -52,6 +68,12 @@ class Linear(nn.Linear):
         self.rule = plan.rule(self.weight, self.bias)
         self.packed = linear_path.pack(self.weight) if self.rule.ever_packed else None
 
+
+    def gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """The few-row kernel over whichever weight this Linear holds (int8 with its scales)."""
+        if self.qweight is not None:
+            return gemv_cpu.gemv(x, self.qweight, self.qscale, self.bias)
+        return gemv_cpu.gemv(x, self.weight, None, self.bias)
 
     @torch.no_grad()
     def quantize(self, release: bool) -> None:
@@ -113,3 +135,65 @@ def pack_linears(model: nn.Module, mode: str | None = None) -> str:
     for m in linears:
         m.adopt(plan)
     return plan.summary
+
+
+# (modules of one shape, rows) -> (seconds on their own path, seconds on gemv_cpu) for one pass over all of them.
+GemvTimer = Callable[[list[Linear], int], tuple[float, float]]
+GEMV_PASSES = 3
+GEMV_TIE = 0.05       # gemv_cpu must be this much faster to be used
+
+
+@torch.inference_mode()
+def time_gemv(group: list[Linear], rows: int) -> tuple[float, float]:
+    """One pass of each path over every module in group at `rows` rows: (own path s, gemv s)."""
+    x = torch.randn(rows, group[0].in_features, dtype=group[0].weight.dtype)
+    own = gemv = 0.0
+    for m in group:
+        t0 = time.perf_counter()
+        m.gemv_rows = 0
+        m(x)
+        t1 = time.perf_counter()
+        m.gemv(x)
+        t2 = time.perf_counter()
+        own, gemv = own + t1 - t0, gemv + t2 - t1
+    return own, gemv
+
+
+def choose_gemv(model: nn.Module, timer: GemvTimer | None = None) -> str:
+    """Set gemv_rows on every CPU Linear of model from timings (fastest of GEMV_PASSES passes per
+    shape and row count): the largest r such that gemv_cpu wins by GEMV_TIE at every row count
+    <= r. A summary such as "gemv rows<=4 on 960x576,576x576; rows<=1 on 49152x576", or why not."""
+    linears = [m for m in model.modules() if isinstance(m, Linear) and (m.qweight is not None or not m.released)]
+    for m in linears:
+        m.gemv_rows = 0
+    linears = [m for m in linears if m.weight.device.type == "cpu"
+               and (m.qweight is not None or m.weight.dtype in gemv_cpu.WEIGHT_DTYPES)]
+    if not linears:
+        return "gemv: none (no CPU weights)"
+    try:
+        gemv_cpu.load()
+    except native.BuildError as e:
+        log.warning("gemv_cpu unavailable, few-row matmuls use the library path: %s", e)
+        return f"gemv: unavailable ({str(e).splitlines()[0]})"
+    timer = timer or time_gemv
+    groups: dict[tuple, list[Linear]] = {}
+    for m in linears:
+        key = (m.out_features, m.in_features, m.qweight is not None, m.weight.dtype, m.bias is not None)
+        groups.setdefault(key, []).append(m)
+    chosen: dict[int, list[str]] = {}
+    for (out, inp, *_), group in groups.items():
+        best = {r: [math.inf, math.inf] for r in range(1, gemv_cpu.MAX_ROWS + 1)}
+        for _ in range(GEMV_PASSES):
+            for r in best:
+                own, kernel = timer(group, r)
+                best[r] = [min(best[r][0], own), min(best[r][1], kernel)]
+        rows = 0
+        while rows < gemv_cpu.MAX_ROWS and best[rows + 1][1] * (1 + GEMV_TIE) < best[rows + 1][0]:
+            rows += 1
+        for m in group:
+            m.gemv_rows = rows
+        chosen.setdefault(rows, []).append(f"{out}x{inp}")
+        log.debug("gemv %dx%d: %s", out, inp, " ".join(f"{r}:{o * 1e6:.0f}/{k * 1e6:.0f}"
+                                                        for r, (o, k) in best.items()))
+    body = "; ".join(f"rows<={r} on {','.join(shapes)}" for r, shapes in sorted(chosen.items(), reverse=True) if r)
+    return f"gemv {body}" if body else "gemv: none (the library path was as fast at every shape)"

@@ -11,8 +11,9 @@ matmul; the int8 weights themselves are the larger error (a step of max|w|/127 p
 
 The kernel reads K in whole vectors and gives wrong sums (or crashes) when K is not a
 multiple of 16 on this torch, so such weights stay dense (`eligible`), and the summary
-says how many did. Every row count runs the int8 path: a token's output never depends on
-how many other rows share its step.
+says how many did. Decode steps of a few rows may instead run kernels/gemv_cpu.cpp over the
+same int8 weights and scales, with fp32 activations, where it was measured faster at load
+(model/linear.py, choose_gemv).
 """
 from __future__ import annotations
 

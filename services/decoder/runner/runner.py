@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.common.errors import InvalidArgument, Unsupported
+from services.common.linear_path import resolve_mode as linear_path_mode
 from services.decoder.engine.step import StepInput, StepOutput
 from services.decoder.model.decoder import CausalLM
-from services.decoder.model.linear import pack_linears, quantize_linears
+from services.decoder.model.linear import choose_gemv, pack_linears, quantize_linears
 from services.decoder.model.loader import load_model
 from services.decoder.runner.attention import TORCH as TORCH_ATTENTION
 from services.decoder.runner.attention import PagedAttention, Workspace, choose_decode_backend
@@ -36,6 +37,9 @@ class Runner:
         # The matmul path per weight shape, chosen by timing at load (model/linear.py) unless
         # linear_path forces "packed" or "plain"; one line, e.g. "auto float32: packed on 576x576".
         self.linear_backend = pack_linears(model, linear_path)
+        # Then the few-row kernel where it beats that path (decode at batch 1 to 4), by timing.
+        if linear_path_mode(linear_path) == "auto":
+            self.linear_backend += "; " + choose_gemv(model)
         self.config = cfg = model.config
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
