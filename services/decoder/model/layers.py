@@ -61,18 +61,23 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""
-        n = x.shape[0]
+        n, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is not None:
-            q, k, v = self.qkv(x).split(self.widths, dim=1)
-            q, k, v = self.q_proj.correct(x, q), self.k_proj.correct(x, k), self.v_proj.correct(x, v)
+            qkv = self.qkv(x)
+            q0, k0, v = qkv.split(self.widths, dim=1)
+            q, k, v = self.q_proj.correct(x, q0), self.k_proj.correct(x, k0), self.v_proj.correct(x, v)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:      # Qwen3 normalises each head before rotary
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        v = v.view(n, kv_heads, d)
+        if self.qkv is not None and self.q_norm is None and q is q0 and k is k0:
+            # q and k still lie side by side in qkv (no per-head norm, no adapter): rotate both at once.
+            qk = apply_rotary(qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d), cos, sin)
+            q, k = qk.split((heads, kv_heads), dim=1)
+        else:
+            q, k = q.view(n, heads, d), k.view(n, kv_heads, d)
+            if self.q_norm is not None:      # Qwen3 normalises each head before rotary
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 

@@ -25,7 +25,8 @@ class Rotary:
                 torch.arange(3, device=device), torch.tensor(sections, device=device))  # [D/2]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N] or [3, N] (long) -> cos, sin [N, 1, D] in dtype (angles in fp32)."""
+        """positions [N] or [3, N] (long) -> cos, sin [N, 1, D] in dtype (angles in fp32), sin with its
+        first half negated: the form apply_rotary takes."""
         if positions.ndim == 1:
             freqs = positions.float()[:, None] * self.inv_freq                 # [N, D/2]
         elif positions.ndim == 2 and positions.shape[0] == 3:
@@ -37,11 +38,16 @@ class Rotary:
         else:
             raise ValueError(f"positions must be [N] or [3, N], got {tuple(positions.shape)}")
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]                  # [N, 1, D]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        sin = angles.sin()
+        sin[..., : self.head_dim // 2].neg_()
+        return angles.cos().to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, H, D] rotated by cos/sin [N, 1, D] (split-half pairing, as transformers)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x [N, H, D] rotated by cos/sin [N, 1, D] from cos_sin (split-half pairing, as transformers).
+
+    transformers computes x * cos + cat(-x2, x1) * sin; with the sign moved into sin's first half
+    that is x * cos + cat(x2, x1) * sin, the same products bit for bit (negation is exact), in
+    four ops instead of seven per call (this runs twice per layer per step).
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
