@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -147,16 +148,21 @@ void dispatch_rows(int64_t M, const float* x, const W* w, const float* scale, co
   }
 }
 
-// out [M, N] fp32 = x [M, K] fp32 @ w[N, K]^T (* scale [N] fp32) (+ bias [N] fp32); all contiguous.
+// out [M, N] = x [M, K] @ w[N, K]^T (* scale [N] fp32) (+ bias [N] fp32); all contiguous. x and out
+// are both float32 or both bfloat16: bf16 x is widened once into fp32 and the fp32 result rounded
+// once into out (round to nearest even), here rather than by two more torch ops per call.
 void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
           c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "gemv: x, w and out must be 2-D");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K, "gemv: w is [", N, ", ", w.size(1), "] but x has ", K, " columns");
   TORCH_CHECK(out.size(0) == M && out.size(1) == N, "gemv: out must be [", M, ", ", N, "]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "gemv: x and out must be float32");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((x.scalar_type() == at::kFloat || bf16) && out.scalar_type() == x.scalar_type(),
+              "gemv: x and out must both be float32 or both bfloat16");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(), "gemv: tensors must be contiguous");
   TORCH_CHECK(!x.is_cuda() && !w.is_cuda(), "gemv: CPU tensors only");
+  TORCH_CHECK(M >= 1 && M <= 4, "gemv: at most 4 rows, got ", M);
   const float* sp = nullptr;
   const float* bp = nullptr;
   if (scale.has_value()) {
@@ -169,20 +175,39 @@ void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<tor
                 "gemv: bias must be float32 [N]");
     bp = bias->data_ptr<float>();
   }
-  const float* xp = x.data_ptr<float>();
-  float* yp = out.data_ptr<float>();
+  std::vector<float> xs, ys;
+  const float* xp;
+  float* yp;
+  if (bf16) {
+    const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
+    xs.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xs[i] = widen(xb[i]);
+    ys.resize(M * N);
+    xp = xs.data();
+    yp = ys.data();
+  } else {
+    xp = x.data_ptr<float>();
+    yp = out.data_ptr<float>();
+  }
   switch (w.scalar_type()) {
     case at::kFloat:
       TORCH_CHECK(!sp, "gemv: scale is for int8 weights");
-      return dispatch_rows(M, xp, w.data_ptr<float>(), sp, bp, yp, N, K);
+      dispatch_rows(M, xp, w.data_ptr<float>(), sp, bp, yp, N, K);
+      break;
     case at::kBFloat16:
       TORCH_CHECK(!sp, "gemv: scale is for int8 weights");
-      return dispatch_rows(M, xp, w.data_ptr<at::BFloat16>(), sp, bp, yp, N, K);
+      dispatch_rows(M, xp, w.data_ptr<at::BFloat16>(), sp, bp, yp, N, K);
+      break;
     case at::kChar:
       TORCH_CHECK(sp, "gemv: int8 weights need a scale");
-      return dispatch_rows(M, xp, w.data_ptr<int8_t>(), sp, bp, yp, N, K);
+      dispatch_rows(M, xp, w.data_ptr<int8_t>(), sp, bp, yp, N, K);
+      break;
     default:
       TORCH_CHECK(false, "gemv: weights must be float32, bfloat16 or int8, got ", w.scalar_type());
+  }
+  if (bf16) {
+    at::BFloat16* ob = out.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < M * N; ++i) ob[i] = at::BFloat16(ys[i]);
   }
 }
 

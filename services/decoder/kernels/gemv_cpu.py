@@ -36,10 +36,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     w [N, K] contiguous float32, bfloat16, or int8 with scale [N] (int8 only); bias [N] or None.
     Products and sums in fp32 (bf16 and int8 weights widen exactly), one rounding to x's dtype at the end.
     """
-    out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
-    load().gemv(out, x.float().contiguous(), w, None if scale is None else scale.float(),
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
+    load().gemv(out, x.contiguous(), w, None if scale is None else scale.float(),
                 None if bias is None else bias.float())
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    return out
 
 
 def gemv_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,

@@ -34,15 +34,16 @@ def eligible(weight: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [out, in] -> (q [out, in] int8 in [-127, 127], scale [out] ACT_DTYPE).
+    """weight [out, in] -> (q [out, in] int8 in [-127, 127], scale [out] fp32).
 
-    Symmetric per output channel: scale = max|w_row| / 127 (rounded to ACT_DTYPE, the dtype
-    the kernel multiplies in), q = round(w / scale). A zero row gets scale 1 and q 0.
+    Symmetric per output channel: scale = max|w_row| / 127, rounded to bf16 (so both kernels,
+    _weight_int8pack_mm in bf16 and gemv_cpu in fp32, multiply by the same value), q = round(w / scale).
+    A zero row gets scale 1 and q 0.
     """
     w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127).to(ACT_DTYPE)
+    scale = (w.abs().amax(dim=1) / 127).to(ACT_DTYPE).float()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scale
 
 
