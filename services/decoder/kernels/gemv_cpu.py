@@ -8,7 +8,6 @@ beats the library matmul at a given shape and row count is measured at load
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -18,15 +17,8 @@ from . import native
 SOURCE = Path(__file__).with_suffix(".cpp")
 MAX_ROWS = 4          # the kernel keeps every row of x in registers' reach; more rows go to GEMMs
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
-_module: ModuleType | None = None
-
-
-def load(build: bool = True) -> ModuleType:
-    """The compiled operator; raises native.BuildError with the reason when it cannot be had."""
-    global _module
-    if _module is None:
-        _module = native.load("gemv_cpu", SOURCE, build=build)
-    return _module
+OPERATOR = native.Operator("gemv_cpu", SOURCE)
+load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
@@ -50,11 +42,4 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None
 
 
 if __name__ == "__main__":
-    # `make kernels`: build (or find) the operator, exit 1 with the reason when it cannot be built.
-    import sys
-    try:
-        load()
-    except native.BuildError as e:
-        print(f"gemv_cpu: not built: {e}", file=sys.stderr)
-        sys.exit(1)
-    print(f"gemv_cpu: built, {native.build_dir()}")
+    OPERATOR.main()

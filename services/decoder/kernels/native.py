@@ -100,6 +100,29 @@ def load(name: str, source: Path, *, build: bool = True) -> ModuleType:
         raise BuildError(f"cannot import {target}: {e}") from e
 
 
+class Operator:
+    """One C++ operator (a .cpp next to its launcher): built or found on first use, then kept."""
+
+    def __init__(self, name: str, source: Path):
+        self.name, self.source = name, source
+        self._module: ModuleType | None = None
+
+    def load(self, build: bool = True) -> ModuleType:
+        """The compiled module; raises BuildError with the reason when it cannot be had."""
+        if self._module is None:
+            self._module = load(self.name, self.source, build=build)
+        return self._module
+
+    def main(self) -> None:
+        """`make kernels`: build (or find) the operator; exit 1 with the reason when it cannot be built."""
+        try:
+            self.load()
+        except BuildError as e:
+            print(f"{self.name}: not built: {e}", file=sys.stderr)
+            sys.exit(1)
+        print(f"{self.name}: built, {build_dir()}")
+
+
 def _compile(module_name: str, source: Path, root: Path, target: Path) -> ModuleType:
     from torch.utils import cpp_extension
 

@@ -8,22 +8,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from . import native
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-_module: ModuleType | None = None
-
-
-def load(build: bool = True) -> ModuleType:
-    """The compiled operator; raises native.BuildError with the reason when it cannot be had."""
-    global _module
-    if _module is None:
-        _module = native.load("paged_attention_cpu", SOURCE, build=build)
-    return _module
+OPERATOR = native.Operator("paged_attention_cpu", SOURCE)
+load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -82,11 +74,4 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 if __name__ == "__main__":
-    # `make kernels`: build (or find) the operator, exit 1 with the reason when it cannot be built.
-    import sys
-    try:
-        module = load()
-    except native.BuildError as e:
-        print(f"paged_attention_cpu: not built: {e}", file=sys.stderr)
-        sys.exit(1)
-    print(f"paged_attention_cpu: built, {native.build_dir()}")
+    OPERATOR.main()

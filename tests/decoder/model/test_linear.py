@@ -1,0 +1,55 @@
+"""The few-row kernel's per-machine choice (model/linear.py, choose_gemv): made from measurement,
+both paths agree, and an unavailable kernel leaves every Linear on its own path."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from services.decoder.kernels import gemv_cpu, native
+from services.decoder.model.linear import Linear, choose_gemv, quantize_linears
+from tests.tolerance import assert_close
+
+pytestmark = pytest.mark.numerics
+
+
+def fake_timer(gemv_wins_up_to: dict[int, int]):
+    """A GemvTimer where gemv_cpu is twice as fast up to gemv_wins_up_to[out_features] rows, else 1.5x slower."""
+    def timer(group, rows):
+        wins = rows <= gemv_wins_up_to.get(group[0].out_features, 0)
+        return (2e-6, 1e-6) if wins else (1e-6, 1.5e-6)
+    return timer
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_gemv_rows_follow_the_measurements(quantized):
+    model = nn.Sequential(Linear(64, 96), Linear(64, 96), Linear(96, 32, bias=True), Linear(32, 160))
+    if quantized:
+        quantize_linears(model, "int8")
+    summary = choose_gemv(model, fake_timer({96: 3, 32: 1}))
+    assert [m.gemv_rows for m in model] == [3, 3, 1, 0]
+    assert summary == "gemv rows<=3 on 96x64; rows<=1 on 32x96"
+    # Both paths give the same results within the shared bound, at every row count either runs.
+    for rows in range(1, 6):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        fast = model[0](x)
+        model[0].gemv_rows = 0
+        own = model[0](x)
+        model[0].gemv_rows = 3
+        # int8's own path meets bf16 activations; gemv_cpu keeps them fp32
+        assert_close(fast, own, dtype=torch.bfloat16 if quantized else torch.float32, k=64)
+    assert choose_gemv(model, fake_timer({})) == "gemv: none (the library path was as fast at every shape)"
+    assert all(m.gemv_rows == 0 for m in model)
+
+
+
+def test_an_unavailable_kernel_is_reported_and_never_used(monkeypatch, caplog):
+    def broken(build=True):
+        raise native.BuildError("compiling gemv_cpu.cpp failed: boom")
+    monkeypatch.setattr(gemv_cpu, "load", broken)
+    model = nn.Sequential(Linear(64, 96))
+    with caplog.at_level(logging.WARNING, logger="tessera.linear"):
+        assert choose_gemv(model) == "gemv: unavailable (compiling gemv_cpu.cpp failed: boom)"
+    assert model[0].gemv_rows == 0 and "boom" in caplog.text
