@@ -281,7 +281,9 @@ def test_openai_client_sees_typed_errors(client):
 
 def test_client_disconnect_mid_stream_aborts_the_request(http, fleet):
     before = finished(fleet)
-    body = {"prompt": "Tell me a long story", "max_tokens": 2000, "temperature": 0, "stream": True}
+    # min_tokens keeps the random model's eos away, whichever greedy path its load-time kernel choice gives
+    body = {"prompt": "Tell me a long story", "max_tokens": 2000, "min_tokens": 2000, "temperature": 0,
+            "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as reply:
         assert reply.status_code == 200
         seen = 0
@@ -294,7 +296,8 @@ def test_client_disconnect_mid_stream_aborts_the_request(http, fleet):
     assert finished(fleet) == before  # aborted, not run to its 2000 tokens
     # A whole (non-streamed) answer is cancelled too when its client gives up waiting.
     with pytest.raises(httpx.ReadTimeout):
-        http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2000, "temperature": 0},
+        http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2000, "min_tokens": 2000,
+                                                "temperature": 0},
                   timeout=httpx.Timeout(60, read=0.5))
     wait_idle(fleet)
     assert finished(fleet) == before
@@ -303,7 +306,7 @@ def test_client_disconnect_mid_stream_aborts_the_request(http, fleet):
 
 def test_backend_dying_mid_stream_ends_with_an_error_event(http, fleet):
     """Last in this module: it kills the decoder."""
-    body = {"messages": HELLO, "max_tokens": 2000, "temperature": 0, "stream": True}
+    body = {"messages": HELLO, "max_tokens": 2000, "min_tokens": 2000, "temperature": 0, "stream": True}
     with http.stream("POST", "/v1/chat/completions", json=body) as reply:
         assert reply.status_code == 200
         lines = reply.iter_lines()
