@@ -9,8 +9,9 @@ The module stays an nn.Linear with its dense `weight` (the adapter bank wraps q/
 gate/up/down_proj by name and reads their shapes; the plain path reads it); the packed
 tensor is an extra, opaque copy, kept only where some row count uses it. Under
 `--quantization int8` (model/quantization.py) a Linear holds an int8 weight and per-row
-scales instead, used at every row count, and its dense weight is released unless another
-module shares it (a tied LM head's is the embedding table).
+scales instead, and its dense weight is released unless another module shares it (a tied
+LM head's is the embedding table). `fuse` puts several projections of one input into one
+Linear (Q/K/V, gate/up) and releases theirs.
 
 A decode step of a few rows reads every weight once; for it kernels/gemv_cpu.cpp streams each
 weight row once for all rows. `choose_gemv` times it against the Linear's own path over every
@@ -68,7 +69,6 @@ class Linear(nn.Linear):
         self.rule = plan.rule(self.weight, self.bias)
         self.packed = linear_path.pack(self.weight) if self.rule.ever_packed else None
 
-
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         """The few-row kernel over whichever weight this Linear holds (int8 with its scales)."""
         if self.qweight is not None:
@@ -106,7 +106,7 @@ def fuse(parts: list[Linear]) -> Linear:
 
 def quantize_linears(model: nn.Module, mode: str) -> str:
     """Quantize every eligible Linear of model (mode in quantization.MODES); a one-line summary
-    for the log and GetModelInfo, e.g. "int8: 211 of 211 linears" or "none"."""
+    for the log and GetModelInfo, e.g. "int8: 121 of 121 linears" or "none"."""
     if mode not in quantization.MODES:
         raise ValueError(f"quantization {mode!r}: choose from {', '.join(quantization.MODES)}")
     if mode == "none":
