@@ -286,12 +286,17 @@ def test_client_disconnect_mid_stream_aborts_the_request(http, fleet):
             "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as reply:
         assert reply.status_code == 200
+        # Held: a dropped line generator closes the response as soon as it is collected, which would race the
+        # check below against the very disconnect it is meant to precede.
+        lines = reply.iter_lines()
         seen = 0
-        for line in reply.iter_lines():
+        for line in lines:
             seen += line.startswith("data: ")
             if seen == 3:
                 break
+        time.sleep(0.5)  # the client is still there: the request must still be running
         assert stats(fleet).running == 1  # still generating when the client leaves
+        lines.close()
     wait_idle(fleet)
     assert finished(fleet) == before  # aborted, not run to its 2000 tokens
     # A whole (non-streamed) answer is cancelled too when its client gives up waiting.
