@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
+from services.common import compute, logs, metrics
 from services.common import config as cfg_mod
-from services.common import logs, metrics
 from services.decoder.server.config import DecoderConfig, DecoderServerConfig
 from services.decoder.server.service import serve
 
@@ -17,6 +17,7 @@ def main(argv=None) -> None:
     logs.setup(server_cfg.log_level)
     cfg_mod.log_config(server_cfg, decoder_cfg)
     metrics.serve(server_cfg.metrics_port)
+    compute.serial_here()   # the event loop's thread: no OpenMP team of its own (services/common/compute.py)
     asyncio.run(serve(server_cfg, decoder_cfg))
 
 

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from services.common import config, logs
+from services.common import compute, config, logs
 
 from .config import PoolingConfig, PoolingServerConfig
 from .server import start_server
@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     config.log_config(server_cfg, cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    compute.serial_here()   # after the count, which would undo it: the loop's thread starts no OpenMP team
     try:
         asyncio.run(_serve(server_cfg, cfg))
     except (ValueError, OSError) as exc:

@@ -104,7 +104,8 @@ async def _stop_serving(handle: PoolingServer, reason: str) -> None:
 async def _load(handle: PoolingServer, cfg: PoolingConfig) -> None:
     limits = BatchLimits(cfg.max_batch_size, cfg.max_batch_tokens, cfg.max_wait_ms, cfg.max_queue,
                          cfg.max_passes)
-    loaded = await asyncio.to_thread(load_models, cfg)
+    # On the forward thread: torch work on a second long-lived thread would throttle both (services/common/compute.py).
+    loaded = await asyncio.get_running_loop().run_in_executor(handle.executor, load_models, cfg)
     wrappers = [fault_at_forward(cfg.fault_fail_at_forward)] if cfg.fault_fail_at_forward else []
     heap = Heap(cfg.heap_growth_mb << 20)
     if heap.available and cfg.heap_growth_mb:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
+from services.common import compute, logs, metrics
 from services.common import config as cfg_mod
-from services.common import logs, metrics
 from services.vision.config import VisionConfig, VisionServerConfig
 from services.vision.service import serve
 
@@ -18,6 +18,7 @@ def main(argv=None) -> None:
     logs.setup(server_cfg.log_level)
     cfg_mod.log_config(server_cfg, vision_cfg)
     metrics.serve(server_cfg.metrics_port)
+    compute.serial_here()   # the event loop's thread: no OpenMP team of its own (services/common/compute.py)
     asyncio.run(serve(server_cfg, vision_cfg))
 
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from PIL import Image
 from prometheus_client import Counter, Histogram
 
+from services.common import compute
 from services.common.data_uri import check_mime
 from services.common.errors import InvalidArgument, Overloaded, TooLarge, Unavailable, grpc_errors
 from services.common.metrics import LATENCY_BUCKETS
@@ -50,6 +52,8 @@ class VisionServicer(vision_pb2_grpc.VisionServiceServicer):
         self.cache: FeatureCache | None = None
         self.stats = EncoderStats()
         self._gate = asyncio.Semaphore(1)  # one encoder forward at a time; the CPU threads are shared
+        # Always the same thread: torch on several long-lived threads throttles them all (services/common/compute.py).
+        self._forward = ThreadPoolExecutor(1, thread_name_prefix="encoder")
         self._pending = 0
 
     def load(self) -> None:
@@ -121,7 +125,8 @@ class VisionServicer(vision_pb2_grpc.VisionServiceServicer):
             items = [(first[h], images[first[h]].data, images[first[h]].mime_type) for h in misses]
             async with self._gate:
                 with _ENCODE_SECONDS.time():
-                    computed = await asyncio.to_thread(self._compute, enc, items)
+                    loop = asyncio.get_running_loop()
+                    computed = await loop.run_in_executor(self._forward, self._compute, enc, items)
             for h, entry in zip(misses, computed, strict=True):
                 found[h] = entry
                 if self.cache is not None:
@@ -149,7 +154,7 @@ async def start(server_cfg: VisionServerConfig, cfg: VisionConfig) -> tuple[Serv
     server = Server(server_cfg, lambda s: vision_pb2_grpc.add_VisionServiceServicer_to_server(servicer, s),
                     [SERVICE_NAME])
     await server.start()
-    await asyncio.to_thread(servicer.load)
+    await compute.in_own_thread(servicer.load)   # its OpenMP team leaves with it (services/common/compute.py)
     if cfg.redis_url:
         servicer.cache = FeatureCache(cfg.redis_url, budget_bytes=cfg.cache_bytes, ttl_s=cfg.cache_ttl_s,
                                       prefix=cfg.cache_prefix, timeout_s=cfg.redis_timeout_s,

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.common import compute
 from services.common.errors import (
     AdapterNotFound,
     ContextLengthExceeded,
@@ -352,7 +353,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         if request.name == st.name:
             raise InvalidArgument(f"adapter name {request.name!r} is the base model's name", param="lora_name")
         folder = adapters.resolve_path(request.path)
-        weights = await asyncio.to_thread(adapters.read, folder)
+        weights = await compute.in_own_thread(adapters.read, folder)
 
         def register():
             status = adapters.registry.register(request.name, weights)
@@ -395,7 +396,7 @@ async def start(server_cfg: DecoderServerConfig, cfg: DecoderConfig) -> tuple[Se
     server = Server(server_cfg, lambda s: decoder_pb2_grpc.add_DecoderServiceServicer_to_server(servicer, s),
                     [SERVICE_NAME])
     await server.start()
-    state = await asyncio.to_thread(load, cfg)
+    state = await compute.in_own_thread(load, cfg)   # its OpenMP team leaves with it (services/common/compute.py)
     # A dead engine must not look healthy to a load balancer.
     state.engine.on_failure = lambda reason: asyncio.ensure_future(server.set_serving(False))
     state.engine.start()
