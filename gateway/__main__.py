@@ -8,7 +8,7 @@ import uvicorn
 from services.common import logs
 from services.common.config import load, log_config
 
-from .app import create_app
+from .app import HTTP_PARSER, create_app
 from .config import ENV_PREFIX, GatewayConfig
 
 DESCRIPTION = ("tessera's OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/embeddings, "
@@ -25,7 +25,7 @@ def main(argv=None) -> None:
     # (Distinct placeholders: the config refuses an admin key equal to the API key.)
     log_config(dataclasses.replace(cfg, **{k: f"<{k} set>" for k in ("api_key", "admin_key") if getattr(cfg, k)}))
     # Our edge middleware logs each request with its id, so uvicorn's access log is off.
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(), http=HTTP_PARSER,
                 access_log=False, log_config=None)
 
 

@@ -16,7 +16,7 @@ import httpx
 import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.app import create_app
+from gateway.app import HTTP_PARSER, create_app
 from gateway.config import GatewayConfig
 from tests.loops import LoopThread  # noqa: F401 - re-exported for the gateway tests
 
@@ -32,7 +32,7 @@ class GatewayThread:
         self.cfg = cfg
         self.url = f"http://127.0.0.1:{cfg.port}"
         config = uvicorn.Config(create_app(cfg), host="127.0.0.1", port=cfg.port, log_level="warning",
-                                access_log=False, lifespan="on")
+                                access_log=False, lifespan="on", http=HTTP_PARSER)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
