@@ -13,9 +13,10 @@ So each service
 - runs its steady compute (engine steps, forwards) on one long-lived thread;
 - runs one-off torch work (loading, timing paths at load, reading adapters) through
   `in_own_thread`, whose thread takes its team with it when it exits;
-- calls `serial_here()` on its event loop thread before any torch work there, so that the odd
-  tensor copy on the loop (stacking replies, decoding a payload) runs inline instead of starting a
-  team that would outlive the request.
+- runs its event loop under `serially`, which makes the loop's thread and the loop's default
+  executor (asyncio.to_thread) serial, and gives its other worker pools `serial_here` as their
+  initializer: the odd tensor op there (stacking replies, decoding a payload, building a grammar's
+  token masks) runs inline instead of starting a team that would outlive the request.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import asyncio
 import ctypes
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
@@ -52,7 +54,10 @@ async def in_own_thread(fn: Callable[..., T], *args) -> T:
             outcome = (fn(*args), None)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task, which re-raises it
             outcome = (None, exc)
-        loop.call_soon_threadsafe(settle, *outcome)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:    # the loop has closed: nobody awaits it any more
+            pass
 
     thread = threading.Thread(target=body, name=getattr(fn, "__name__", "compute"), daemon=True)
     thread.start()
@@ -86,3 +91,13 @@ def serial_here() -> bool:
         return False
     gomp.omp_set_num_threads(1)
     return torch.get_num_threads() == 1
+
+
+async def serially(main: Awaitable[T]) -> T:
+    """Await main (a service's whole life) with this thread serial, and every worker of the loop's
+    default executor too. The entry points call it; tests that serve in-process do not, so that
+    their own thread keeps torch's thread count."""
+    serial_here()
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(thread_name_prefix="asyncio", initializer=serial_here))
+    return await main

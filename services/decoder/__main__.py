@@ -17,8 +17,8 @@ def main(argv=None) -> None:
     logs.setup(server_cfg.log_level)
     cfg_mod.log_config(server_cfg, decoder_cfg)
     metrics.serve(server_cfg.metrics_port)
-    compute.serial_here()   # the event loop's thread: no OpenMP team of its own (services/common/compute.py)
-    asyncio.run(serve(server_cfg, decoder_cfg))
+    # The loop's threads start no OpenMP teams of their own (services/common/compute.py).
+    asyncio.run(compute.serially(serve(server_cfg, decoder_cfg)))
 
 
 if __name__ == "__main__":

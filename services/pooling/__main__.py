@@ -32,9 +32,9 @@ def main(argv=None) -> int:
     config.log_config(server_cfg, cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    compute.serial_here()   # after the count, which would undo it: the loop's thread starts no OpenMP team
     try:
-        asyncio.run(_serve(server_cfg, cfg))
+        # After the count, which would undo it: the loop's threads start no OpenMP teams (services/common/compute.py).
+        asyncio.run(compute.serially(_serve(server_cfg, cfg)))
     except (ValueError, OSError) as exc:
         # A folder the service cannot serve faithfully: say why, exit non-zero.
         log.error("cannot start: %s", exc)

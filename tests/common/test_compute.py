@@ -1,5 +1,6 @@
 """services/common/compute.py: which threads start OpenMP teams. Counted as OS threads of a fresh
-interpreter, since a team is libgomp worker threads that live as long as the thread that started it."""
+interpreter per scenario, since a team is libgomp worker threads that live as long as the thread that
+started it (a freed team's workers exit on their own, so counts are read once they have settled)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,29 +14,42 @@ import pytest
 from services.common import compute
 
 SCRIPT = r"""
-import asyncio, json, os, sys, threading
+import asyncio, json, os, sys, threading, time
 import torch
 from services.common import compute
 
 torch.set_num_threads(2)
 def threads():
     return len(os.listdir("/proc/self/task"))
+def settled():
+    # The count once it has held still for 0.2 s (workers of a freed team exit on their own).
+    last, since, deadline = threads(), time.monotonic(), time.monotonic() + 10
+    while time.monotonic() - since < 0.2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        now = threads()
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
 def big_op():
-    torch.empty(4_000_000).fill_(1.0)      # far above ATen's grain: parallel when the thread may be
+    torch.empty(4_000_000).fill_(1.0)      # far above ATen's grain: parallel where the thread may be
     return threads(), torch.get_num_threads()
 
-out = {"base": threads()}
-if sys.argv[1] == "serial":
-    out["serial"] = compute.serial_here()
+mode, out = sys.argv[1], {}
+if mode != "plain":
+    compute.serial_here()
+out["base"] = settled()
 out["main"] = big_op()                       # (threads during, torch's count) on the main thread
-def elsewhere():
-    out["other"] = big_op()
-t = threading.Thread(target=elsewhere)
-t.start(); t.join()
-async def own():
-    during = await compute.in_own_thread(big_op)
-    return during, threads()
-out["own"] = asyncio.run(own())
+if mode == "serial":
+    t = threading.Thread(target=lambda: out.__setitem__("other", big_op()))
+    t.start(); t.join()
+elif mode == "own":
+    out["own"] = asyncio.run(compute.in_own_thread(big_op))
+    out["after"] = settled()
+elif mode == "serially":
+    async def served():
+        before = settled()
+        return before, big_op(), await asyncio.to_thread(big_op)
+    out["serially"] = asyncio.run(compute.serially(served()))
 print(json.dumps(out))
 """
 
@@ -48,19 +62,23 @@ def run(mode: str) -> dict:
 
 def test_the_loop_thread_starts_no_team_once_serial():
     plain, serial = run("plain"), run("serial")
-    # Control: a big op on an ordinary thread starts a team of one more thread, kept afterwards.
+    # Control: a big op on an ordinary thread starts a team of one more thread.
     assert plain["main"] == [plain["base"] + 1, 2]
-    assert serial["serial"] is True
     assert serial["main"] == [serial["base"], 1]                  # inline: no worker thread, count 1
     # Other threads keep torch's count: one more for the thread itself, one for its team.
     assert serial["other"] == [serial["base"] + 2, 2]
 
 
 def test_a_team_started_in_its_own_thread_leaves_with_it():
-    out = run("serial")
-    (during, count), after = out["own"]
-    assert count == 2 and during == out["base"] + 2                # its thread and its team, while it ran
-    assert after == out["base"]                                    # both gone when the await returns
+    out = run("own")
+    assert out["own"] == [out["base"] + 2, 2]                      # its thread and its team, while it ran
+    assert out["after"] == out["base"]                             # both gone afterwards
+
+
+def test_serially_makes_the_loop_and_its_default_executor_serial():
+    before, on_loop, elsewhere = run("serially")["serially"]
+    assert on_loop == [before, 1]
+    assert elsewhere == [before + 1, 1]                            # the executor's worker, no team
 
 
 def test_in_own_thread_returns_raises_and_runs_elsewhere():

@@ -23,6 +23,7 @@ from importlib.metadata import version
 import xgrammar as xgr
 from tokenizers import Tokenizer as HFTokenizer
 
+from services.common import compute
 from services.common.errors import InvalidArgument, TesseraError, Unsupported
 from services.decoder.grammar.cache import FutureCache
 from services.decoder.grammar.compiled import Grammar, TokenBits
@@ -69,7 +70,9 @@ class GrammarCompiler:
                  special_token_ids: frozenset[int] = frozenset(), threads: int = 2, cache_size: int = 256):
         if not stop_token_ids:
             raise ValueError("structured outputs need at least one stop token id")
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        # Serial: its token masks are torch tensors, and a lasting OpenMP team here would throttle the
+        # engine thread's (services/common/compute.py).
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar", initializer=compute.serial_here)
         self._threads = threads
         self._cache = FutureCache(cache_size)
         self._vocabulary = self._pool.submit(self._build, tokenizer, vocab_size, tuple(stop_token_ids),
