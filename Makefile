@@ -9,7 +9,8 @@ GEN_STAMP := gen/.stamp
 MODELS_STAMP := models/.stamp
 KERNELS_STAMP := build/.kernels-stamp
 KERNEL_SOURCES := $(wildcard services/decoder/kernels/*.cpp) services/decoder/kernels/native.py \
-	services/decoder/kernels/paged_attention_cpu.py services/decoder/kernels/gemv_cpu.py
+	services/decoder/kernels/paged_attention_cpu.py services/decoder/kernels/gemv_cpu.py \
+	services/decoder/kernels/decode_stack_cpu.py
 PYTEST_ARGS ?=
 # The numerics-marked tests run a second time under other kernels on the same CPU: AVX2 for
 # ATen and oneDNN (as on an AVX2-only machine) and MKL's compatible code path (another summation
@@ -59,7 +60,8 @@ kernels: $(KERNELS_STAMP)
 # pays the compile. Without a compiler the decoder runs its torch paths and logs a WARNING.
 $(KERNELS_STAMP): $(KERNEL_SOURCES) $(STAMP)
 	@mkdir -p build
-	@if $(PY) -m services.decoder.kernels.paged_attention_cpu && $(PY) -m services.decoder.kernels.gemv_cpu; then touch $@; \
+	@if $(PY) -m services.decoder.kernels.paged_attention_cpu && $(PY) -m services.decoder.kernels.gemv_cpu && \
+		$(PY) -m services.decoder.kernels.decode_stack_cpu; then touch $@; \
 	else echo "WARNING: C++ kernels not built (reason above); the decoder will use its torch paths"; fi
 
 lint: $(STAMP)

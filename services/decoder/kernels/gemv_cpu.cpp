@@ -19,7 +19,8 @@
 #include <immintrin.h>
 #endif
 
-namespace {
+// Named, not anonymous: decode_stack_cpu.cpp includes this file beside the other kernels.
+namespace tessera_gemv {
 
 inline float widen(float v) { return v; }
 inline float widen(int8_t v) { return static_cast<float>(v); }
@@ -211,9 +212,13 @@ void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<tor
   }
 }
 
-}  // namespace
+}  // namespace tessera_gemv
+
+#ifndef TESSERA_NO_MODULE  // defined by decode_stack_cpu.cpp, which binds its own module
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace tessera_gemv;
   m.def("gemv", &gemv, "few-row matmul over fp32/bf16/int8 weights (fp32 math)", py::arg("out"), py::arg("x"),
         py::arg("w"), py::arg("scale"), py::arg("bias"), py::call_guard<py::gil_scoped_release>());
 }
+#endif

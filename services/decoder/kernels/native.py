@@ -1,11 +1,12 @@
 """Building and loading the decoder's C++ operators (torch.utils.cpp_extension), once per machine.
 
 An operator is compiled with -O3 -march=native, so its binary is only valid on the CPU that built
-it. Each build therefore lands in <build dir>/<name>_<key>.so, where key hashes the source, the
-flags, the torch and Python versions and the CPU's model and flags: a changed
-source or a tree shared with another CPU gets a build of its own, never a binary that would die
-of SIGILL. Loading an existing .so imports it directly (no compiler, no ninja), so only the first
-load on a machine pays the compile, and `make kernels` pays it at install time.
+it. Each build therefore lands in <build dir>/<name>_<key>.so, where key hashes the source (with
+the files it includes from its folder), the flags, the torch and Python versions and the CPU's
+model and flags: a changed source or a tree shared with another CPU gets a build of its own,
+never a binary that would die of SIGILL. Loading an existing .so imports it directly (no
+compiler, no ninja), so only the first load on a machine pays the compile, and `make kernels`
+pays it at install time.
 
 Build dir: TESSERA_KERNELS_DIR, else build/torch_extensions under the repository (gitignored).
 """
@@ -64,8 +65,24 @@ def _compiler_version() -> str:
         raise ToolchainMissing(f"no C++ compiler ({cxx}): {e}") from e
 
 
+def _local_includes(source: Path) -> list[Path]:
+    """source and, recursively, the files it #includes "by quote" from its own folder, in order."""
+    seen: list[Path] = []
+    todo = [source]
+    while todo:
+        path = todo.pop(0)
+        if path in seen:
+            continue
+        seen.append(path)
+        for line in path.read_text().splitlines():
+            if line.startswith('#include "'):
+                todo.append(path.parent / line.split('"')[1])
+    return seen
+
+
 def _key(source: Path) -> str:
-    h = hashlib.sha256(source.read_bytes())
+    # An included kernel's edit must rebuild every operator that includes it (decode_stack_cpu.cpp).
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in _local_includes(source)))
     for part in (CFLAGS, LDFLAGS, torch.__version__, sys.version, _cpu_identity()):
         h.update(repr(part).encode())
     return h.hexdigest()[:12]

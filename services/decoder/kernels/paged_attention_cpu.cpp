@@ -25,7 +25,8 @@
 #include <type_traits>
 #include <vector>
 
-namespace {
+// Named, not anonymous: decode_stack_cpu.cpp includes this file beside the other kernels.
+namespace tessera_paged {
 
 constexpr int LANES = 16;  // partial sums per dot product: one 512-bit or two 256-bit registers
 
@@ -503,11 +504,15 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, cons
   }
 }
 
-}  // namespace
+}  // namespace tessera_paged
+
+#ifndef TESSERA_NO_MODULE  // defined by decode_stack_cpu.cpp, which binds its own module
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace tessera_paged;
   m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache, in place",
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("block_tables"), pybind11::arg("context_lens"), pybind11::arg("rows"),
         pybind11::arg("scale"), pybind11::call_guard<pybind11::gil_scoped_release>());
 }
+#endif

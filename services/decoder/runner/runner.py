@@ -20,6 +20,7 @@ from services.decoder.model.loader import load_model
 from services.decoder.runner.attention import TORCH as TORCH_ATTENTION
 from services.decoder.runner.attention import PagedAttention, Workspace, choose_decode_backend
 from services.decoder.runner.batch import StepBatch
+from services.decoder.runner.fused_decode import FusedDecode
 from services.decoder.runner.kv_cache import KVCache
 from services.decoder.runner.sampler import Sampler
 
@@ -51,6 +52,10 @@ class Runner:
         # timed at this model's heads at load (runner/attention.py); CUDA runs the torch path.
         self.attention_backend = (choose_decode_backend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
                                                         self.dtype) if self.device.type == "cpu" else TORCH_ATTENTION)
+        # Steps of a few decode rows: every layer in one C++ call, where it beat the layers at load
+        # (runner/fused_decode.py); one line for the log and GetModelInfo, e.g. "cpp rows<=4; timed ...".
+        self.fused_decode, self.decode_stack = FusedDecode.build(model, self.cache, self.attention_backend,
+                                                                 linear_path_mode(linear_path) == "auto")
         self.sampler = Sampler(seed)
         # How constrained rows get their grammar masks applied, chosen by timing at the real width.
         self.grammar_mask_path = self.sampler.grammars.choose(cfg.vocab_size, self.device)
@@ -99,8 +104,11 @@ class Runner:
         # The per-step adapter grouping is built once here and shared by every layer.
         scope = self.lora.activate(batch.lora_spans, len(batch.input_ids)) if self.lora is not None \
             else nullcontext()
-        with scope:
-            hidden = self.model(embeds, batch.positions, PagedAttention(self.cache, batch.plan, self.workspace))
+        if self.fused_decode is not None and self.fused_decode.applies(batch):
+            hidden = self.fused_decode(embeds, batch.positions, batch.plan)
+        else:
+            with scope:
+                hidden = self.model(embeds, batch.positions, PagedAttention(self.cache, batch.plan, self.workspace))
         return self.model.logits(hidden.index_select(0, batch.sample_rows)), batch
 
     @torch.inference_mode()

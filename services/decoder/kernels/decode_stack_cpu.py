@@ -1,0 +1,123 @@
+"""Every decoder layer of a few-row decode step in one C++ call, on CPU: the launcher and its torch ref.
+
+The kernel is decode_stack_cpu.cpp next to this file (it includes gemv_cpu.cpp and
+paged_attention_cpu.cpp), compiled once per machine by native.load (`make kernels`). `make_stack`
+builds the C++ object over a model's weights and KV cache once; `decode_stack` runs it for one
+step; `decode_stack_ref` is the torch computation it must match (tests/decoder/kernels). Whether
+it runs at all is decided at load by the runner (runner/fused_decode.py); this module only computes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import native
+from .gemv_cpu import gemv_ref
+from .paged_attention_cpu import paged_decode_ref
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+MAX_ROWS = 4          # gemv_cpu's limit: more rows go through the model's own layers
+OPERATOR = native.Operator("decode_stack_cpu", SOURCE)
+load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
+
+
+@dataclass
+class Projection:
+    weight: torch.Tensor                 # [out, in] float32, bfloat16, or int8 with scale
+    scale: torch.Tensor | None = None    # [out] per-row scale of an int8 weight
+    bias: torch.Tensor | None = None     # [out]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor             # [hidden], the activations' dtype
+    post_norm: torch.Tensor              # [hidden]
+    qkv: Projection                      # [(H + 2 KVH) D, hidden]: q | k | v
+    o: Projection                        # [hidden, H D]
+    gate_up: Projection                  # [2 I, hidden]: gate | up
+    down: Projection                     # [hidden, I]
+    k_cache: torch.Tensor                # [NB, BS, KVH, D] contiguous, the activations' dtype
+    v_cache: torch.Tensor
+    q_norm: torch.Tensor | None = None   # [D] (Qwen3: RMSNorm per head before the rotary)
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Shape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    eps: float
+
+
+def make_stack(shape: Shape, layers: list[LayerWeights], final_norm: torch.Tensor):
+    """The compiled DecodeStack over these tensors (held, not copied: weights and caches stay shared;
+    norms, scales and biases are copied to fp32 once). final_norm's dtype is the activations'."""
+    stack = load().DecodeStack(shape.heads, shape.kv_heads, shape.head_dim, shape.hidden, shape.intermediate,
+                               shape.eps, final_norm)
+    for w in layers:
+        stack.add_layer(w.input_norm, w.post_norm, w.q_norm, w.k_norm, *_args(w.qkv), *_args(w.o),
+                        *_args(w.gate_up), *_args(w.down), w.k_cache, w.v_cache)
+    return stack
+
+
+def _args(p: Projection) -> tuple:
+    return p.weight, p.scale, p.bias
+
+
+def decode_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """x [M <= MAX_ROWS, hidden] (embeddings) -> final-normed hidden states [M, hidden], in x (in place).
+
+    Row m is one token at cache slot slots[m] (int64) attending to block_tables[m] (int32, [M, nb])
+    up to context_lens[m] keys (int32, its position + 1). cos/sin [M, D] from Rotary.cos_sin (sin's
+    first half negated). Every layer writes the rows' K/V into its cache at `slots`, as the model's
+    own layers do; see decode_stack_ref for the computation.
+    """
+    stack.forward(x, cos.contiguous(), sin.contiguous(), slots, block_tables.to(torch.int32).contiguous(),
+                  context_lens.to(torch.int32).contiguous())
+    return x
+
+
+def decode_stack_ref(shape: Shape, layers: list[LayerWeights], final_norm: torch.Tensor, x: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor) -> torch.Tensor:
+    """The torch reference of decode_stack (model/layers.py's computation, one row per token);
+    writes the same cache slots and returns [M, hidden] in x's dtype."""
+    dtype, (h, kvh, d) = x.dtype, (shape.heads, shape.kv_heads, shape.head_dim)
+    m = x.shape[0]
+
+    def norm(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        f = t.float()
+        return w * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + shape.eps)).to(dtype)
+
+    def linear(t: torch.Tensor, p: Projection) -> torch.Tensor:
+        return gemv_ref(t, p.weight, p.scale, p.bias).to(dtype)
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        return t * cos[:, None] + t.roll(d // 2, -1) * sin[:, None]
+
+    for w in layers:
+        qkv = linear(norm(x, w.input_norm), w.qkv)
+        q, k, v = qkv.split((h * d, kvh * d, kvh * d), dim=1)
+        q, k, v = q.reshape(m, h, d), k.reshape(m, kvh, d), v.reshape(m, kvh, d)
+        if w.q_norm is not None:
+            q, k = norm(q, w.q_norm), norm(k, w.k_norm)
+        q, k = rotate(q), rotate(k)
+        w.k_cache.view(-1, kvh, d).index_copy_(0, slots, k)
+        w.v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
+        attn = paged_decode_ref(q, w.k_cache, w.v_cache, block_tables, context_lens, 1 / math.sqrt(d))
+        x = x + linear(attn.reshape(m, h * d), w.o)
+        gate, up = linear(norm(x, w.post_norm), w.gate_up).chunk(2, dim=1)
+        x = x + linear(F.silu(gate) * up, w.down)
+    return norm(x, final_norm)
+
+
+if __name__ == "__main__":
+    OPERATOR.main()

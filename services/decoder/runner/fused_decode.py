@@ -1,0 +1,165 @@
+"""Few-row decode steps through the C++ decode stack (kernels/decode_stack_cpu), where it is faster.
+
+At batch 1 to 4 a step's matmuls already run in gemv_cpu; what is left per layer is ~40 tiny torch
+ops whose dispatch costs about as much again on a 2-core machine. The stack runs all layers of
+such a step in one call over the same weights and the same paged cache. A step takes it when:
+- every row is a decode row of the in-place attention operator (no prefill span; a short chunk
+  after 0, e.g. speculative drafts, counts as rows), at most `max_rows` of them;
+- no row uses a LoRA adapter (those steps need the per-projection corrections of the layers).
+Any other step runs the model's own layers, which stay the reference (tests compare the two).
+
+`FusedDecode.build` makes it at load, when the model is on CPU in float32 or bfloat16 (int8 weights
+included), the decode attention is the C++ operator, the matmul path is chosen by timing, and the
+operator builds. It then times one step both ways at 1..MAX_ROWS rows and keeps the largest row
+count up to which the stack wins at every count (`max_rows`, 0: never), as every per-machine
+choice (DESIGN.md). TESSERA_DECODE_STACK=off keeps it out (A/B benchmarks).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from services.decoder.kernels import decode_stack_cpu, native
+from services.decoder.model.decoder import CausalLM
+from services.decoder.runner.attention import CPP, AttentionPlan, PagedAttention, Workspace
+from services.decoder.runner.batch import StepBatch
+from services.decoder.runner.kv_cache import KVCache
+
+log = logging.getLogger("tessera.decode_stack")
+
+ENV = "TESSERA_DECODE_STACK"
+TIMING_CONTEXT, TIMING_REPS = 64, 3
+WIN = 0.05        # the stack must be this much faster to be used
+
+
+class FusedDecode:
+    def __init__(self, model: CausalLM, stack):
+        self.model, self.stack = model, stack
+        self.max_rows = decode_stack_cpu.MAX_ROWS
+
+    @classmethod
+    def build(cls, model: CausalLM, cache: KVCache, attention_backend: str, linear_auto: bool,
+              timer: Timer | None = None) -> tuple[FusedDecode | None, str]:
+        """(the stack or None, a one-line summary for the log and GetModelInfo.decode_stack); timer
+        (tests) replaces the clock in choose."""
+        reason = _ineligible(model, attention_backend, linear_auto)
+        if reason:
+            return None, f"off ({reason})"
+        try:
+            stack = decode_stack_cpu.make_stack(_shape(model), _layers(model, cache), model.model.norm.weight)
+        except native.BuildError as e:
+            log.warning("decode stack unavailable, few-row steps run the model's layers: %s", e)
+            return None, f"off (unavailable: {str(e).splitlines()[0]})"
+        fused = cls(model, stack)
+        timings = fused.choose(cache, timer or best_of)
+        summary = (f"cpp rows<={fused.max_rows}" if fused.max_rows else "off (the layers were as fast)") + \
+            f"; timed {timings}"
+        log.info("decode stack: %s", summary)
+        return (fused if fused.max_rows else None), summary
+
+    def applies(self, batch: StepBatch) -> bool:
+        plan = batch.plan
+        return (not plan.prefills and plan.decode_rows is not None and plan.decode_rows.rows is None
+                and len(batch.input_ids) <= self.max_rows and not batch.lora_spans)
+
+    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        """embeds [M, hidden] (consumed) -> final-normed hidden states [M, hidden], as CausalLM.forward."""
+        cos, sin = self.model.rotary.cos_sin(positions, embeds.dtype)       # [M, 1, D]
+        d = plan.decode_rows
+        return decode_stack_cpu.decode_stack(self.stack, embeds.contiguous(), cos[:, 0], sin[:, 0],
+                                             plan.slot_mapping, d.block_tables, d.context_lens)
+
+    @torch.inference_mode()
+    def choose(self, cache: KVCache, timer: Timer) -> str:
+        """Time a step of r rows at TIMING_CONTEXT keys both ways for r = 1..MAX_ROWS (best of
+        TIMING_REPS), over blocks of the runner's own cache, which are zeroed again afterwards (no
+        request owns a block at load). Sets max_rows; returns the timings, e.g. "1 row 9.1 vs 14.0 ms"."""
+        bs = cache.block_size
+        context = max(1, min(TIMING_CONTEXT, cache.num_blocks * bs // decode_stack_cpu.MAX_ROWS))
+        per_row = -(-context // bs)
+        rows_fit = min(decode_stack_cpu.MAX_ROWS, cache.num_blocks // per_row)
+        detail, self.max_rows = [], 0
+        for rows in range(1, rows_fit + 1):
+            best = {name: timer(name, rows, fn) for name, fn in self._steps(cache, rows, context, per_row).items()}
+            detail.append(f"{rows} row{'s' if rows > 1 else ''} {best['stack'] * 1e3:.1f} vs "
+                          f"{best['layers'] * 1e3:.1f} ms")
+            if best["stack"] * (1 + WIN) >= best["layers"]:
+                break
+            self.max_rows = rows
+        for k, v in zip(cache.k, cache.v, strict=True):
+            k[:rows_fit * per_row].zero_()
+            v[:rows_fit * per_row].zero_()
+        return "; ".join(detail) + " (stack vs layers)"
+
+    def _steps(self, cache: KVCache, rows: int, context: int, per_row: int) -> dict[str, Callable[[], object]]:
+        """One step of `rows` decode rows at `context` keys, row r on blocks [r * per_row, (r + 1) * per_row),
+        on each path."""
+        spans = [(context - 1, 1, list(range(r * per_row, (r + 1) * per_row))) for r in range(rows)]
+        plan = AttentionPlan.build(spans, cache.block_size, torch.device("cpu"), CPP)
+        positions = torch.full((rows,), context - 1, dtype=torch.long)
+        embeds = torch.randn(rows, self.model.config.hidden_size).to(cache.k[0].dtype)
+        return {"stack": lambda: self(embeds.clone(), positions, plan),
+                "layers": lambda: self.model(embeds.clone(), positions, PagedAttention(cache, plan, Workspace()))}
+
+
+# (path: "stack" or "layers", rows, a call of one step on that path) -> seconds it takes.
+Timer = Callable[[str, int, Callable[[], object]], float]
+
+
+def best_of(path: str, rows: int, fn: Callable[[], object]) -> float:
+    """The fastest of TIMING_REPS calls of fn, after one warm-up call."""
+    fn()
+    samples = []
+    for _ in range(TIMING_REPS):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return min(samples)
+
+
+def _ineligible(model: CausalLM, attention_backend: str, linear_auto: bool) -> str:
+    """Why the stack cannot run this model here, or "" when it can."""
+    if os.environ.get(ENV, "auto").strip().lower() == "off":
+        return f"{ENV}=off"
+    weight = model.model.norm.weight
+    if weight.device.type != "cpu":
+        return "not on CPU"
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        return f"{str(weight.dtype).removeprefix('torch.')} activations"
+    if attention_backend != CPP:
+        return f"decode attention is {attention_backend}"
+    if not linear_auto:
+        return "the matmul path is forced (--linear-path)"
+    for layer in model.model.layers:
+        if layer.self_attn.qkv is None or layer.mlp.gate_up is None:
+            return "projections not fused"
+    return ""
+
+
+def _shape(model: CausalLM) -> decode_stack_cpu.Shape:
+    cfg = model.config
+    return decode_stack_cpu.Shape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
+                                  cfg.intermediate_size, cfg.rms_norm_eps)
+
+
+def _projection(linear) -> decode_stack_cpu.Projection:
+    if linear.qweight is not None:
+        return decode_stack_cpu.Projection(linear.qweight, linear.qscale, linear.bias)
+    return decode_stack_cpu.Projection(linear.weight, None, linear.bias)
+
+
+def _layers(model: CausalLM, cache: KVCache) -> list[decode_stack_cpu.LayerWeights]:
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        out.append(decode_stack_cpu.LayerWeights(
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            _projection(attn.qkv), _projection(attn.o_proj), _projection(mlp.gate_up), _projection(mlp.down_proj),
+            cache.k[i], cache.v[i],
+            attn.q_norm.weight if attn.q_norm is not None else None,
+            attn.k_norm.weight if attn.k_norm is not None else None))
+    return out

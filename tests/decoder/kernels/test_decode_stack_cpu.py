@@ -1,0 +1,142 @@
+"""The few-row decode stack (kernels/decode_stack_cpu.cpp) against its torch reference, and its refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.decoder.kernels.decode_stack_cpu import (
+    MAX_ROWS,
+    LayerWeights,
+    Projection,
+    Shape,
+    decode_stack,
+    decode_stack_ref,
+    make_stack,
+)
+from services.decoder.model.quantization import quantize
+from tests.tolerance import assert_close
+
+pytestmark = pytest.mark.numerics
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
+LAYERS = 2
+
+
+def projection(kind: str, out: int, inp: int, bias: bool, g: torch.Generator) -> Projection:
+    w = torch.randn(out, inp, generator=g) / inp ** 0.5
+    b = torch.randn(out, generator=g).to(DTYPES[kind]) * 0.1 if bias else None
+    if kind == "int8":
+        q, scale = quantize(w)
+        return Projection(q, scale, b)
+    return Projection(w.to(DTYPES[kind]), None, b)
+
+
+def model(kind: str, shape: Shape, qk_norm: bool, bias: bool, num_blocks: int, block_size: int, g: torch.Generator):
+    dtype = DTYPES[kind]
+    h, kvh, d = shape.heads, shape.kv_heads, shape.head_dim
+
+    def norm(n: int) -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+
+    layers = []
+    for _ in range(LAYERS):
+        cache = [torch.randn(num_blocks, block_size, kvh, d, generator=g).to(dtype) for _ in range(2)]
+        layers.append(LayerWeights(
+            norm(shape.hidden), norm(shape.hidden),
+            projection(kind, (h + 2 * kvh) * d, shape.hidden, bias, g),
+            projection(kind, shape.hidden, h * d, False, g),
+            projection(kind, 2 * shape.intermediate, shape.hidden, False, g),
+            projection(kind, shape.hidden, shape.intermediate, False, g),
+            *cache, norm(d) if qk_norm else None, norm(d) if qk_norm else None))
+    return layers, norm(shape.hidden)
+
+
+def step(rows: int, lengths: list[int], block_size: int, num_blocks: int, shape: Shape, dtype, g):
+    """Random rows at the given context lengths over disjoint, shuffled blocks."""
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    per_row = -(-max(lengths) // block_size)
+    tables = torch.tensor([perm[r * per_row:(r + 1) * per_row] for r in range(rows)], dtype=torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    pos = lens.long() - 1
+    slots = tables.long().gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size
+    angles = pos.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, shape.head_dim, 2).float() / shape.head_dim))
+    angles = torch.cat((angles, angles), dim=-1)
+    sin = angles.sin()
+    sin[:, :shape.head_dim // 2].neg_()
+    x = torch.randn(rows, shape.hidden, generator=g).to(dtype)
+    return x, angles.cos().to(dtype), sin.to(dtype), slots, tables, lens
+
+
+def clone(layers: list[LayerWeights]) -> list[LayerWeights]:
+    return [LayerWeights(**{**w.__dict__, "k_cache": w.k_cache.clone(), "v_cache": w.v_cache.clone()})
+            for w in layers]
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,qk_norm,bias", [
+    (4, 1, 16, 16, False, False),     # GQA 4, one block per 16 keys
+    (6, 2, 64, 4, True, True),        # GQA 3, Qwen3-style per-head norms, Qwen2-style qkv bias
+    (4, 4, 32, 1, False, True),       # MHA, a block per key
+])
+def test_matches_reference(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias):
+    g = torch.Generator().manual_seed(rows * 100 + heads * 10 + block_size)
+    shape = Shape(heads, kv_heads, head_dim, hidden=64, intermediate=96, eps=1e-5)
+    num_blocks = 4 * 40 // block_size + 8
+    layers, final = model(kind, shape, qk_norm, bias, num_blocks, block_size, g)
+    lengths = [1, 37, 2 * block_size, 40][:rows]
+    x, cos, sin, slots, tables, lens = step(rows, lengths, block_size, num_blocks, shape, DTYPES[kind], g)
+    ref_layers = clone(layers)
+    expected = decode_stack_ref(shape, ref_layers, final, x.clone(), cos, sin, slots, tables, lens)
+    got = decode_stack(make_stack(shape, layers, final), x.clone(), cos, sin, slots, tables, lens)
+    # Each layer: two norms, four matmuls (k up to the intermediate width) and a softmax over <= 40 keys.
+    depth = 6 * LAYERS + 1
+    assert_close(got, expected, dtype=DTYPES[kind], k=shape.intermediate, depth=depth)
+    for mine, ref in zip(layers, ref_layers, strict=True):   # the same K/V written at the same slots
+        assert_close(mine.k_cache, ref.k_cache, dtype=DTYPES[kind], k=shape.intermediate, depth=depth)
+        assert_close(mine.v_cache, ref.v_cache, dtype=DTYPES[kind], k=shape.intermediate, depth=depth)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+def test_a_row_is_independent_of_the_others_and_the_thread_count_bit_for_bit(kind):
+    g = torch.Generator().manual_seed(7)
+    shape = Shape(4, 2, 64, hidden=128, intermediate=192, eps=1e-6)
+    layers, final = model(kind, shape, False, True, 64, 16, g)
+    x, cos, sin, slots, tables, lens = step(4, [5, 70, 33, 128], 16, 64, shape, DTYPES[kind], g)
+    stack = make_stack(shape, layers, final)
+    caches = [(w.k_cache.clone(), w.v_cache.clone()) for w in layers]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(2, threads))
+        four = decode_stack(stack, x.clone(), cos, sin, slots, tables, lens)
+        for w, (k, v) in zip(layers, caches, strict=True):
+            w.k_cache.copy_(k)
+            w.v_cache.copy_(v)
+        torch.set_num_threads(1)
+        one = decode_stack(stack, x[2:3].clone(), cos[2:3], sin[2:3], slots[2:3], tables[2:3], lens[2:3])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], four[2])
+
+
+def test_refusals():
+    g = torch.Generator().manual_seed(3)
+    shape = Shape(4, 2, 16, hidden=32, intermediate=48, eps=1e-6)
+    layers, final = model("fp32", shape, False, False, 8, 4, g)
+    stack = make_stack(shape, layers, final)
+    x, cos, sin, slots, tables, lens = step(1, [3], 4, 8, shape, torch.float32, g)
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        decode_stack(stack, torch.randn(MAX_ROWS + 1, 32), cos.repeat(5, 1), sin.repeat(5, 1),
+                     slots.repeat(5), tables.repeat(5, 1), lens.repeat(5))
+    with pytest.raises(RuntimeError, match="slot 32 out of range"):
+        decode_stack(stack, x, cos, sin, torch.tensor([32]), tables, lens)
+    with pytest.raises(RuntimeError, match="x must be contiguous"):
+        decode_stack(stack, x.bfloat16(), cos, sin, slots, tables, lens)
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        bad = clone(layers)[0]
+        bad.qkv = Projection(torch.randn(10, 32))
+        make_stack(shape, [bad], final)
+    with pytest.raises(RuntimeError, match="int8 weights and only they need a scale"):
+        bad = clone(layers)[0]
+        bad.o = Projection(torch.zeros(32, 64, dtype=torch.int8))
+        make_stack(shape, [bad], final)

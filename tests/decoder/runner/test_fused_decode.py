@@ -1,0 +1,131 @@
+"""Few-row decode steps through the C++ decode stack (runner/fused_decode.py) vs the model's own layers."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.decoder.engine.step import StepInput
+from services.decoder.runner import Runner, attention
+from services.decoder.runner.batch import StepBatch
+from services.decoder.runner.fused_decode import FusedDecode
+from tests.decoder.model.checkpoints import TINY_SHAPE, build
+from tests.decoder.runner.driver import BlockAllocator, Seq
+from tests.tolerance import assert_close
+
+pytestmark = pytest.mark.numerics
+
+BLOCK, BLOCKS = 4, 96
+CASES = ["llama_gqa4_tied_sharded", "qwen2_gqa2_odd_tied", "qwen3_odd3_gqa3_qknorm"]
+VARIANTS = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "int8": ("fp32", "int8")}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: build(root, name, seed=30 + i) for i, name in enumerate(CASES)}
+
+
+@pytest.fixture(autouse=True)
+def cpp_attention(monkeypatch):
+    """The stack needs the in-place attention operator; at tiny shapes the load-time timing may pick
+    the torch path for the whole process, so these tests ask for the operator."""
+    monkeypatch.setenv("TESSERA_ATTENTION", "cpp")
+    monkeypatch.setattr(attention, "_backend", None)
+
+
+def stack_wins(path: str, rows: int, fn) -> float:
+    fn()                          # both paths still run once: the timing steps must work
+    return {"stack": 1.0, "layers": 2.0}[path]
+
+
+def runners(folder, variant: str) -> tuple[Runner, Runner]:
+    dtype, quantization = VARIANTS[variant]
+    fused = Runner.from_folder(folder, dtype, block_size=BLOCK, num_blocks=BLOCKS, quantization=quantization)
+    fused.fused_decode, fused.decode_stack = FusedDecode.build(fused.model, fused.cache, fused.attention_backend,
+                                                               True, timer=stack_wins)
+    layers = Runner.from_folder(folder, dtype, block_size=BLOCK, num_blocks=BLOCKS, quantization=quantization)
+    layers.fused_decode = None
+    return fused, layers
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_steps_of_one_to_four_rows_match_the_layers(folders, name, variant):
+    fused, layers = runners(folders[name], variant)
+    assert fused.decode_stack.startswith("cpp rows<=4; timed 1 row 1000.0 vs 2000.0 ms")
+    dtype = fused.cache.k[0].dtype
+    g = random.Random(5)
+    prompts = [[g.randrange(4, 160) for _ in range(3 + 5 * i)] for i in range(4)]
+    seqs = {r: [Seq(f"s{i}", list(p)) for i, p in enumerate(prompts)] for r in "fl"}
+    allocs = {r: BlockAllocator(BLOCKS, seed=1) for r in "fl"}
+    calls = []                    # what applies() said per step of the fused runner
+    applies = fused.fused_decode.applies
+    fused.fused_decode.applies = lambda batch: calls.append(applies(batch)) or calls[-1]
+    for rows in (4, 1, 3, 2, 4):
+        for _ in range(3):
+            out = {}
+            for r, runner in (("f", fused), ("l", layers)):
+                chunks = [s.chunk(len(s.tokens) - s.computed, allocs[r], BLOCK) for s in seqs[r][:rows]]
+                out[r], _ = runner.logits(StepInput(chunks))
+            assert calls[-1] == (all(s.computed > s.num_prompt for s in seqs["f"][:rows]))
+            assert_close(out["f"], out["l"], dtype=dtype, k=TINY_SHAPE["k"], depth=TINY_SHAPE["depth"])
+            for r in "fl":
+                for s, row in zip(seqs[r][:rows], out["f"], strict=True):
+                    s.tokens.append(int(row.argmax()))      # both follow the fused run's tokens
+    assert sum(calls) >= 12                 # the decode steps (not the prefills) took the stack
+
+
+def test_the_choice_is_made_from_measurement(folders):
+    runner = Runner.from_folder(folders[CASES[0]], "fp32", block_size=BLOCK, num_blocks=BLOCKS)
+    seen = []
+
+    def timer(path, rows, fn):
+        seen.append((path, rows))
+        fn()
+        return {"stack": 1.0 + (rows >= 3) * 5, "layers": 2.0}[path]
+
+    fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, True, timer=timer)
+    assert fused.max_rows == 2 and summary.startswith("cpp rows<=2; timed 1 row 1000.0 vs 2000.0 ms")
+    assert seen == [("stack", 1), ("layers", 1), ("stack", 2), ("layers", 2), ("stack", 3), ("layers", 3)]
+    assert all(not k.any() for k in runner.cache.k) and all(not v.any() for v in runner.cache.v)
+
+    fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, True,
+                                       timer=lambda path, rows, fn: 1.0)
+    assert fused is None and summary.startswith("off (the layers were as fast); timed 1 row 1000.0 vs 1000.0 ms")
+
+
+def test_when_it_stays_off(folders, monkeypatch):
+    runner = Runner.from_folder(folders[CASES[0]], "fp32", block_size=BLOCK, num_blocks=BLOCKS)
+    assert FusedDecode.build(runner.model, runner.cache, "torch-gather", True) == \
+        (None, "off (decode attention is torch-gather)")
+    assert FusedDecode.build(runner.model, runner.cache, runner.attention_backend, False) == \
+        (None, "off (the matmul path is forced (--linear-path))")
+    monkeypatch.setenv("TESSERA_DECODE_STACK", "off")
+    assert FusedDecode.build(runner.model, runner.cache, runner.attention_backend, True) == \
+        (None, "off (TESSERA_DECODE_STACK=off)")
+    forced = Runner.from_folder(folders[CASES[0]], "fp32", block_size=BLOCK, num_blocks=BLOCKS, linear_path="plain")
+    assert forced.fused_decode is None and forced.decode_stack.startswith("off (")
+
+
+def test_prefill_adapter_and_wide_steps_take_the_layers(folders):
+    fused, _ = runners(folders[CASES[0]], "fp32")
+    alloc = BlockAllocator(BLOCKS)
+    seqs = [Seq(f"s{i}", list(range(5, 12))) for i in range(5)]
+
+    def batch(chunks) -> StepBatch:
+        return StepBatch.build(StepInput(chunks), BLOCK, torch.device("cpu"), None)
+
+    prefill = [s.chunk(7, alloc, BLOCK) for s in seqs]
+    assert not fused.fused_decode.applies(batch(prefill[:1]))
+    fused.logits(StepInput(prefill))
+    for s in seqs:
+        s.tokens.append(9)
+    decode = [s.chunk(1, alloc, BLOCK) for s in seqs]
+    assert fused.fused_decode.applies(batch(decode[:4]))
+    assert not fused.fused_decode.applies(batch(decode))                 # 5 rows
+    assert not fused.fused_decode.applies(batch(decode[:1] + prefill[:1]))
+    adapter = batch(decode[:4])
+    adapter.lora_spans = [(0, 1, 0)]
+    assert not fused.fused_decode.applies(adapter)
