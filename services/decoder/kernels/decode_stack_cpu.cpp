@@ -43,13 +43,19 @@ struct Proj {
     TORCH_CHECK(!bias.defined() || bias.numel() == N, "decode_stack: ", name, " bias must be [", N, "]");
   }
 
-  // y [M, N] = x [M, K] @ w^T (* scale) (+ bias), fp32 in and out.
-  void operator()(const float* x, float* y, int64_t M) const {
+  // y [M, N] = x [M, K] @ w^T (* scale) (+ bias), fp32 in and out. x_is_bf16: every x is a bf16 value
+  // (the stack's bf16 mode), so bf16 weights may take gemv's bf16 dot product (exact products too).
+  void operator()(const float* x, float* y, int64_t M, bool x_is_bf16) const {
     const float* sp = scale.defined() ? scale.data_ptr<float>() : nullptr;
     const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
     switch (w.scalar_type()) {
       case at::kFloat: return dispatch_rows(M, x, w.data_ptr<float>(), sp, bp, y, N, K);
-      case at::kBFloat16: return dispatch_rows(M, x, w.data_ptr<at::BFloat16>(), sp, bp, y, N, K);
+      case at::kBFloat16:
+        if (x_is_bf16) {
+          std::vector<at::BFloat16> xb(x, x + M * K);  // exact: the values are bf16 already
+          return tessera_gemv::dispatch_bf16(M, xb.data(), w.data_ptr<at::BFloat16>(), bp, y, N, K);
+        }
+        return dispatch_rows(M, x, w.data_ptr<at::BFloat16>(), sp, bp, y, N, K);
       default: return dispatch_rows(M, x, w.data_ptr<int8_t>(), sp, bp, y, N, K);
     }
   }
@@ -196,7 +202,7 @@ class DecodeStack {
     const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
     for (const Layer& L : layers_) {
       for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * hid], L.in_norm.data_ptr<float>(), &h[m * hid], hid);
-      L.qkv(h.data(), qkv.data(), M);
+      L.qkv(h.data(), qkv.data(), M, bf16_);
       T* kc = L.k_cache.data_ptr<T>();
       T* vc = L.v_cache.data_ptr<T>();
       for (int64_t m = 0; m < M; ++m) {
@@ -221,10 +227,10 @@ class DecodeStack {
       }
       tessera_paged::paged_decode(o_t, q_t, L.k_cache, L.v_cache, tables, lens, c10::nullopt, scale);
       for (int64_t i = 0; i < M * q_n; ++i) attn[i] = tessera_paged::widen(op[i]);
-      L.o(attn.data(), y.data(), M);
+      L.o(attn.data(), y.data(), M, bf16_);
       for (int64_t i = 0; i < M * hid; ++i) x[i] = round(x[i] + round(y[i]));
       for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * hid], L.post_norm.data_ptr<float>(), &h[m * hid], hid);
-      L.gate_up(h.data(), gu.data(), M);
+      L.gate_up(h.data(), gu.data(), M, bf16_);
       for (int64_t m = 0; m < M; ++m) {
         const float* g = &gu[m * 2 * inter_];
         const float* u = g + inter_;
@@ -234,7 +240,7 @@ class DecodeStack {
           a[i] = round(round(gv / (1.0f + std::exp(-gv))) * round(u[i]));
         }
       }
-      L.down(act.data(), y.data(), M);
+      L.down(act.data(), y.data(), M, bf16_);
       for (int64_t i = 0; i < M * hid; ++i) x[i] = round(x[i] + round(y[i]));
     }
     for (int64_t m = 0; m < M; ++m) {

@@ -77,6 +77,48 @@ inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, 
 }
 #endif
 
+#ifdef __AVX512BF16__
+// bf16 x times bf16 weights with the CPU's bf16 dot product (avx512_bf16): 32 products per instruction
+// against three widening ops per 16 in row1, so the loop keeps up with memory. Products of two bf16
+// are exact in fp32 either way; only the order of the fp32 sums differs (and, as the instruction
+// does, subnormal inputs and sums count as zero).
+template <int M>
+inline void row1_dp(const at::BFloat16* x, const at::BFloat16* wn, int64_t K, int64_t n, float* acc, int64_t N) {
+  __m512 a[M][UNROLL];
+  for (int m = 0; m < M; ++m)
+    for (int u = 0; u < UNROLL; ++u) a[m][u] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 * UNROLL <= K; k += 32 * UNROLL) {
+    for (int u = 0; u < UNROLL; ++u) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wn + k + 32 * u);
+      for (int m = 0; m < M; ++m)
+        a[m][u] = _mm512_dpbf16_ps(a[m][u], (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u), wv);
+    }
+  }
+  for (; k < K; k += 32) {
+    const __mmask32 mask = K - k >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (K - k)) - 1);
+    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wn + k);
+    for (int m = 0; m < M; ++m)
+      a[m][0] = _mm512_dpbf16_ps(a[m][0], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), wv);
+  }
+  for (int m = 0; m < M; ++m) {
+    __m512 sum = a[m][0];
+    for (int u = 1; u < UNROLL; ++u) sum = _mm512_add_ps(sum, a[m][u]);
+    acc[m * N + n] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+template <int M>
+void run_dp(const at::BFloat16* x, const at::BFloat16* w, const float* bias, float* y, int64_t N, int64_t K) {
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) row1_dp<M>(x, w + n * K, K, n, y, N);
+    if (bias)
+      for (int m = 0; m < M; ++m)
+        for (int64_t n = n0; n < n1; ++n) y[m * N + n] += bias[n];
+  });
+}
+#endif
+
 template <typename W, int M>
 void rows_block(const float* x, const W* w, int64_t K, int64_t n0, int64_t n1, float* acc /* [M, N] */,
                 int64_t N) {
@@ -149,6 +191,25 @@ void dispatch_rows(int64_t M, const float* x, const W* w, const float* scale, co
   }
 }
 
+// y [M, N] fp32 = x [M, K] bf16 @ w [N, K] bf16 ^T (+ bias): the dot-product instruction where the CPU
+// has it, else x widened once and the fp32 loop.
+void dispatch_bf16(int64_t M, const at::BFloat16* x, const at::BFloat16* w, const float* bias, float* y, int64_t N,
+                   int64_t K) {
+#ifdef __AVX512BF16__
+  switch (M) {
+    case 1: return run_dp<1>(x, w, bias, y, N, K);
+    case 2: return run_dp<2>(x, w, bias, y, N, K);
+    case 3: return run_dp<3>(x, w, bias, y, N, K);
+    case 4: return run_dp<4>(x, w, bias, y, N, K);
+    default: TORCH_CHECK(false, "gemv: at most 4 rows, got ", M);
+  }
+#else
+  std::vector<float> xs(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xs[i] = widen(x[i]);
+  dispatch_rows(M, xs.data(), w, nullptr, bias, y, N, K);
+#endif
+}
+
 // out [M, N] = x [M, K] @ w[N, K]^T (* scale [N] fp32) (+ bias [N] fp32); all contiguous. x and out
 // are both float32 or both bfloat16: bf16 x is widened once into fp32 and the fp32 result rounded
 // once into out (round to nearest even), here rather than by two more torch ops per call.
@@ -197,7 +258,11 @@ void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<tor
       break;
     case at::kBFloat16:
       TORCH_CHECK(!sp, "gemv: scale is for int8 weights");
-      dispatch_rows(M, xp, w.data_ptr<at::BFloat16>(), sp, bp, yp, N, K);
+      if (bf16) {
+        dispatch_bf16(M, x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), bp, yp, N, K);
+      } else {
+        dispatch_rows(M, xp, w.data_ptr<at::BFloat16>(), sp, bp, yp, N, K);
+      }
       break;
     case at::kChar:
       TORCH_CHECK(sp, "gemv: int8 weights need a scale");
