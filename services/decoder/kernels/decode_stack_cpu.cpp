@@ -15,6 +15,9 @@
 #include "gemv_cpu.cpp"
 #include "paged_attention_cpu.cpp"
 
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <cmath>
 #include <memory>
 
@@ -22,30 +25,64 @@ namespace tessera_stack {
 
 using tessera_gemv::dispatch_rows;
 
-// One projection: weight [N, K] float32, bfloat16 or int8 (with fp32 per-row scale), fp32 bias.
+// oneDNN's packed linear (services/common/linear_path.py's packed path), called through the dispatcher:
+// the op is registered by torch itself, and a boxed call needs no C++ signature from its headers.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, packed, bias.defined() ? c10::IValue(bias) : c10::IValue(), std::string("none"),
+                                 c10::List<c10::optional<at::Scalar>>(), c10::optional<std::string>("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// One projection: weight [N, K] float32, bfloat16 or int8 (with fp32 per-row scale), and how the
+// model's Linear runs it: the few-row kernel up to gemv_rows rows (its load-time choice, at most
+// MAX_ROWS), above that its oneDNN-packed copy for the row counts its rule gives (rows in
+// [starts[i], starts[i+1]) packed iff flags[i]), else plain. int8 weights always take the kernel.
 struct Proj {
-  at::Tensor w, scale, bias;  // scale and bias undefined when absent
-  int64_t N = 0, K = 0;
+  at::Tensor w, scale, bias, bias_model, packed;  // undefined when absent; bias: fp32, bias_model: the model's
+  std::vector<int64_t> starts;
+  std::vector<bool> flags;
+  int64_t N = 0, K = 0, gemv_rows = 0;
 
   Proj() = default;
-  Proj(at::Tensor w_, c10::optional<at::Tensor> s, c10::optional<at::Tensor> b, const char* name) : w(std::move(w_)) {
-    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "decode_stack: ", name,
-                " weight must be a contiguous 2-D CPU tensor");
+  Proj(at::Tensor w_, c10::optional<at::Tensor> s, c10::optional<at::Tensor> b, c10::optional<at::Tensor> packed_,
+       std::vector<int64_t> starts_, std::vector<bool> flags_, int64_t gemv_rows_)
+      : w(std::move(w_)), starts(std::move(starts_)), flags(std::move(flags_)), gemv_rows(gemv_rows_) {
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
+                "decode_stack: a projection weight must be a contiguous 2-D CPU tensor");
     N = w.size(0);
     K = w.size(1);
     const auto t = w.scalar_type();
-    TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kChar, "decode_stack: ", name,
-                " weight must be float32, bfloat16 or int8, got ", t);
-    TORCH_CHECK(s.has_value() == (t == at::kChar), "decode_stack: ", name, ": int8 weights and only they need a scale");
+    TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kChar,
+                "decode_stack: projection weights must be float32, bfloat16 or int8, got ", t);
+    TORCH_CHECK(s.has_value() == (t == at::kChar), "decode_stack: int8 weights and only they need a scale");
+    TORCH_CHECK(starts.size() == flags.size() && (starts.empty() || starts[0] == 1),
+                "decode_stack: a row rule is starts (from 1) and one flag per start");
     if (s.has_value()) scale = s->to(at::kFloat).contiguous();
-    if (b.has_value()) bias = b->to(at::kFloat).contiguous();
-    TORCH_CHECK(!scale.defined() || scale.numel() == N, "decode_stack: ", name, " scale must be [", N, "]");
-    TORCH_CHECK(!bias.defined() || bias.numel() == N, "decode_stack: ", name, " bias must be [", N, "]");
+    if (b.has_value()) {
+      bias_model = b->contiguous();
+      bias = b->to(at::kFloat).contiguous();
+    }
+    if (packed_.has_value()) packed = *packed_;
+    if (t == at::kChar) gemv_rows = tessera_gemv::MAX_ROWS;
+    TORCH_CHECK(gemv_rows >= 0 && gemv_rows <= tessera_gemv::MAX_ROWS, "decode_stack: gemv_rows must be 0 to ",
+                tessera_gemv::MAX_ROWS);
+    TORCH_CHECK(!scale.defined() || scale.numel() == N, "decode_stack: scale must be [", N, "]");
+    TORCH_CHECK(!bias.defined() || bias.numel() == N, "decode_stack: bias must be [", N, "]");
+  }
+
+  bool use_packed(int64_t M) const {
+    bool p = false;
+    for (size_t i = 0; i < starts.size() && starts[i] <= M; ++i) p = flags[i];
+    return p && packed.defined();
   }
 
   // y [M, N] = x [M, K] @ w^T (* scale) (+ bias), fp32 in and out. x_is_bf16: every x is a bf16 value
-  // (the stack's bf16 mode), so bf16 weights may take gemv's bf16 dot product (exact products too).
+  // (the stack's bf16 mode): bf16 weights then take gemv's bf16 dot product (exact products too),
+  // and above the kernel's rows the library runs on bf16 tensors, as the model's Linear does.
   void operator()(const float* x, float* y, int64_t M, bool x_is_bf16) const {
+    if (M > gemv_rows) return library(x, y, M, x_is_bf16);
     const float* sp = scale.defined() ? scale.data_ptr<float>() : nullptr;
     const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
     switch (w.scalar_type()) {
@@ -59,6 +96,17 @@ struct Proj {
       default: return dispatch_rows(M, x, w.data_ptr<int8_t>(), sp, bp, y, N, K);
     }
   }
+
+ private:
+  void library(const float* x, float* y, int64_t M, bool x_is_bf16) const {
+    TORCH_CHECK(w.scalar_type() != at::kChar, "decode_stack: int8 weights run at most ", tessera_gemv::MAX_ROWS,
+                " rows here");
+    at::Tensor xt = at::from_blob(const_cast<float*>(x), {M, K}, at::kFloat);
+    if (x_is_bf16) xt = xt.to(at::kBFloat16);
+    at::Tensor yt = use_packed(M) ? packed_linear(xt, packed, bias_model) : at::linear(xt, w, bias_model);
+    at::Tensor yf = yt.to(at::kFloat).contiguous();
+    std::memcpy(y, yf.data_ptr<float>(), M * N * sizeof(float));
+  }
 };
 
 struct Layer {
@@ -67,7 +115,33 @@ struct Layer {
   at::Tensor k_cache, v_cache;  // [NB, BS, KVH, D], the model's dtype
 };
 
-inline float to_bf16(float v) { return static_cast<float>(c10::BFloat16(v)); }  // round to nearest even
+// v rounded to the nearest bf16, ties to even, NaN kept NaN: c10::BFloat16's rounding bit for bit, written
+// branch-free so that the loops over it vectorise.
+inline float to_bf16(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  const uint32_t r = v != v ? 0x7FC00000u : (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  float f;
+  std::memcpy(&f, &r, sizeof f);
+  return f;
+}
+
+// Where the torch path stores a tensor of the model's dtype: a bf16 rounding, or nothing in fp32.
+template <bool BF16>
+inline float rnd(float v) {
+  if constexpr (BF16) {
+    return to_bf16(v);
+  } else {
+    return v;
+  }
+}
+
+// g * sigmoid(g) with exp taken of -|g| only (tessera_paged's branch-free exp, within 1 ulp), so the
+// loop vectorises; F.silu's g / (1 + exp(-g)) up to that rounding.
+inline float silu(float g) {
+  const float e = tessera_paged::exp_nonpositive(-std::fabs(g));
+  return g * (g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e));
+}
 
 class DecodeStack {
  public:
@@ -78,16 +152,13 @@ class DecodeStack {
         bf16_(final_norm.scalar_type() == at::kBFloat16), dtype_(final_norm.scalar_type()),
         final_norm_(norm_weight(final_norm, hidden, "final norm")) {
     TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "decode_stack: float32 or bfloat16 activations");
-    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 2 == 0,
-                "decode_stack: heads must be a multiple of kv_heads and head_dim even");
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 2 == 0 && head_dim <= 512,
+                "decode_stack: heads must be a multiple of kv_heads, head_dim even and at most 512");
   }
 
   void add_layer(at::Tensor in_norm, at::Tensor post_norm, c10::optional<at::Tensor> q_norm,
-                 c10::optional<at::Tensor> k_norm, at::Tensor qkv_w, c10::optional<at::Tensor> qkv_s,
-                 c10::optional<at::Tensor> qkv_b, at::Tensor o_w, c10::optional<at::Tensor> o_s,
-                 c10::optional<at::Tensor> o_b, at::Tensor gu_w, c10::optional<at::Tensor> gu_s,
-                 c10::optional<at::Tensor> gu_b, at::Tensor down_w, c10::optional<at::Tensor> down_s,
-                 c10::optional<at::Tensor> down_b, at::Tensor k_cache, at::Tensor v_cache) {
+                 c10::optional<at::Tensor> k_norm, const Proj& qkv, const Proj& o, const Proj& gate_up,
+                 const Proj& down, at::Tensor k_cache, at::Tensor v_cache) {
     Layer L;
     L.in_norm = norm_weight(in_norm, hidden_, "input norm");
     L.post_norm = norm_weight(post_norm, hidden_, "post-attention norm");
@@ -96,10 +167,10 @@ class DecodeStack {
       L.q_norm = norm_weight(*q_norm, D_, "q_norm");
       L.k_norm = norm_weight(*k_norm, D_, "k_norm");
     }
-    L.qkv = Proj(qkv_w, qkv_s, qkv_b, "qkv");
-    L.o = Proj(o_w, o_s, o_b, "o_proj");
-    L.gate_up = Proj(gu_w, gu_s, gu_b, "gate_up");
-    L.down = Proj(down_w, down_s, down_b, "down_proj");
+    L.qkv = qkv;
+    L.o = o;
+    L.gate_up = gate_up;
+    L.down = down;
     TORCH_CHECK(L.qkv.K == hidden_ && L.qkv.N == (H_ + 2 * KVH_) * D_, "decode_stack: qkv must be [",
                 (H_ + 2 * KVH_) * D_, ", ", hidden_, "]");
     TORCH_CHECK(L.o.K == H_ * D_ && L.o.N == hidden_, "decode_stack: o_proj must be [", hidden_, ", ", H_ * D_, "]");
@@ -126,7 +197,7 @@ class DecodeStack {
     const int64_t M = x.size(0);
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == dtype_ && x.is_contiguous(),
                 "decode_stack: x must be contiguous [M, ", hidden_, "] in the model's dtype");
-    TORCH_CHECK(M >= 1 && M <= 4, "decode_stack: 1 to 4 rows, got ", M);
+    TORCH_CHECK(M >= 1, "decode_stack: no rows");
     TORCH_CHECK(cos.scalar_type() == dtype_ && sin.scalar_type() == dtype_ && cos.is_contiguous() &&
                     sin.is_contiguous() && cos.numel() == M * D_ && sin.numel() == M * D_,
                 "decode_stack: cos/sin must be contiguous [M, ", D_, "] in the model's dtype");
@@ -159,40 +230,57 @@ class DecodeStack {
     return w.to(at::kFloat).contiguous();
   }
 
-  float round(float v) const { return bf16_ ? to_bf16(v) : v; }
-
   // RMSNorm as model/layers.py: variance in fp32, h rounded to the dtype, then weight * h (rounded).
+  template <bool BF16>
   void rms_norm(const float* x, const float* w, float* out, int64_t n) const {
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps_);
-    for (int64_t i = 0; i < n; ++i) out[i] = round(w[i] * round(x[i] * inv));
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = rnd<BF16>(w[i] * rnd<BF16>(x[i] * inv));
   }
 
   // x * cos + roll(x, D/2) * sin over one head, each product and the sum rounded as torch would.
+  template <bool BF16>
   void rotate(float* x, const float* c, const float* s) const {
     const int64_t half = D_ / 2;
     float tmp[512];
-    TORCH_CHECK(D_ <= 512, "decode_stack: head_dim over 512");
-    for (int64_t i = 0; i < D_; ++i) {
-      const float rolled = x[i < half ? i + half : i - half];
-      tmp[i] = round(round(x[i] * c[i]) + round(rolled * s[i]));
-    }
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) tmp[i] = rnd<BF16>(rnd<BF16>(x[i] * c[i]) + rnd<BF16>(x[i + half] * s[i]));
+#pragma omp simd
+    for (int64_t i = half; i < D_; ++i) tmp[i] = rnd<BF16>(rnd<BF16>(x[i] * c[i]) + rnd<BF16>(x[i - half] * s[i]));
     std::memcpy(x, tmp, D_ * sizeof(float));
+  }
+
+  // f(m) for every row: on the threads when there are more rows than the few-row kernel takes (each
+  // row's work is the same whoever runs it, so results do not depend on the split).
+  template <typename F>
+  static void each_row(int64_t M, F&& f) {
+    if (M <= tessera_gemv::MAX_ROWS) {
+      for (int64_t m = 0; m < M; ++m) f(m);
+    } else {
+      at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m) f(m);
+      });
+    }
   }
 
   template <typename T>
   void run(at::Tensor& x_t, const at::Tensor& cos_t, const at::Tensor& sin_t, const int64_t* slots,
            const at::Tensor& tables, const at::Tensor& lens) {
     const int64_t M = x_t.size(0), hid = hidden_, qkv_n = (H_ + 2 * KVH_) * D_, q_n = H_ * D_, kv_n = KVH_ * D_;
-    std::vector<float> x(M * hid), h(M * hid), qkv(M * qkv_n), attn(M * q_n), y(M * hid), gu(M * 2 * inter_),
-        act(M * inter_), cs(M * D_), sn(M * D_);
+    const int64_t inter = inter_;
+    constexpr bool BF16 = std::is_same_v<T, c10::BFloat16>;
+    std::vector<float> x(M * hid), h(M * hid), qkv(M * qkv_n), attn(M * q_n), y(M * hid), gu(M * 2 * inter),
+        act(M * inter), cs(M * D_), sn(M * D_);
     T* xp = x_t.data_ptr<T>();
+    const T* cp = cos_t.data_ptr<T>();
+    const T* snp = sin_t.data_ptr<T>();
     for (int64_t i = 0; i < M * hid; ++i) x[i] = tessera_paged::widen(xp[i]);
     for (int64_t i = 0; i < M * D_; ++i) {
-      cs[i] = tessera_paged::widen(cos_t.data_ptr<T>()[i]);
-      sn[i] = tessera_paged::widen(sin_t.data_ptr<T>()[i]);
+      cs[i] = tessera_paged::widen(cp[i]);
+      sn[i] = tessera_paged::widen(snp[i]);
     }
     // q and the attention output in the cache dtype, as paged_decode takes them; reused by every layer.
     at::Tensor q_t = at::empty({M, H_, D_}, x_t.options());
@@ -201,21 +289,22 @@ class DecodeStack {
     const T* op = o_t.data_ptr<T>();
     const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
     for (const Layer& L : layers_) {
-      for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * hid], L.in_norm.data_ptr<float>(), &h[m * hid], hid);
-      L.qkv(h.data(), qkv.data(), M, bf16_);
+      each_row(M, [&](int64_t m) { rms_norm<BF16>(&x[m * hid], L.in_norm.data_ptr<float>(), &h[m * hid], hid); });
+      L.qkv(h.data(), qkv.data(), M, BF16);
       T* kc = L.k_cache.data_ptr<T>();
       T* vc = L.v_cache.data_ptr<T>();
-      for (int64_t m = 0; m < M; ++m) {
+      each_row(M, [&](int64_t m) {
         float* row = &qkv[m * qkv_n];
-        for (int64_t i = 0; i < qkv_n; ++i) row[i] = round(row[i]);
+#pragma omp simd
+        for (int64_t i = 0; i < qkv_n; ++i) row[i] = rnd<BF16>(row[i]);
         for (int64_t head = 0; head < H_ + KVH_; ++head) {  // q heads, then k heads
           float* v = row + head * D_;
           if (L.q_norm.defined()) {  // Qwen3: RMSNorm per head before the rotary
             float tmp[512];
-            rms_norm(v, (head < H_ ? L.q_norm : L.k_norm).data_ptr<float>(), tmp, D_);
+            rms_norm<BF16>(v, (head < H_ ? L.q_norm : L.k_norm).data_ptr<float>(), tmp, D_);
             std::memcpy(v, tmp, D_ * sizeof(float));
           }
-          rotate(v, &cs[m * D_], &sn[m * D_]);
+          rotate<BF16>(v, &cs[m * D_], &sn[m * D_]);
         }
         for (int64_t i = 0; i < q_n; ++i) qp[m * q_n + i] = static_cast<T>(row[i]);
         T* kd = kc + slots[m] * kv_n;
@@ -224,29 +313,33 @@ class DecodeStack {
           kd[i] = static_cast<T>(row[q_n + i]);
           vd[i] = static_cast<T>(row[q_n + kv_n + i]);
         }
-      }
+      });
       tessera_paged::paged_decode(o_t, q_t, L.k_cache, L.v_cache, tables, lens, c10::nullopt, scale);
       for (int64_t i = 0; i < M * q_n; ++i) attn[i] = tessera_paged::widen(op[i]);
-      L.o(attn.data(), y.data(), M, bf16_);
-      for (int64_t i = 0; i < M * hid; ++i) x[i] = round(x[i] + round(y[i]));
-      for (int64_t m = 0; m < M; ++m) rms_norm(&x[m * hid], L.post_norm.data_ptr<float>(), &h[m * hid], hid);
-      L.gate_up(h.data(), gu.data(), M, bf16_);
-      for (int64_t m = 0; m < M; ++m) {
-        const float* g = &gu[m * 2 * inter_];
-        const float* u = g + inter_;
-        float* a = &act[m * inter_];
-        for (int64_t i = 0; i < inter_; ++i) {
-          const float gv = round(g[i]);
-          a[i] = round(round(gv / (1.0f + std::exp(-gv))) * round(u[i]));
-        }
-      }
-      L.down(act.data(), y.data(), M, bf16_);
-      for (int64_t i = 0; i < M * hid; ++i) x[i] = round(x[i] + round(y[i]));
+      L.o(attn.data(), y.data(), M, BF16);
+      each_row(M, [&](int64_t m) {
+#pragma omp simd
+        for (int64_t i = m * hid; i < (m + 1) * hid; ++i) x[i] = rnd<BF16>(x[i] + rnd<BF16>(y[i]));
+        rms_norm<BF16>(&x[m * hid], L.post_norm.data_ptr<float>(), &h[m * hid], hid);
+      });
+      L.gate_up(h.data(), gu.data(), M, BF16);
+      each_row(M, [&](int64_t m) {
+        const float* g = &gu[m * 2 * inter];
+        const float* u = g + inter;
+        float* a = &act[m * inter];
+#pragma omp simd
+        for (int64_t i = 0; i < inter; ++i) a[i] = rnd<BF16>(rnd<BF16>(silu(rnd<BF16>(g[i]))) * rnd<BF16>(u[i]));
+      });
+      L.down(act.data(), y.data(), M, BF16);
+      each_row(M, [&](int64_t m) {
+#pragma omp simd
+        for (int64_t i = m * hid; i < (m + 1) * hid; ++i) x[i] = rnd<BF16>(x[i] + rnd<BF16>(y[i]));
+      });
     }
-    for (int64_t m = 0; m < M; ++m) {
-      rms_norm(&x[m * hid], final_norm_.data_ptr<float>(), &h[m * hid], hid);
+    each_row(M, [&](int64_t m) {
+      rms_norm<BF16>(&x[m * hid], final_norm_.data_ptr<float>(), &h[m * hid], hid);
       for (int64_t i = 0; i < hid; ++i) xp[m * hid + i] = static_cast<T>(h[m * hid + i]);
-    }
+    });
   }
 };
 
@@ -254,6 +347,12 @@ class DecodeStack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using tessera_stack::DecodeStack;
+  using tessera_stack::Proj;
+  pybind11::class_<Proj>(m, "Projection")
+      .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                          std::vector<int64_t>, std::vector<bool>, int64_t>(),
+           pybind11::arg("weight"), pybind11::arg("scale"), pybind11::arg("bias"), pybind11::arg("packed"),
+           pybind11::arg("starts"), pybind11::arg("flags"), pybind11::arg("gemv_rows"));
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor>(),
            pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("hidden"),

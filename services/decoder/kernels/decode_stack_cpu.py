@@ -20,7 +20,7 @@ from .gemv_cpu import gemv_ref
 from .paged_attention_cpu import paged_decode_ref
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-MAX_ROWS = 4          # gemv_cpu's limit: more rows go through the model's own layers
+KERNEL_ROWS = 4       # gemv_cpu's most rows; above (or above a projection's gemv_rows), the library's matmul
 OPERATOR = native.Operator("decode_stack_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
 
@@ -30,6 +30,12 @@ class Projection:
     weight: torch.Tensor                 # [out, in] float32, bfloat16, or int8 with scale
     scale: torch.Tensor | None = None    # [out] per-row scale of an int8 weight
     bias: torch.Tensor | None = None     # [out]
+    # Up to gemv_rows rows (<= KERNEL_ROWS) gemv_cpu runs it (int8: always); above, for dense weights,
+    # linear_path.pack(weight) at the row counts that `rule` gives as (starts, flags), linear_path.Rule's
+    # form, and F.linear at the others.
+    gemv_rows: int = KERNEL_ROWS
+    packed: torch.Tensor | None = None
+    rule: tuple[tuple[int, ...], tuple[bool, ...]] = ((1,), (False,))
 
 
 @dataclass
@@ -62,23 +68,24 @@ def make_stack(shape: Shape, layers: list[LayerWeights], final_norm: torch.Tenso
     stack = load().DecodeStack(shape.heads, shape.kv_heads, shape.head_dim, shape.hidden, shape.intermediate,
                                shape.eps, final_norm)
     for w in layers:
-        stack.add_layer(w.input_norm, w.post_norm, w.q_norm, w.k_norm, *_args(w.qkv), *_args(w.o),
-                        *_args(w.gate_up), *_args(w.down), w.k_cache, w.v_cache)
+        stack.add_layer(w.input_norm, w.post_norm, w.q_norm, w.k_norm, _projection(w.qkv), _projection(w.o),
+                        _projection(w.gate_up), _projection(w.down), w.k_cache, w.v_cache)
     return stack
 
 
-def _args(p: Projection) -> tuple:
-    return p.weight, p.scale, p.bias
+def _projection(p: Projection):
+    return load().Projection(p.weight, p.scale, p.bias, p.packed, list(p.rule[0]), list(p.rule[1]), p.gemv_rows)
 
 
 def decode_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-    """x [M <= MAX_ROWS, hidden] (embeddings) -> final-normed hidden states [M, hidden], in x (in place).
+    """x [M, hidden] (embeddings) -> final-normed hidden states [M, hidden], in x (in place).
 
     Row m is one token at cache slot slots[m] (int64) attending to block_tables[m] (int32, [M, nb])
     up to context_lens[m] keys (int32, its position + 1). cos/sin [M, D] from Rotary.cos_sin (sin's
     first half negated). Every layer writes the rows' K/V into its cache at `slots`, as the model's
-    own layers do; see decode_stack_ref for the computation.
+    own layers do; see decode_stack_ref for the computation. Each projection runs gemv_cpu up to its
+    gemv_rows rows, else its packed or plain library matmul (int8 weights: refused above KERNEL_ROWS).
     """
     stack.forward(x, cos.contiguous(), sin.contiguous(), slots, block_tables.to(torch.int32).contiguous(),
                   context_lens.to(torch.int32).contiguous())
@@ -98,7 +105,7 @@ def decode_stack_ref(shape: Shape, layers: list[LayerWeights], final_norm: torch
         return w * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + shape.eps)).to(dtype)
 
     def linear(t: torch.Tensor, p: Projection) -> torch.Tensor:
-        return gemv_ref(t, p.weight, p.scale, p.bias).to(dtype)
+        return gemv_ref(t, p.weight, p.scale, p.bias).to(dtype)     # fp32 sums, one rounding
 
     def rotate(t: torch.Tensor) -> torch.Tensor:
         return t * cos[:, None] + t.roll(d // 2, -1) * sin[:, None]

@@ -31,7 +31,8 @@ inline float widen(at::BFloat16 v) {
   return f;
 }
 
-constexpr int64_t NB = 4;  // weight rows reduced together
+constexpr int64_t NB = 4;        // weight rows reduced together
+constexpr int64_t MAX_ROWS = 4;  // rows of x per call (gemv_cpu.MAX_ROWS)
 
 #ifdef __AVX512F__
 // 16 weights widened to fp32 (lanes past `mask` read as zero and are never loaded).

@@ -1,18 +1,20 @@
 """Few-row decode steps through the C++ decode stack (kernels/decode_stack_cpu), where it is faster.
 
-At batch 1 to 4 a step's matmuls already run in gemv_cpu; what is left per layer is ~40 tiny torch
-ops whose dispatch costs about as much again on a 2-core machine. The stack runs all layers of
-such a step in one call over the same weights and the same paged cache. A step takes it when:
+Besides its matmuls, each layer of a decode step is ~40 small torch ops (norms, rotary, cache
+writes, SiLU, residual adds, views), whose dispatch costs about as much as the matmuls at batch 1
+on a 2-core machine and ~15% of a 64-row step in bf16. The stack runs all layers of a decode
+step in one call over the same weights and the same paged cache, each projection on the path its
+Linear chose at load for that row count (gemv_cpu, packed or plain). A step takes it when:
 - every row is a decode row of the in-place attention operator (no prefill span; a short chunk
   after 0, e.g. speculative drafts, counts as rows), at most `max_rows` of them;
 - no row uses a LoRA adapter (those steps need the per-projection corrections of the layers).
 Any other step runs the model's own layers, which stay the reference (tests compare the two).
 
 `FusedDecode.build` makes it at load, when the model is on CPU in float32 or bfloat16 (int8 weights
-included), the decode attention is the C++ operator, the matmul path is chosen by timing, and the
-operator builds. It then times one step both ways at 1..MAX_ROWS rows and keeps the largest row
-count up to which the stack wins at every count (`max_rows`, 0: never), as every per-machine
-choice (DESIGN.md). TESSERA_DECODE_STACK=off keeps it out (A/B benchmarks).
+included, up to 4 rows), the decode attention is the C++ operator, the matmul path is chosen by
+timing, and the operator builds. It then times one step both ways at each of TIMING_ROWS and keeps
+the largest count up to which the stack won at every one (`max_rows`, 0: never), as every
+per-machine choice (DESIGN.md). TESSERA_DECODE_STACK=off keeps it out (A/B benchmarks).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 
 from services.decoder.kernels import decode_stack_cpu, native
 from services.decoder.model.decoder import CausalLM
+from services.decoder.model.linear import Linear
 from services.decoder.runner.attention import CPP, AttentionPlan, PagedAttention, Workspace
 from services.decoder.runner.batch import StepBatch
 from services.decoder.runner.kv_cache import KVCache
@@ -32,14 +35,17 @@ from services.decoder.runner.kv_cache import KVCache
 log = logging.getLogger("tessera.decode_stack")
 
 ENV = "TESSERA_DECODE_STACK"
-TIMING_CONTEXT, TIMING_REPS = 64, 3
+TIMING_ROWS, TIMING_CONTEXT, TIMING_REPS = (1, 2, 3, 4, 16, 64), 64, 3
 WIN = 0.05        # the stack must be this much faster to be used
 
 
 class FusedDecode:
     def __init__(self, model: CausalLM, stack):
         self.model, self.stack = model, stack
-        self.max_rows = decode_stack_cpu.MAX_ROWS
+        self.max_rows = 0
+        # int8 projections run in gemv_cpu only (the library path above it takes bf16 activations).
+        int8 = any(m.qweight is not None for m in model.modules() if isinstance(m, Linear))
+        self.timing_rows = tuple(r for r in TIMING_ROWS if not int8 or r <= decode_stack_cpu.KERNEL_ROWS)
 
     @classmethod
     def build(cls, model: CausalLM, cache: KVCache, attention_backend: str, linear_auto: bool,
@@ -75,15 +81,16 @@ class FusedDecode:
 
     @torch.inference_mode()
     def choose(self, cache: KVCache, timer: Timer) -> str:
-        """Time a step of r rows at TIMING_CONTEXT keys both ways for r = 1..MAX_ROWS (best of
-        TIMING_REPS), over blocks of the runner's own cache, which are zeroed again afterwards (no
-        request owns a block at load). Sets max_rows; returns the timings, e.g. "1 row 9.1 vs 14.0 ms"."""
-        bs = cache.block_size
-        context = max(1, min(TIMING_CONTEXT, cache.num_blocks * bs // decode_stack_cpu.MAX_ROWS))
-        per_row = -(-context // bs)
-        rows_fit = min(decode_stack_cpu.MAX_ROWS, cache.num_blocks // per_row)
+        """Time a decode step of r rows both ways for each r in timing_rows, in order, over blocks of the
+        runner's own cache (zeroed again afterwards: no request owns a block at load), at TIMING_CONTEXT
+        keys or what the cache holds. Sets max_rows; returns the timings, e.g. "1 row 9.1 vs 14.0 ms; ..."."""
+        bs, largest = cache.block_size, self.timing_rows[-1]
+        per_row = max(1, min(-(-TIMING_CONTEXT // bs), cache.num_blocks // largest))
+        context = min(TIMING_CONTEXT, per_row * bs)
         detail, self.max_rows = [], 0
-        for rows in range(1, rows_fit + 1):
+        for rows in self.timing_rows:
+            if rows * per_row > cache.num_blocks:
+                break
             best = {name: timer(name, rows, fn) for name, fn in self._steps(cache, rows, context, per_row).items()}
             detail.append(f"{rows} row{'s' if rows > 1 else ''} {best['stack'] * 1e3:.1f} vs "
                           f"{best['layers'] * 1e3:.1f} ms")
@@ -91,8 +98,8 @@ class FusedDecode:
                 break
             self.max_rows = rows
         for k, v in zip(cache.k, cache.v, strict=True):
-            k[:rows_fit * per_row].zero_()
-            v[:rows_fit * per_row].zero_()
+            k[:largest * per_row].zero_()
+            v[:largest * per_row].zero_()
         return "; ".join(detail) + " (stack vs layers)"
 
     def _steps(self, cache: KVCache, rows: int, context: int, per_row: int) -> dict[str, Callable[[], object]]:
@@ -146,10 +153,12 @@ def _shape(model: CausalLM) -> decode_stack_cpu.Shape:
                                   cfg.intermediate_size, cfg.rms_norm_eps)
 
 
-def _projection(linear) -> decode_stack_cpu.Projection:
+def _projection(linear: Linear) -> decode_stack_cpu.Projection:
     if linear.qweight is not None:
         return decode_stack_cpu.Projection(linear.qweight, linear.qscale, linear.bias)
-    return decode_stack_cpu.Projection(linear.weight, None, linear.bias)
+    rule = linear.rule
+    return decode_stack_cpu.Projection(linear.weight, None, linear.bias, linear.gemv_rows, linear.packed,
+                                       (rule.starts, rule.packed) if rule is not None else ((1,), (False,)))
 
 
 def _layers(model: CausalLM, cache: KVCache) -> list[decode_stack_cpu.LayerWeights]:

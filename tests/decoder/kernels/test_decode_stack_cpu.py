@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.common import linear_path
 from services.decoder.kernels.decode_stack_cpu import (
-    MAX_ROWS,
+    KERNEL_ROWS,
     LayerWeights,
     Projection,
     Shape,
@@ -22,16 +23,23 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
 LAYERS = 2
 
 
-def projection(kind: str, out: int, inp: int, bias: bool, g: torch.Generator) -> Projection:
+def projection(kind: str, out: int, inp: int, bias: bool, g: torch.Generator, library: str,
+               gemv_rows: int = KERNEL_ROWS) -> Projection:
+    """library: how rows above gemv_rows run: "plain", "packed", or "both" (packed from 8 rows on)."""
     w = torch.randn(out, inp, generator=g) / inp ** 0.5
     b = torch.randn(out, generator=g).to(DTYPES[kind]) * 0.1 if bias else None
     if kind == "int8":
         q, scale = quantize(w)
         return Projection(q, scale, b)
-    return Projection(w.to(DTYPES[kind]), None, b)
+    w = w.to(DTYPES[kind])
+    if library == "plain":
+        return Projection(w, None, b, gemv_rows)
+    rule = ((1,), (True,)) if library == "packed" else ((1, 8), (False, True))
+    return Projection(w, None, b, gemv_rows, linear_path.pack(w), rule)
 
 
-def model(kind: str, shape: Shape, qk_norm: bool, bias: bool, num_blocks: int, block_size: int, g: torch.Generator):
+def model(kind: str, shape: Shape, qk_norm: bool, bias: bool, num_blocks: int, block_size: int, g: torch.Generator,
+          library: str = "plain", gemv_rows: int = KERNEL_ROWS):
     dtype = DTYPES[kind]
     h, kvh, d = shape.heads, shape.kv_heads, shape.head_dim
 
@@ -43,10 +51,10 @@ def model(kind: str, shape: Shape, qk_norm: bool, bias: bool, num_blocks: int, b
         cache = [torch.randn(num_blocks, block_size, kvh, d, generator=g).to(dtype) for _ in range(2)]
         layers.append(LayerWeights(
             norm(shape.hidden), norm(shape.hidden),
-            projection(kind, (h + 2 * kvh) * d, shape.hidden, bias, g),
-            projection(kind, shape.hidden, h * d, False, g),
-            projection(kind, 2 * shape.intermediate, shape.hidden, False, g),
-            projection(kind, shape.hidden, shape.intermediate, False, g),
+            projection(kind, (h + 2 * kvh) * d, shape.hidden, bias, g, library, gemv_rows),
+            projection(kind, shape.hidden, h * d, False, g, library, gemv_rows),
+            projection(kind, 2 * shape.intermediate, shape.hidden, False, g, library, gemv_rows),
+            projection(kind, shape.hidden, shape.intermediate, False, g, library, gemv_rows),
             *cache, norm(d) if qk_norm else None, norm(d) if qk_norm else None))
     return layers, norm(shape.hidden)
 
@@ -72,19 +80,12 @@ def clone(layers: list[LayerWeights]) -> list[LayerWeights]:
             for w in layers]
 
 
-@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
-@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,qk_norm,bias", [
-    (4, 1, 16, 16, False, False),     # GQA 4, one block per 16 keys
-    (6, 2, 64, 4, True, True),        # GQA 3, Qwen3-style per-head norms, Qwen2-style qkv bias
-    (4, 4, 32, 1, False, True),       # MHA, a block per key
-])
-def test_matches_reference(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias):
+def check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias, library="plain", gemv_rows=KERNEL_ROWS):
     g = torch.Generator().manual_seed(rows * 100 + heads * 10 + block_size)
     shape = Shape(heads, kv_heads, head_dim, hidden=64, intermediate=96, eps=1e-5)
-    num_blocks = 4 * 40 // block_size + 8
-    layers, final = model(kind, shape, qk_norm, bias, num_blocks, block_size, g)
-    lengths = [1, 37, 2 * block_size, 40][:rows]
+    lengths = [1 + (37 * r + 2 * block_size * (r % 2)) % 40 for r in range(rows)]
+    num_blocks = rows * -(-40 // block_size) + 8
+    layers, final = model(kind, shape, qk_norm, bias, num_blocks, block_size, g, library, gemv_rows)
     x, cos, sin, slots, tables, lens = step(rows, lengths, block_size, num_blocks, shape, DTYPES[kind], g)
     ref_layers = clone(layers)
     expected = decode_stack_ref(shape, ref_layers, final, x.clone(), cos, sin, slots, tables, lens)
@@ -95,6 +96,31 @@ def test_matches_reference(kind, rows, heads, kv_heads, head_dim, block_size, qk
     for mine, ref in zip(layers, ref_layers, strict=True):   # the same K/V written at the same slots
         assert_close(mine.k_cache, ref.k_cache, dtype=DTYPES[kind], k=shape.intermediate, depth=depth)
         assert_close(mine.v_cache, ref.v_cache, dtype=DTYPES[kind], k=shape.intermediate, depth=depth)
+
+
+SHAPES = [
+    (4, 1, 16, 16, False, False),     # GQA 4, one block per 16 keys
+    (6, 2, 64, 4, True, True),        # GQA 3, Qwen3-style per-head norms, Qwen2-style qkv bias
+    (4, 4, 32, 1, False, True),       # MHA, a block per key
+]
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("rows", range(1, KERNEL_ROWS + 1))
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,qk_norm,bias", SHAPES)
+def test_few_rows_match_reference(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias):
+    check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+@pytest.mark.parametrize("rows,gemv_rows", [(2, 1), (KERNEL_ROWS + 1, KERNEL_ROWS), (16, 2)])
+@pytest.mark.parametrize("library", ["plain", "packed", "both"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,qk_norm,bias", SHAPES[:2])
+def test_rows_past_gemv_rows_run_the_library_matmuls(kind, rows, gemv_rows, library, heads, kv_heads, head_dim,
+                                                     block_size, qk_norm, bias):
+    if library != "plain" and linear_path.pack_error(DTYPES[kind]):
+        pytest.skip(linear_path.pack_error(DTYPES[kind]))     # oneDNN cannot pack this dtype on this CPU
+    check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias, library, gemv_rows)
 
 
 @pytest.mark.parametrize("kind", ["fp32", "bf16"])
@@ -125,9 +151,12 @@ def test_refusals():
     layers, final = model("fp32", shape, False, False, 8, 4, g)
     stack = make_stack(shape, layers, final)
     x, cos, sin, slots, tables, lens = step(1, [3], 4, 8, shape, torch.float32, g)
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        decode_stack(stack, torch.randn(MAX_ROWS + 1, 32), cos.repeat(5, 1), sin.repeat(5, 1),
-                     slots.repeat(5), tables.repeat(5, 1), lens.repeat(5))
+    with pytest.raises(RuntimeError, match="no rows"):
+        decode_stack(stack, x[:0], cos[:0], sin[:0], slots[:0], tables[:0], lens[:0])
+    int8_layers, int8_final = model("int8", shape, False, False, 8, 4, g)
+    with pytest.raises(RuntimeError, match="int8 weights run at most 4 rows"):
+        five = step(5, [1] * 5, 4, 8, shape, torch.float32, g)
+        decode_stack(make_stack(shape, int8_layers, int8_final), *five)
     with pytest.raises(RuntimeError, match="slot 32 out of range"):
         decode_stack(stack, x, cos, sin, torch.tensor([32]), tables, lens)
     with pytest.raises(RuntimeError, match="x must be contiguous"):
