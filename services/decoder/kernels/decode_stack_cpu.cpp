@@ -78,34 +78,43 @@ struct Proj {
     return p && packed.defined();
   }
 
-  // y [M, N] = x [M, K] @ w^T (* scale) (+ bias), fp32 in and out. x_is_bf16: every x is a bf16 value
-  // (the stack's bf16 mode): bf16 weights then take gemv's bf16 dot product (exact products too),
-  // and above the kernel's rows the library runs on bf16 tensors, as the model's Linear does.
-  void operator()(const float* x, float* y, int64_t M, bool x_is_bf16) const {
-    if (M > gemv_rows) return library(x, y, M, x_is_bf16);
+  // x [M, K] @ w^T (* scale) (+ bias) -> [M, N] fp32: written into y by the few-row kernel, or, from the
+  // library, left in `hold` (no copy in fp32, one widening pass in bf16); returns where it is.
+  // x_is_bf16: every x is a bf16 value (the stack's bf16 mode): bf16 weights then take gemv's bf16 dot
+  // product (exact products too), and the library runs on bf16 tensors, as the model's Linear does.
+  float* operator()(const float* x, float* y, int64_t M, bool x_is_bf16, at::Tensor& hold) const {
+    if (M > gemv_rows) {
+      hold = library(x, M, x_is_bf16);
+      return hold.data_ptr<float>();
+    }
     const float* sp = scale.defined() ? scale.data_ptr<float>() : nullptr;
     const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
     switch (w.scalar_type()) {
-      case at::kFloat: return dispatch_rows(M, x, w.data_ptr<float>(), sp, bp, y, N, K);
+      case at::kFloat:
+        dispatch_rows(M, x, w.data_ptr<float>(), sp, bp, y, N, K);
+        break;
       case at::kBFloat16:
         if (x_is_bf16) {
           std::vector<at::BFloat16> xb(x, x + M * K);  // exact: the values are bf16 already
-          return tessera_gemv::dispatch_bf16(M, xb.data(), w.data_ptr<at::BFloat16>(), bp, y, N, K);
+          tessera_gemv::dispatch_bf16(M, xb.data(), w.data_ptr<at::BFloat16>(), bp, y, N, K);
+        } else {
+          dispatch_rows(M, x, w.data_ptr<at::BFloat16>(), sp, bp, y, N, K);
         }
-        return dispatch_rows(M, x, w.data_ptr<at::BFloat16>(), sp, bp, y, N, K);
-      default: return dispatch_rows(M, x, w.data_ptr<int8_t>(), sp, bp, y, N, K);
+        break;
+      default:
+        dispatch_rows(M, x, w.data_ptr<int8_t>(), sp, bp, y, N, K);
     }
+    return y;
   }
 
  private:
-  void library(const float* x, float* y, int64_t M, bool x_is_bf16) const {
+  at::Tensor library(const float* x, int64_t M, bool x_is_bf16) const {
     TORCH_CHECK(w.scalar_type() != at::kChar, "decode_stack: int8 weights run at most ", tessera_gemv::MAX_ROWS,
                 " rows here");
     at::Tensor xt = at::from_blob(const_cast<float*>(x), {M, K}, at::kFloat);
     if (x_is_bf16) xt = xt.to(at::kBFloat16);
     at::Tensor yt = use_packed(M) ? packed_linear(xt, packed, bias_model) : at::linear(xt, w, bias_model);
-    at::Tensor yf = yt.to(at::kFloat).contiguous();
-    std::memcpy(y, yf.data_ptr<float>(), M * N * sizeof(float));
+    return yt.to(at::kFloat).contiguous();
   }
 };
 
@@ -133,6 +142,23 @@ inline float rnd(float v) {
     return to_bf16(v);
   } else {
     return v;
+  }
+}
+
+// dst[0, n) = src in T (bf16: rounded as c10 does, branch-free, so the loop vectorises).
+template <typename T>
+inline void store(T* dst, const float* src, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float r = to_bf16(src[i]);
+      uint32_t b;
+      std::memcpy(&b, &r, sizeof b);
+      d[i] = static_cast<uint16_t>(b >> 16);
+    }
   }
 }
 
@@ -288,13 +314,14 @@ class DecodeStack {
     T* qp = q_t.data_ptr<T>();
     const T* op = o_t.data_ptr<T>();
     const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
+    at::Tensor hold;  // a library matmul's output, read before the next projection runs
     for (const Layer& L : layers_) {
       each_row(M, [&](int64_t m) { rms_norm<BF16>(&x[m * hid], L.in_norm.data_ptr<float>(), &h[m * hid], hid); });
-      L.qkv(h.data(), qkv.data(), M, BF16);
+      float* qkv_p = L.qkv(h.data(), qkv.data(), M, BF16, hold);
       T* kc = L.k_cache.data_ptr<T>();
       T* vc = L.v_cache.data_ptr<T>();
       each_row(M, [&](int64_t m) {
-        float* row = &qkv[m * qkv_n];
+        float* row = qkv_p + m * qkv_n;
 #pragma omp simd
         for (int64_t i = 0; i < qkv_n; ++i) row[i] = rnd<BF16>(row[i]);
         for (int64_t head = 0; head < H_ + KVH_; ++head) {  // q heads, then k heads
@@ -306,39 +333,35 @@ class DecodeStack {
           }
           rotate<BF16>(v, &cs[m * D_], &sn[m * D_]);
         }
-        for (int64_t i = 0; i < q_n; ++i) qp[m * q_n + i] = static_cast<T>(row[i]);
-        T* kd = kc + slots[m] * kv_n;
-        T* vd = vc + slots[m] * kv_n;
-        for (int64_t i = 0; i < kv_n; ++i) {
-          kd[i] = static_cast<T>(row[q_n + i]);
-          vd[i] = static_cast<T>(row[q_n + kv_n + i]);
-        }
+        store(qp + m * q_n, row, q_n);
+        store(kc + slots[m] * kv_n, row + q_n, kv_n);
+        store(vc + slots[m] * kv_n, row + q_n + kv_n, kv_n);
       });
       tessera_paged::paged_decode(o_t, q_t, L.k_cache, L.v_cache, tables, lens, c10::nullopt, scale);
       for (int64_t i = 0; i < M * q_n; ++i) attn[i] = tessera_paged::widen(op[i]);
-      L.o(attn.data(), y.data(), M, BF16);
+      const float* o_p = L.o(attn.data(), y.data(), M, BF16, hold);
       each_row(M, [&](int64_t m) {
 #pragma omp simd
-        for (int64_t i = m * hid; i < (m + 1) * hid; ++i) x[i] = rnd<BF16>(x[i] + rnd<BF16>(y[i]));
+        for (int64_t i = m * hid; i < (m + 1) * hid; ++i) x[i] = rnd<BF16>(x[i] + rnd<BF16>(o_p[i]));
         rms_norm<BF16>(&x[m * hid], L.post_norm.data_ptr<float>(), &h[m * hid], hid);
       });
-      L.gate_up(h.data(), gu.data(), M, BF16);
+      const float* gu_p = L.gate_up(h.data(), gu.data(), M, BF16, hold);
       each_row(M, [&](int64_t m) {
-        const float* g = &gu[m * 2 * inter];
+        const float* g = gu_p + m * 2 * inter;
         const float* u = g + inter;
         float* a = &act[m * inter];
 #pragma omp simd
         for (int64_t i = 0; i < inter; ++i) a[i] = rnd<BF16>(rnd<BF16>(silu(rnd<BF16>(g[i]))) * rnd<BF16>(u[i]));
       });
-      L.down(act.data(), y.data(), M, BF16);
+      const float* d_p = L.down(act.data(), y.data(), M, BF16, hold);
       each_row(M, [&](int64_t m) {
 #pragma omp simd
-        for (int64_t i = m * hid; i < (m + 1) * hid; ++i) x[i] = rnd<BF16>(x[i] + rnd<BF16>(y[i]));
+        for (int64_t i = m * hid; i < (m + 1) * hid; ++i) x[i] = rnd<BF16>(x[i] + rnd<BF16>(d_p[i]));
       });
     }
     each_row(M, [&](int64_t m) {
       rms_norm<BF16>(&x[m * hid], final_norm_.data_ptr<float>(), &h[m * hid], hid);
-      for (int64_t i = 0; i < hid; ++i) xp[m * hid + i] = static_cast<T>(h[m * hid + i]);
+      store(xp + m * hid, &h[m * hid], hid);
     });
   }
 };
