@@ -68,6 +68,12 @@ def test_model_info(stub, tiny_chat_model):
     assert info.linear_backend.startswith(("auto float32: ", "packed float32: ", "plain float32: "))
     assert "64x64" in info.linear_backend
     assert info.attention_backend in ("cpp-paged", "torch-gather")
+    # Decode steps in one C++ call where that won at load (runner/fused_decode.py), or why not.
+    if info.attention_backend == "cpp-paged":
+        assert info.decode_stack.startswith(("cpp rows<=", "off (the layers were as fast)")), info.decode_stack
+        assert "(stack vs layers)" in info.decode_stack
+    else:
+        assert info.decode_stack == "off (decode attention is torch-gather)"
     assert info.quantization == "none"
 
 
