@@ -1,12 +1,12 @@
-// Every decoder layer of a few-row decode step in one call: the CPU kernel.
+// Every decoder layer of a decode step in one call: the CPU kernel.
 // The launcher, its semantics and the torch reference are in decode_stack_cpu.py.
 //
-// At batch 1 a step streams every weight once (gemv_cpu.cpp) and attends over a short context
-// (paged_attention_cpu.cpp); everything else per layer is ~40 tiny torch ops (two RMSNorms, the
-// rotary, the cache write, SiLU, the residual adds, views and splits), whose dispatch costs about
-// as much as the matmuls on a 2-core machine (issue 10). Here the same layer runs as one loop over
-// those two kernels and a few elementwise passes over M <= 4 rows, with no Python and no
-// dispatcher between them.
+// Besides its four matmuls and the paged attention (paged_attention_cpu.cpp), a layer is ~40 small
+// torch ops (two RMSNorms, the rotary, the cache write, SiLU, the residual adds, views and splits),
+// whose dispatch costs about as much as the matmuls at batch 1 on a 2-core machine (issue 10). Here
+// the same layer runs as one loop: each matmul on its Linear's load-time path (gemv_cpu.cpp up to a
+// few rows, else oneDNN's packed or the plain library matmul), the attention operator, and a few
+// vectorised elementwise passes per row, with no Python and no dispatcher in between.
 //
 // Activations live in fp32 buffers. In bfloat16 mode each value is rounded to bf16 wherever the
 // torch path stores a bf16 tensor (after each matmul, norm, rotary product, add and SiLU), so the
@@ -78,45 +78,57 @@ struct Proj {
     return p && packed.defined();
   }
 
-  // x [M, K] @ w^T (* scale) (+ bias) -> [M, N] fp32: written into y by the few-row kernel, or, from the
-  // library, left in `hold` (no copy in fp32, one widening pass in bf16); returns where it is.
-  // x_is_bf16: every x is a bf16 value (the stack's bf16 mode): bf16 weights then take gemv's bf16 dot
-  // product (exact products too), and the library runs on bf16 tensors, as the model's Linear does.
-  float* operator()(const float* x, float* y, int64_t M, bool x_is_bf16, at::Tensor& hold) const {
+  // x [M, K] in the activations' dtype T @ w^T (* scale) (+ bias) -> [M, N]: fp32 in y from the few-row
+  // kernel (bf16 x on bf16 weights takes its bf16 dot product), or T in `hold` from the library, which
+  // runs on T tensors as the model's Linear does. Exactly one of the result's pointers is set.
+  template <typename T>
+  std::pair<const float*, const T*> operator()(const T* x, float* y, int64_t M, at::Tensor& hold) const {
     if (M > gemv_rows) {
-      hold = library(x, M, x_is_bf16);
-      return hold.data_ptr<float>();
+      TORCH_CHECK(w.scalar_type() != at::kChar, "decode_stack: int8 weights run at most ", tessera_gemv::MAX_ROWS,
+                  " rows here");
+      at::Tensor xt = at::from_blob(const_cast<T*>(x), {M, K}, at::CppTypeToScalarType<T>::value);
+      hold = (use_packed(M) ? packed_linear(xt, packed, bias_model) : at::linear(xt, w, bias_model)).contiguous();
+      TORCH_CHECK(hold.scalar_type() == xt.scalar_type(), "decode_stack: weights and activations differ in dtype");
+      return {nullptr, hold.data_ptr<T>()};
     }
     const float* sp = scale.defined() ? scale.data_ptr<float>() : nullptr;
     const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (w.scalar_type() == at::kBFloat16) {
+        tessera_gemv::dispatch_bf16(M, x, w.data_ptr<at::BFloat16>(), bp, y, N, K);
+        return {y, nullptr};
+      }
+    }
+    std::vector<float> widened;
+    const float* xf = reinterpret_cast<const float*>(x);
+    if constexpr (!std::is_same_v<T, float>) {
+      widened.resize(M * K);
+      for (int64_t i = 0; i < M * K; ++i) widened[i] = tessera_paged::widen(x[i]);
+      xf = widened.data();
+    }
     switch (w.scalar_type()) {
       case at::kFloat:
-        dispatch_rows(M, x, w.data_ptr<float>(), sp, bp, y, N, K);
+        dispatch_rows(M, xf, w.data_ptr<float>(), sp, bp, y, N, K);
         break;
       case at::kBFloat16:
-        if (x_is_bf16) {
-          std::vector<at::BFloat16> xb(x, x + M * K);  // exact: the values are bf16 already
-          tessera_gemv::dispatch_bf16(M, xb.data(), w.data_ptr<at::BFloat16>(), bp, y, N, K);
-        } else {
-          dispatch_rows(M, x, w.data_ptr<at::BFloat16>(), sp, bp, y, N, K);
-        }
+        dispatch_rows(M, xf, w.data_ptr<at::BFloat16>(), sp, bp, y, N, K);
         break;
       default:
-        dispatch_rows(M, x, w.data_ptr<int8_t>(), sp, bp, y, N, K);
+        dispatch_rows(M, xf, w.data_ptr<int8_t>(), sp, bp, y, N, K);
     }
-    return y;
-  }
-
- private:
-  at::Tensor library(const float* x, int64_t M, bool x_is_bf16) const {
-    TORCH_CHECK(w.scalar_type() != at::kChar, "decode_stack: int8 weights run at most ", tessera_gemv::MAX_ROWS,
-                " rows here");
-    at::Tensor xt = at::from_blob(const_cast<float*>(x), {M, K}, at::kFloat);
-    if (x_is_bf16) xt = xt.to(at::kBFloat16);
-    at::Tensor yt = use_packed(M) ? packed_linear(xt, packed, bias_model) : at::linear(xt, w, bias_model);
-    return yt.to(at::kFloat).contiguous();
+    return {y, nullptr};
   }
 };
+
+// f(src) with whichever of a projection's results is set (fp32 or T), so one loop body reads either.
+template <typename T, typename F>
+inline void with_output(const std::pair<const float*, const T*>& out, F&& f) {
+  if (out.first) {
+    f(out.first);
+  } else {
+    f(out.second);
+  }
+}
 
 struct Layer {
   at::Tensor in_norm, post_norm, q_norm, k_norm;  // fp32 copies; q/k_norm undefined without them
@@ -145,21 +157,24 @@ inline float rnd(float v) {
   }
 }
 
-// dst[0, n) = src in T (bf16: rounded as c10 does, branch-free, so the loop vectorises).
+// p[i] = v in T (bf16: rounded as c10 does, branch-free, so loops over it vectorise).
+template <typename T>
+inline void put(T* p, int64_t i, float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    p[i] = v;
+  } else {
+    const float r = to_bf16(v);
+    uint32_t b;
+    std::memcpy(&b, &r, sizeof b);
+    reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(b >> 16);
+  }
+}
+
+// dst[0, n) = src in T.
 template <typename T>
 inline void store(T* dst, const float* src, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else {
-    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
-      const float r = to_bf16(src[i]);
-      uint32_t b;
-      std::memcpy(&b, &r, sizeof b);
-      d[i] = static_cast<uint16_t>(b >> 16);
-    }
-  }
+  for (int64_t i = 0; i < n; ++i) put(dst, i, src[i]);
 }
 
 // g * sigmoid(g) with exp taken of -|g| only (tessera_paged's branch-free exp, within 1 ulp), so the
@@ -257,14 +272,14 @@ class DecodeStack {
   }
 
   // RMSNorm as model/layers.py: variance in fp32, h rounded to the dtype, then weight * h (rounded).
-  template <bool BF16>
-  void rms_norm(const float* x, const float* w, float* out, int64_t n) const {
+  template <bool BF16, typename O>
+  void rms_norm(const float* x, const float* w, O* out, int64_t n) const {
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps_);
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = rnd<BF16>(w[i] * rnd<BF16>(x[i] * inv));
+    for (int64_t i = 0; i < n; ++i) put(out, i, rnd<BF16>(w[i] * rnd<BF16>(x[i] * inv)));
   }
 
   // x * cos + roll(x, D/2) * sin over one head, each product and the sum rounded as torch would.
@@ -298,8 +313,9 @@ class DecodeStack {
     const int64_t M = x_t.size(0), hid = hidden_, qkv_n = (H_ + 2 * KVH_) * D_, q_n = H_ * D_, kv_n = KVH_ * D_;
     const int64_t inter = inter_;
     constexpr bool BF16 = std::is_same_v<T, c10::BFloat16>;
-    std::vector<float> x(M * hid), h(M * hid), qkv(M * qkv_n), attn(M * q_n), y(M * hid), gu(M * 2 * inter),
-        act(M * inter), cs(M * D_), sn(M * D_);
+    // x: the residual stream in fp32 (bf16 values in bf16 mode); h, act: matmul inputs in T.
+    std::vector<float> x(M * hid), qkv(M * qkv_n), y(M * std::max(hid, 2 * inter)), cs(M * D_), sn(M * D_);
+    std::vector<T> h(M * hid), act(M * inter);
     T* xp = x_t.data_ptr<T>();
     const T* cp = cos_t.data_ptr<T>();
     const T* snp = sin_t.data_ptr<T>();
@@ -315,54 +331,56 @@ class DecodeStack {
     const T* op = o_t.data_ptr<T>();
     const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
     at::Tensor hold;  // a library matmul's output, read before the next projection runs
+    auto residual = [&](const std::pair<const float*, const T*>& out) {  // x += out, rounded as torch's add
+      with_output(out, [&](const auto* src) {
+        each_row(M, [&](int64_t m) {
+#pragma omp simd
+          for (int64_t i = m * hid; i < (m + 1) * hid; ++i)
+            x[i] = rnd<BF16>(x[i] + rnd<BF16>(tessera_paged::widen(src[i])));
+        });
+      });
+    };
     for (const Layer& L : layers_) {
       each_row(M, [&](int64_t m) { rms_norm<BF16>(&x[m * hid], L.in_norm.data_ptr<float>(), &h[m * hid], hid); });
-      float* qkv_p = L.qkv(h.data(), qkv.data(), M, BF16, hold);
+      const auto qkv_out = L.qkv(h.data(), qkv.data(), M, hold);
       T* kc = L.k_cache.data_ptr<T>();
       T* vc = L.v_cache.data_ptr<T>();
-      each_row(M, [&](int64_t m) {
-        float* row = qkv_p + m * qkv_n;
+      with_output(qkv_out, [&](const auto* src) {
+        each_row(M, [&](int64_t m) {
+          float* row = &qkv[m * qkv_n];
 #pragma omp simd
-        for (int64_t i = 0; i < qkv_n; ++i) row[i] = rnd<BF16>(row[i]);
-        for (int64_t head = 0; head < H_ + KVH_; ++head) {  // q heads, then k heads
-          float* v = row + head * D_;
-          if (L.q_norm.defined()) {  // Qwen3: RMSNorm per head before the rotary
-            float tmp[512];
-            rms_norm<BF16>(v, (head < H_ ? L.q_norm : L.k_norm).data_ptr<float>(), tmp, D_);
-            std::memcpy(v, tmp, D_ * sizeof(float));
+          for (int64_t i = 0; i < qkv_n; ++i) row[i] = rnd<BF16>(tessera_paged::widen(src[m * qkv_n + i]));
+          for (int64_t head = 0; head < H_ + KVH_; ++head) {  // q heads, then k heads
+            float* v = row + head * D_;
+            if (L.q_norm.defined()) {  // Qwen3: RMSNorm per head before the rotary
+              float tmp[512];
+              rms_norm<BF16>(v, (head < H_ ? L.q_norm : L.k_norm).data_ptr<float>(), tmp, D_);
+              std::memcpy(v, tmp, D_ * sizeof(float));
+            }
+            rotate<BF16>(v, &cs[m * D_], &sn[m * D_]);
           }
-          rotate<BF16>(v, &cs[m * D_], &sn[m * D_]);
-        }
-        store(qp + m * q_n, row, q_n);
-        store(kc + slots[m] * kv_n, row + q_n, kv_n);
-        store(vc + slots[m] * kv_n, row + q_n + kv_n, kv_n);
+          store(qp + m * q_n, row, q_n);
+          store(kc + slots[m] * kv_n, row + q_n, kv_n);
+          store(vc + slots[m] * kv_n, row + q_n + kv_n, kv_n);
+        });
       });
       tessera_paged::paged_decode(o_t, q_t, L.k_cache, L.v_cache, tables, lens, c10::nullopt, scale);
-      for (int64_t i = 0; i < M * q_n; ++i) attn[i] = tessera_paged::widen(op[i]);
-      const float* o_p = L.o(attn.data(), y.data(), M, BF16, hold);
-      each_row(M, [&](int64_t m) {
+      residual(L.o(op, y.data(), M, hold));
+      each_row(M, [&](int64_t m) { rms_norm<BF16>(&x[m * hid], L.post_norm.data_ptr<float>(), &h[m * hid], hid); });
+      with_output(L.gate_up(h.data(), y.data(), M, hold), [&](const auto* src) {
+        each_row(M, [&](int64_t m) {
+          const auto* g = src + m * 2 * inter;
+          const auto* u = g + inter;
+          T* a = &act[m * inter];
 #pragma omp simd
-        for (int64_t i = m * hid; i < (m + 1) * hid; ++i) x[i] = rnd<BF16>(x[i] + rnd<BF16>(o_p[i]));
-        rms_norm<BF16>(&x[m * hid], L.post_norm.data_ptr<float>(), &h[m * hid], hid);
+          for (int64_t i = 0; i < inter; ++i)
+            put(a, i, rnd<BF16>(rnd<BF16>(silu(rnd<BF16>(tessera_paged::widen(g[i])))) *
+                                rnd<BF16>(tessera_paged::widen(u[i]))));
+        });
       });
-      const float* gu_p = L.gate_up(h.data(), gu.data(), M, BF16, hold);
-      each_row(M, [&](int64_t m) {
-        const float* g = gu_p + m * 2 * inter;
-        const float* u = g + inter;
-        float* a = &act[m * inter];
-#pragma omp simd
-        for (int64_t i = 0; i < inter; ++i) a[i] = rnd<BF16>(rnd<BF16>(silu(rnd<BF16>(g[i]))) * rnd<BF16>(u[i]));
-      });
-      const float* d_p = L.down(act.data(), y.data(), M, BF16, hold);
-      each_row(M, [&](int64_t m) {
-#pragma omp simd
-        for (int64_t i = m * hid; i < (m + 1) * hid; ++i) x[i] = rnd<BF16>(x[i] + rnd<BF16>(d_p[i]));
-      });
+      residual(L.down(act.data(), y.data(), M, hold));
     }
-    each_row(M, [&](int64_t m) {
-      rms_norm<BF16>(&x[m * hid], final_norm_.data_ptr<float>(), &h[m * hid], hid);
-      store(xp + m * hid, &h[m * hid], hid);
-    });
+    each_row(M, [&](int64_t m) { rms_norm<BF16>(&x[m * hid], final_norm_.data_ptr<float>(), xp + m * hid, hid); });
   }
 };
 
