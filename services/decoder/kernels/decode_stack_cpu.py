@@ -1,4 +1,4 @@
-"""Every decoder layer of a few-row decode step in one C++ call, on CPU: the launcher and its torch ref.
+"""Every decoder layer of a decode step in one C++ call, on CPU: the launcher and its torch ref.
 
 The kernel is decode_stack_cpu.cpp next to this file (it includes gemv_cpu.cpp and
 paged_attention_cpu.cpp), compiled once per machine by native.load (`make kernels`). `make_stack`

@@ -58,7 +58,7 @@ class FusedDecode:
         try:
             stack = decode_stack_cpu.make_stack(_shape(model), _layers(model, cache), model.model.norm.weight)
         except native.BuildError as e:
-            log.warning("decode stack unavailable, few-row steps run the model's layers: %s", e)
+            log.warning("decode stack unavailable, decode steps run the model's layers: %s", e)
             return None, f"off (unavailable: {str(e).splitlines()[0]})"
         fused = cls(model, stack)
         timings = fused.choose(cache, timer or best_of)
