@@ -52,11 +52,19 @@ inline __m512 load16(const int8_t* p, __mmask16 mask) {
 // UNROLL independent accumulators per row of x to hide the FMA latency.
 constexpr int64_t UNROLL = 4;
 
+// acc[m, n] = the sum of row m's UNROLL accumulators.
+template <int M>
+inline void store_sums(__m512 (&a)[M][UNROLL], float* acc, int64_t n, int64_t N) {
+  for (int m = 0; m < M; ++m) {
+    __m512 sum = a[m][0];
+    for (int u = 1; u < UNROLL; ++u) sum = _mm512_add_ps(sum, a[m][u]);
+    acc[m * N + n] = _mm512_reduce_add_ps(sum);
+  }
+}
+
 template <typename W, int M>
 inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, int64_t N) {
-  __m512 a[M][UNROLL];
-  for (int m = 0; m < M; ++m)
-    for (int u = 0; u < UNROLL; ++u) a[m][u] = _mm512_setzero_ps();
+  __m512 a[M][UNROLL] = {};
   int64_t k = 0;
   for (; k + 16 * UNROLL <= K; k += 16 * UNROLL) {
     for (int u = 0; u < UNROLL; ++u) {
@@ -70,11 +78,7 @@ inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, 
     const __m512 wv = load16(wn + k, mask);
     for (int m = 0; m < M; ++m) a[m][0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + m * K + k), wv, a[m][0]);
   }
-  for (int m = 0; m < M; ++m) {
-    __m512 sum = a[m][0];
-    for (int u = 1; u < UNROLL; ++u) sum = _mm512_add_ps(sum, a[m][u]);
-    acc[m * N + n] = _mm512_reduce_add_ps(sum);
-  }
+  store_sums<M>(a, acc, n, N);
 }
 #endif
 
@@ -85,9 +89,7 @@ inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, 
 // does, subnormal inputs and sums count as zero).
 template <int M>
 inline void row1_dp(const at::BFloat16* x, const at::BFloat16* wn, int64_t K, int64_t n, float* acc, int64_t N) {
-  __m512 a[M][UNROLL];
-  for (int m = 0; m < M; ++m)
-    for (int u = 0; u < UNROLL; ++u) a[m][u] = _mm512_setzero_ps();
+  __m512 a[M][UNROLL] = {};
   int64_t k = 0;
   for (; k + 32 * UNROLL <= K; k += 32 * UNROLL) {
     for (int u = 0; u < UNROLL; ++u) {
@@ -102,11 +104,7 @@ inline void row1_dp(const at::BFloat16* x, const at::BFloat16* wn, int64_t K, in
     for (int m = 0; m < M; ++m)
       a[m][0] = _mm512_dpbf16_ps(a[m][0], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), wv);
   }
-  for (int m = 0; m < M; ++m) {
-    __m512 sum = a[m][0];
-    for (int u = 1; u < UNROLL; ++u) sum = _mm512_add_ps(sum, a[m][u]);
-    acc[m * N + n] = _mm512_reduce_add_ps(sum);
-  }
+  store_sums<M>(a, acc, n, N);
 }
 
 template <int M>
