@@ -52,8 +52,8 @@ class Runner:
         # timed at this model's heads at load (runner/attention.py); CUDA runs the torch path.
         self.attention_backend = (choose_decode_backend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
                                                         self.dtype) if self.device.type == "cpu" else TORCH_ATTENTION)
-        # Steps of a few decode rows: every layer in one C++ call, where it beat the layers at load
-        # (runner/fused_decode.py); one line for the log and GetModelInfo, e.g. "cpp rows<=4; timed ...".
+        # Decode steps: every layer in one C++ call, up to the row count where it beat the layers at
+        # load (runner/fused_decode.py); one line for the log and GetModelInfo, e.g. "cpp rows<=64; timed ...".
         self.fused_decode, self.decode_stack = FusedDecode.build(model, self.cache, self.attention_backend,
                                                                  linear_path_mode(linear_path) == "auto")
         self.sampler = Sampler(seed)
