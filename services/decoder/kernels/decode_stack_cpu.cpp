@@ -19,7 +19,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
-#include <memory>
 
 namespace tessera_stack {
 
@@ -190,7 +189,7 @@ class DecodeStack {
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
               at::Tensor final_norm)
       : H_(heads), KVH_(kv_heads), D_(head_dim), hidden_(hidden), inter_(intermediate), eps_(static_cast<float>(eps)),
-        bf16_(final_norm.scalar_type() == at::kBFloat16), dtype_(final_norm.scalar_type()),
+        dtype_(final_norm.scalar_type()),
         final_norm_(norm_weight(final_norm, hidden, "final norm")) {
     TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "decode_stack: float32 or bfloat16 activations");
     TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 2 == 0 && head_dim <= 512,
@@ -251,7 +250,7 @@ class DecodeStack {
     const int64_t* sp = slots.data_ptr<int64_t>();
     for (int64_t m = 0; m < M; ++m)
       TORCH_CHECK(sp[m] >= 0 && sp[m] < slot_count, "decode_stack: slot ", sp[m], " out of range");
-    if (bf16_) {
+    if (dtype_ == at::kBFloat16) {
       run<c10::BFloat16>(x, cos, sin, sp, block_tables, context_lens);
     } else {
       run<float>(x, cos, sin, sp, block_tables, context_lens);
@@ -261,7 +260,6 @@ class DecodeStack {
  private:
   int64_t H_, KVH_, D_, hidden_, inter_;
   float eps_;
-  bool bf16_;
   at::ScalarType dtype_;
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
