@@ -7,15 +7,15 @@
 // accumulators, so the FMA latency is hidden), and the rows are split over the threads.
 // Weights are float32, bfloat16 (widened exactly to fp32) or int8 with one fp32 scale per row
 // (weight-only int8, model/quantization.py); x is fp32 and the sums are fp32.
-// On AVX-512 CPUs (-march=native defines __AVX512F__) the loop is written with intrinsics; elsewhere
-// a portable `#pragma omp simd` loop does the same sums.
+// On AVX-512 CPUs (-march=native defines __AVX512F__) and on AVX2+FMA ones (Zen 3, older Xeons) the
+// loop is written with intrinsics; elsewhere a portable `#pragma omp simd` loop does the same sums.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -35,6 +35,7 @@ constexpr int64_t NB = 4;        // weight rows reduced together
 constexpr int64_t MAX_ROWS = 4;  // rows of x per call (gemv_cpu.MAX_ROWS)
 
 #ifdef __AVX512F__
+#define TESSERA_GEMV_ROW1 1
 // 16 weights widened to fp32 (lanes past `mask` read as zero and are never loaded).
 inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {
@@ -80,6 +81,59 @@ inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, 
   }
   store_sums<M>(a, acc, n, N);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TESSERA_GEMV_ROW1 1
+// The same loop in 8 lanes for CPUs without AVX-512: on Zen 3 the portable loop's vectorisation
+// read the weights at well under the rate the machine streams them, as it did on AVX-512.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const int8_t* p) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+template <typename W, int M>
+inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, int64_t N) {
+  // 16 ymm registers hold at most two rows' U = 4 accumulators; rows 3 and 4 take a second pass over
+  // the weight row, from L1. U is the same for every M, so a row's sums do not depend on how many
+  // rows share the call (the decode stack's batch invariance).
+  constexpr int U = 4;
+  if constexpr (M > 2) {
+    row1<W, 2>(x, wn, K, n, acc, N);
+    row1<W, M - 2>(x + 2 * K, wn, K, n, acc + 2 * N, N);
+    return;
+  }
+  __m256 a[M][U];
+  for (int m = 0; m < M; ++m)
+    for (int u = 0; u < U; ++u) a[m][u] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * U <= K; k += 8 * U) {
+    for (int u = 0; u < U; ++u) {
+      const __m256 wv = load8(wn + k + 8 * u);
+      for (int m = 0; m < M; ++m) a[m][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8 * u), wv, a[m][u]);
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 wv = load8(wn + k);
+    for (int m = 0; m < M; ++m) a[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), wv, a[m][0]);
+  }
+  for (int m = 0; m < M; ++m) {
+    __m256 sum = a[m][0];
+    for (int u = 1; u < U; ++u) sum = _mm256_add_ps(sum, a[m][u]);
+    float s = hsum(sum);
+    for (int64_t j = k; j < K; ++j) s += x[m * K + j] * widen(wn[j]);
+    acc[m * N + n] = s;
+  }
+}
 #endif
 
 #ifdef __AVX512BF16__
@@ -122,7 +176,7 @@ template <typename W, int M>
 void rows_block(const float* x, const W* w, int64_t K, int64_t n0, int64_t n1, float* acc /* [M, N] */,
                 int64_t N) {
   int64_t n = n0;
-#ifdef __AVX512F__
+#ifdef TESSERA_GEMV_ROW1
   for (; n < n1; ++n) row1<W, M>(x, w + n * K, K, n, acc, N);
 #endif
   for (; n + NB <= n1; n += NB) {
