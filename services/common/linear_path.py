@@ -4,7 +4,10 @@ Neither path wins everywhere (issues 9, 10, 14). A weight reordered once into on
 blocked layout (torch.ops.mkldnn, the ops inductor uses for frozen CPU linears) ran ~2x
 faster than F.linear at every row count on an AMD Zen 4, but 2-3x slower at 1 row on an
 Intel Emerald Rapids (faster again at 64 rows), and on AVX2-only CPUs oneDNN cannot pack
-bf16 at all. So at load, for each distinct (out, in, dtype, bias) shape, both paths are
+bf16 at all. There a bf16 weight is packed widened to fp32 instead (`pack_dtype`): such CPUs have
+no bf16 GEMM, and on a Zen 3 the plain bf16 F.linear ran ~4x slower than the fp32 one at 16 or
+more rows. Widening is exact and both sum the products in fp32, so that path is the same
+function; the packed copy then takes twice the bf16 weight's memory. So at load, for each distinct (out, in, dtype, bias) shape, both paths are
 timed at a few row counts on the real weight with the configured threads, and each shape
 gets a `Rule`: which path runs for a given number of rows. Both the dense weight and the
 packed copy stay resident while any row count uses the packed one.
@@ -143,13 +146,22 @@ def available(device: torch.device | str = "cpu") -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] -> an opaque packed copy for `packed_linear`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    """weight [out, in] -> an opaque packed copy for `packed_linear`, in pack_dtype(weight.dtype)."""
+    dtype = pack_dtype(weight.dtype)
+    if dtype is None:
+        raise RuntimeError(pack_error(weight.dtype))
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype))
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [N, in] @ weight.T + bias -> [N, out], weight given as `pack(weight)`."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """x [N, in] @ weight.T + bias -> [N, out] in x's dtype, weight given as `pack(weight)`. A widened
+    bf16 weight (packed as fp32) gets x and bias widened and its fp32 result rounded once to x's dtype."""
+    if packed.dtype == x.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    wide = packed.dtype
+    y = torch.ops.mkldnn._linear_pointwise(x.to(wide), packed, None if bias is None else bias.to(wide),
+                                           "none", [], "")
+    return y.to(x.dtype)
 
 
 def pack_error(dtype: torch.dtype) -> str | None:
@@ -157,12 +169,22 @@ def pack_error(dtype: torch.dtype) -> str | None:
     if not available("cpu"):
         return "torch has no oneDNN linear ops"
     try:
-        w = torch.zeros(8, 8, dtype=dtype)
-        packed_linear(torch.zeros(1, 8, dtype=dtype), pack(w), None)
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
+        packed_linear(torch.zeros(1, 8, dtype=dtype), w, None)
     except RuntimeError as exc:
         # e.g. bf16 on AVX2-only CPUs: "bf16 path needs the cpu support avx_ne_convert or
         # avx512bw, avx512vl and avx512dq".
         return f"oneDNN cannot pack {str(dtype).removeprefix('torch.')} here: {str(exc).splitlines()[0]}"
+    return None
+
+
+def pack_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype weights of `dtype` are packed in here: their own where oneDNN packs it; float32 for
+    bfloat16 where only fp32 packs (AVX2-only CPUs; see the module docstring); else None."""
+    if pack_error(dtype) is None:
+        return dtype
+    if dtype == torch.bfloat16 and pack_error(torch.float32) is None:
+        return torch.float32
     return None
 
 
@@ -236,7 +258,9 @@ def plan(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]], mode: str 
     for w, b in weights:
         if w.device.type == "cpu":   # elsewhere F.linear is the only path
             first.setdefault(Shape.of(w, b), (w.detach(), None if b is None else b.detach()))
-    errors = {d: pack_error(d) for d in {s.dtype for s in first}} if mode != "plain" else {}
+    dtypes = {s.dtype for s in first} if mode != "plain" else set()
+    errors = {d: pack_error(d) for d in dtypes if pack_dtype(d) is None}
+    widened = sorted(str(d).removeprefix("torch.") for d in dtypes if pack_dtype(d) not in (None, d))
     start = time.perf_counter()
     rules, timed = {}, {}
     for shape, (w, b) in first.items():
@@ -251,9 +275,10 @@ def plan(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]], mode: str 
     details = [f"{shape}: " + " ".join(f"{r}:{q * 1e6:.0f}/{p * 1e6:.0f}" for r, q, p in timings)
                for shape, (_, timings) in measured.items()]
     notes = sorted({e for e in errors.values() if e})
-    result = Plan(mode, rules, "; ".join(notes))
     if notes:
-        log.warning("linear path: plain F.linear where packing is impossible: %s", result.reason)
+        log.warning("linear path: plain F.linear where packing is impossible: %s", "; ".join(notes))
+    notes += [f"{d} packed widened to float32" for d in widened]
+    result = Plan(mode, rules, "; ".join(notes))
     log.info("linear path %s [%.0f ms]", result.summary, (time.perf_counter() - start) * 1e3)
     if details:
         log.debug("linear path timings, rows:plain_us/packed_us: %s", "  ".join(details))

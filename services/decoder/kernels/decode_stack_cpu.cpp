@@ -37,7 +37,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
 // One projection: weight [N, K] float32, bfloat16 or int8 (with fp32 per-row scale), and how the
 // model's Linear runs it: the few-row kernel up to gemv_rows rows (its load-time choice, at most
 // MAX_ROWS), above that its oneDNN-packed copy for the row counts its rule gives (rows in
-// [starts[i], starts[i+1]) packed iff flags[i]), else plain. int8 weights always take the kernel.
+// [starts[i], starts[i+1]) packed iff flags[i]; a bf16 weight's copy may be fp32), else plain. int8
+// weights always take the kernel.
 struct Proj {
   at::Tensor w, scale, bias, bias_model, packed;  // undefined when absent; bias: fp32, bias_model: the model's
   std::vector<int64_t> starts;
@@ -86,6 +87,12 @@ struct Proj {
       TORCH_CHECK(w.scalar_type() != at::kChar, "decode_stack: int8 weights run at most ", tessera_gemv::MAX_ROWS,
                   " rows here");
       at::Tensor xt = at::from_blob(const_cast<T*>(x), {M, K}, at::CppTypeToScalarType<T>::value);
+      if (use_packed(M) && packed.scalar_type() != w.scalar_type()) {
+        // A bf16 weight packed widened to fp32 (linear_path.pack_dtype): fp32 in, the fp32 sums out,
+        // rounded where the kernel's are.
+        hold = packed_linear(xt.to(at::kFloat), packed, bias).contiguous();
+        return {hold.data_ptr<float>(), nullptr};
+      }
       hold = (use_packed(M) ? packed_linear(xt, packed, bias_model) : at::linear(xt, w, bias_model)).contiguous();
       TORCH_CHECK(hold.scalar_type() == xt.scalar_type(), "decode_stack: weights and activations differ in dtype");
       return {nullptr, hold.data_ptr<T>()};
