@@ -4,12 +4,13 @@ Neither path wins everywhere (issues 9, 10, 14). A weight reordered once into on
 blocked layout (torch.ops.mkldnn, the ops inductor uses for frozen CPU linears) ran ~2x
 faster than F.linear at every row count on an AMD Zen 4, but 2-3x slower at 1 row on an
 Intel Emerald Rapids (faster again at 64 rows), and on AVX2-only CPUs oneDNN cannot pack
-bf16 at all. There a bf16 weight is packed widened to fp32 instead (`pack_dtype`): such CPUs have
-no bf16 GEMM, and on a Zen 3 the plain bf16 F.linear ran ~4x slower than the fp32 one at 16 or
-more rows. Widening is exact and both sum the products in fp32, so that path is the same
-function; the packed copy then takes twice the bf16 weight's memory. So at load, for each distinct (out, in, dtype, bias) shape, both paths are
-timed at a few row counts on the real weight with the configured threads, and each shape
-gets a `Rule`: which path runs for a given number of rows. Both the dense weight and the
+bf16 at all. There a bf16 weight is packed widened to fp32 instead (`pack_dtype`): such CPUs
+have no bf16 GEMM, and on a Zen 3 the plain bf16 F.linear ran 3-6x slower than the widened
+packed one at 16-64 rows. Widening is exact and both sum the products in fp32, so that path
+is the same function; the packed copy then takes twice the bf16 weight's memory. So at load,
+for each distinct (out, in, dtype, bias) shape, both paths are timed at a few row counts on
+the real weight with the configured threads, and each shape gets a `Rule`: which path runs
+for a given number of rows. Both the dense weight and the
 packed copy stay resident while any row count uses the packed one.
 
 TESSERA_LINEAR_PATH (or the `mode` argument) = auto | packed | plain; packed and plain
