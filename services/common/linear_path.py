@@ -259,9 +259,9 @@ def plan(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]], mode: str 
     for w, b in weights:
         if w.device.type == "cpu":   # elsewhere F.linear is the only path
             first.setdefault(Shape.of(w, b), (w.detach(), None if b is None else b.detach()))
-    dtypes = {s.dtype for s in first} if mode != "plain" else set()
-    errors = {d: pack_error(d) for d in dtypes if pack_dtype(d) is None}
-    widened = sorted(str(d).removeprefix("torch.") for d in dtypes if pack_dtype(d) not in (None, d))
+    packs = {d: pack_dtype(d) for d in {s.dtype for s in first}} if mode != "plain" else {}
+    errors = {d: pack_error(d) for d, to in packs.items() if to is None}
+    widened = sorted(str(d).removeprefix("torch.") for d, to in packs.items() if to not in (None, d))
     start = time.perf_counter()
     rules, timed = {}, {}
     for shape, (w, b) in first.items():

@@ -203,7 +203,6 @@ def test_bf16_is_packed_widened_where_onednn_cannot_pack_it():
     assert not [m for level, m in got["records"] if level == "WARNING"]
 
 
-
 def test_logs_one_line_per_plan(caplog):
     caplog.set_level(logging.INFO, logger="tessera.linear_path")
     linear_path.plan([(torch.randn(8, 4), None), (torch.randn(8, 4), None)], "plain")

@@ -87,13 +87,14 @@ struct Proj {
       TORCH_CHECK(w.scalar_type() != at::kChar, "decode_stack: int8 weights run at most ", tessera_gemv::MAX_ROWS,
                   " rows here");
       at::Tensor xt = at::from_blob(const_cast<T*>(x), {M, K}, at::CppTypeToScalarType<T>::value);
-      if (use_packed(M) && packed.scalar_type() != w.scalar_type()) {
+      const bool pk = use_packed(M);
+      if (pk && packed.scalar_type() != w.scalar_type()) {
         // A bf16 weight packed widened to fp32 (linear_path.pack_dtype): fp32 in, the fp32 sums out,
         // rounded where the kernel's are.
         hold = packed_linear(xt.to(at::kFloat), packed, bias).contiguous();
         return {hold.data_ptr<float>(), nullptr};
       }
-      hold = (use_packed(M) ? packed_linear(xt, packed, bias_model) : at::linear(xt, w, bias_model)).contiguous();
+      hold = (pk ? packed_linear(xt, packed, bias_model) : at::linear(xt, w, bias_model)).contiguous();
       TORCH_CHECK(hold.scalar_type() == xt.scalar_type(), "decode_stack: weights and activations differ in dtype");
       return {nullptr, hold.data_ptr<T>()};
     }
