@@ -6,7 +6,7 @@ the same token count; outputs are compared token for token.
 
   (a) throughput, all prompts submitted at once, vs transformers static batches of 16
   (b) batch-1 decode tokens/s vs transformers (tessera: best of 3 runs of 128 tokens, as llama.cpp's)
-  (c) prefix cache: TTFT with a shared 1,000-token prefix vs a cold request
+  (c) prefix cache: TTFT with a shared 1,000-token prefix vs a cold request (medians of 3 pairs)
   (d) headroom: tokens/s at the largest batch / the fp32 matmul bound
   (e) --peer vllm: the same workload on vLLM in .venv-peers (make bench-peers)
   (f) --peer llamacpp: llama.cpp's llama-server (build/peers/, make bench-peers) on F32 GGUF for
@@ -21,6 +21,7 @@ The last line printed holds the ratios.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -204,12 +205,21 @@ def main() -> None:
                       f"(best of its runs)")
                 llamacpp_b1.append(f"vs_llamacpp_b1_{dtype}={ours_b1 / lc['b1']:.2f}x")
         if "c" in parts and dtype == "fp32":
+            # Median of 3 alternating pairs, each with its own uncached 1,000-token prefix and its own
+            # 20-token suffix: one pair alone moved the ratio by 1.5x between runs on a shared VM.
             text = [t for p in batch for t in p]
-            prefix_a, prefix_b = text[:1000], text[1000:2000]
-            ours.ttft(prefix_a + batch[0][-20:], "c-warmup")       # caches prefix_a
-            cold = ours.ttft(prefix_b + batch[1][-20:], "c-cold")
-            warm = ours.ttft(prefix_a + batch[2][-20:], "c-warm")
-            print(f"(c) TTFT with a cached 1,000-token prefix: {warm * 1e3:.1f} ms vs cold {cold * 1e3:.1f} ms")
+            if len(text) < 4000 or len(batch) < 7:
+                sys.exit(f"(c) needs 4,000 prompt tokens and 7 prompts; --prompts {len(batch)} gives {len(text)}")
+            cached = text[:1000]
+            ours.ttft(cached + batch[0][-20:], "c-warmup")         # caches `cached`
+            colds, warms = [], []
+            for i in range(3):
+                colds.append(ours.ttft(text[1000 * (i + 1):1000 * (i + 2)] + batch[1 + i][-20:], f"c-cold{i}"))
+                warms.append(ours.ttft(cached + batch[4 + i][-20:], f"c-warm{i}"))
+            cold, warm = statistics.median(colds), statistics.median(warms)
+            print(f"(c) TTFT with a cached 1,000-token prefix: {warm * 1e3:.1f} ms vs cold {cold * 1e3:.1f} ms "
+                  f"(medians of warm {', '.join(f'{w * 1e3:.1f}' for w in warms)} and cold "
+                  f"{', '.join(f'{c * 1e3:.1f}' for c in colds)} ms)")
             ratios.append(f"prefix_ttft={warm / cold:.3f}x")
         del ours
     if "d" in parts and "fp32" in best_tps:

@@ -7,7 +7,9 @@ Intel Emerald Rapids (faster again at 64 rows), and on AVX2-only CPUs oneDNN can
 bf16 at all. There a bf16 weight is packed widened to fp32 instead (`pack_dtype`): such CPUs
 have no bf16 GEMM, and on a Zen 3 the plain bf16 F.linear ran 3-6x slower than the widened
 packed one at 16-64 rows. Widening is exact and both sum the products in fp32, so that path
-is the same function; the packed copy then takes twice the bf16 weight's memory. So at load,
+is the same function; the packed copy then takes twice the bf16 weight's memory. Where oneDNN
+packs both, a bf16 shape's packed copy is itself chosen by timing (`choose_copies`): on an Intel
+Emerald Rapids without AMX the widened one ran 1.3-1.7x faster at 64-2048 rows. So at load,
 for each distinct (out, in, dtype, bias) shape, both paths are timed at a few row counts on
 the real weight with the configured threads, and each shape gets a `Rule`: which path runs
 for a given number of rows. Both the dense weight and the
@@ -24,7 +26,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,15 +40,24 @@ HELP = ("CPU matmul path per weight shape: auto times oneDNN-packed against plai
         "the faster per row count; packed or plain forces one")
 # Decode batch 1, small and large decode batches, a prefill chunk.
 ROWS = (1, 4, 16, 64, 256)
-# Buckets above the first cost at most this many multiply-adds per call (about 3 ms in
-# fp32 on 2 cores): a 49152-wide LM head is timed at 1 and 4 rows only and larger row
-# counts keep the last measured verdict. The LM head only sees sampled rows anyway.
-MAX_MACS = 1 << 28
+# Buckets above the first cost at most this many multiply-adds per call (about 10-20 ms in
+# fp32 on 2 cores): a 49152-wide LM head is timed up to 64 rows, the decode batch it serves
+# (it only sees sampled rows), a 151936x1536 one at 1 and 4 only; larger row counts keep the
+# last measured verdict.
+MAX_MACS = 1 << 31
 # Every (shape, rows) is timed in PASSES passes (see measure_rules); each pass runs call
 # pairs for about PASS_S, at least one and at most MAX_REPS.
 PASSES, PASS_S, MAX_REPS = 3, 1e-3, 16
 # Paths within this fraction of each other tie (see Rule.from_verdicts).
 TIE = 0.1
+# Rows at which a bf16 weight's two packed copies (its own, and widened to fp32) are timed against
+# each other where oneDNN packs both (their totals count): a large decode batch and a prefill chunk.
+# On an Intel Emerald Rapids without AMX, oneDNN's bf16 GEMM ran 1.3-1.7x slower than its fp32 one
+# on the same widened weights at 64-2048 rows (and tied at 16); where bf16 GEMMs are fast, the own
+# copy wins and nothing changes.
+COPY_ROWS = (64, 256)
+# Passes for that choice: one packed copy then serves every row count, so it gets more than a rule's.
+COPY_PASSES = 5
 
 
 @dataclass(frozen=True)
@@ -118,9 +129,14 @@ class Plan:
     mode: str
     rules: dict[Shape, Rule]
     reason: str = ""
+    copies: dict[Shape, torch.dtype] = field(default_factory=dict)   # packed-copy dtype, where timed
 
     def rule(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Rule:
         return self.rules.get(Shape.of(weight, bias), Rule.always(False))
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """weight's packed copy, in the dtype this plan chose for its shape (else pack_dtype's)."""
+        return pack(weight, self.copies.get(Shape.of(weight, bias)))
 
     @property
     def summary(self) -> str:
@@ -138,6 +154,8 @@ class Plan:
 
 # Where a measurement comes from: (weight, packed, bias, rows) -> (plain s, packed s).
 Timer = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", int], tuple[float, float]]
+# (weight, own packed copy, widened packed copy, bias, rows) -> (own s, widened s).
+CopyTimer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", int], tuple[float, float]]
 
 
 def available(device: torch.device | str = "cpu") -> bool:
@@ -146,9 +164,10 @@ def available(device: torch.device | str = "cpu") -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] -> an opaque packed copy for `packed_linear`, in pack_dtype(weight.dtype)."""
-    dtype = pack_dtype(weight.dtype)
+def pack(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """weight [out, in] -> an opaque packed copy for `packed_linear`, in dtype (default
+    pack_dtype(weight.dtype); a Plan passes the copy it timed for the shape)."""
+    dtype = dtype or pack_dtype(weight.dtype)
     if dtype is None:
         raise RuntimeError(pack_error(weight.dtype))
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype))
@@ -210,7 +229,18 @@ def time_both(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     that fit in PASS_S (at least one). Other processes only ever add time, hence the
     minimum; the paths alternate so both see the same clocks and caches."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-    calls = (lambda: F.linear(x, weight, bias), lambda: packed_linear(x, packed, bias))
+    return _fastest_pair(lambda: F.linear(x, weight, bias), lambda: packed_linear(x, packed, bias))
+
+
+@torch.inference_mode()
+def time_copies(weight: torch.Tensor, own: torch.Tensor, wide: torch.Tensor, bias: torch.Tensor | None,
+                rows: int) -> tuple[float, float]:
+    """Seconds per call (own packed copy, widened packed copy) for x [rows, in], as time_both."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    return _fastest_pair(lambda: packed_linear(x, own, bias), lambda: packed_linear(x, wide, bias))
+
+
+def _fastest_pair(*calls: Callable[[], object]) -> tuple[float, float]:
     best = [math.inf, math.inf]
     deadline = time.perf_counter() + PASS_S
     for _ in range(MAX_REPS):
@@ -221,6 +251,25 @@ def time_both(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
         if time.perf_counter() >= deadline:
             break
     return best[0], best[1]
+
+
+def choose_copies(entries: dict[Shape, tuple[torch.Tensor, torch.Tensor | None]],
+                  timer: CopyTimer | None = None) -> dict[Shape, torch.dtype]:
+    """{bf16 shape: (weight, bias)} -> {shape: float32} for the shapes whose widened packed copy took
+    less time than their own, by more than TIE, over COPY_ROWS (each the fastest of COPY_PASSES passes)."""
+    timer = timer or time_copies
+    copies = {shape: (pack(w, shape.dtype), pack(w, torch.float32)) for shape, (w, _) in entries.items()}
+    best = {(shape, rows): (math.inf, math.inf) for shape in entries for rows in COPY_ROWS
+            if rows in buckets(shape)}   # within MAX_MACS, as the rule's own timings
+    for _ in range(COPY_PASSES):
+        for shape, rows in best:
+            w, b = entries[shape]
+            own, wide = timer(w, *copies[shape], b, rows)
+            best[shape, rows] = (min(best[shape, rows][0], own), min(best[shape, rows][1], wide))
+    total = {shape: [0.0, 0.0] for shape in entries}
+    for (shape, _), times in best.items():
+        total[shape] = [total[shape][i] + times[i] for i in (0, 1)]
+    return {shape: torch.float32 for shape, (own, wide) in total.items() if wide * (1 + TIE) < own}
 
 
 def measure_rules(entries: dict[Shape, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
@@ -248,11 +297,12 @@ def measure_rules(entries: dict[Shape, tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 def plan(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]], mode: str | None = None,
-         timer: Timer | None = None) -> Plan:
+         timer: Timer | None = None, copy_timer: CopyTimer | None = None) -> Plan:
     """Choose a rule per distinct shape of weights [(weight [out, in], bias [out] | None)].
 
     Each shape is timed on its first weight; the plan is logged in one line (the timings
-    at DEBUG).
+    at DEBUG). Under auto, a bf16 shape that oneDNN packs in bf16 and in fp32 first gets the
+    faster of the two packed copies (choose_copies); the packed-vs-plain rule is then timed on it.
     """
     mode = resolve_mode(mode)
     first: dict[Shape, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -263,13 +313,19 @@ def plan(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]], mode: str 
     errors = {d: pack_error(d) for d, to in packs.items() if to is None}
     widened = sorted(str(d).removeprefix("torch.") for d, to in packs.items() if to not in (None, d))
     start = time.perf_counter()
+    # Only shapes whose rule is timed at COPY_ROWS[0] too: one packed copy serves every row count,
+    # and a shape timed at few rows only must keep the copy that wins there.
+    both = {shape: wb for shape, wb in first.items()
+            if mode == "auto" and packs.get(shape.dtype) == torch.bfloat16 and COPY_ROWS[0] in buckets(shape)
+            and pack_error(torch.float32) is None}
+    copies = choose_copies(both, copy_timer) if both else {}
     rules, timed = {}, {}
     for shape, (w, b) in first.items():
         err = errors.get(shape.dtype)
         if mode != "auto" or err:
             rules[shape] = Rule.always(mode == "packed" and not err)
         else:
-            timed[shape] = (w, pack(w), b)
+            timed[shape] = (w, pack(w, copies.get(shape)), b)
     measured = measure_rules(timed, timer) if timed else {}
     rules.update((shape, rule) for shape, (rule, _) in measured.items())
     rules = {shape: rules[shape] for shape in first}   # the model's order, for the summary
@@ -279,7 +335,11 @@ def plan(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]], mode: str 
     if notes:
         log.warning("linear path: plain F.linear where packing is impossible: %s", "; ".join(notes))
     notes += [f"{d} packed widened to float32" for d in widened]
-    result = Plan(mode, rules, "; ".join(notes))
+    wide = [str(shape) for shape in first if shape in copies and rules[shape].ever_packed]
+    if wide:
+        notes.append(f"bfloat16 packed widened to float32 on {','.join(wide)}: faster at "
+                     f"{'/'.join(map(str, COPY_ROWS))} rows")
+    result = Plan(mode, rules, "; ".join(notes), {s: d for s, d in copies.items() if rules[s].ever_packed})
     log.info("linear path %s [%.0f ms]", result.summary, (time.perf_counter() - start) * 1e3)
     if details:
         log.debug("linear path timings, rows:plain_us/packed_us: %s", "  ".join(details))
@@ -295,7 +355,7 @@ class Projection:
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
         self.rule = chosen.rule(self.weight, self.bias)
-        self.packed = pack(self.weight) if self.rule.ever_packed else None
+        self.packed = chosen.pack(self.weight, self.bias) if self.rule.ever_packed else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in] -> [N, out]."""

@@ -99,11 +99,69 @@ def test_ties_keep_the_neighbouring_verdict_and_big_shapes_skip_big_buckets():
     rule, timings = linear_path.measure_rules({small: (torch.randn(8, 8), None, None)}, timer)[small]
     assert rule == Rule((1, 64), (True, False)) and [t[0] for t in timings] == list(linear_path.ROWS)
     calls.clear()
-    # a SmolLM2 LM head: 1 and 4 rows only (MAX_MACS), once per pass
+    # a SmolLM2 LM head: up to 64 rows (MAX_MACS), once per pass
     rule, _ = linear_path.measure_rules({head: (torch.empty(49152, 576), None, None)}, timer)[head]
-    assert calls == [(49152, 1), (49152, 4)] * linear_path.PASSES and str(rule) == "packed"
+    assert calls == [(49152, 1), (49152, 4), (49152, 16), (49152, 64)] * linear_path.PASSES
+    assert str(rule) == "packed rows 1-63"
     assert Rule.from_verdicts([(1, None), (4, False), (16, None)]) == Rule.always(False)
     assert Rule.from_verdicts([(1, None), (4, None)]) == Rule.always(False)
+
+
+needs_bf16_packing = pytest.mark.skipif(linear_path.pack_error(torch.bfloat16) is not None
+                                        or linear_path.pack_error(torch.float32) is not None,
+                                        reason="oneDNN cannot pack both bf16 and fp32 on this CPU")
+
+
+@needs_bf16_packing
+def test_bf16_shapes_get_the_packed_copy_that_timed_faster(monkeypatch):
+    """Per bf16 shape, the widened fp32 copy is kept only where it beat the bf16 one by more than TIE
+    (summed over COPY_ROWS); the packed-vs-plain rule is then timed on the kept copy, and a shape whose
+    rule is not timed at COPY_ROWS[0] (MAX_MACS) is never offered the choice."""
+    faster = {64: "wide", 48: "own", 40: "tie"}          # by out_features
+    copy_calls, rule_copies = [], {}
+
+    def copy_timer(weight, own, wide, bias, rows):
+        assert own.dtype == torch.bfloat16 and wide.dtype == torch.float32 and rows in linear_path.COPY_ROWS
+        copy_calls.append((weight.shape[0], rows))
+        return {"wide": (2.0, 1.0), "own": (1.0, 2.0), "tie": (1.0, 0.95)}[faster[weight.shape[0]]]
+
+    def timer(weight, packed, bias, rows):
+        rule_copies[weight.shape[0]] = packed.dtype
+        return (2.0, 1.0)                                  # packed wins everywhere
+
+    monkeypatch.setattr(linear_path, "MAX_MACS", 300_000)   # 200x32 stops at 16 rows, the others at 64
+    weights = [(torch.randn(n, 32).bfloat16(), None) for n in (64, 48, 40, 200)]
+    plan = linear_path.plan(weights, "auto", timer=timer, copy_timer=copy_timer)
+    assert {n for n, _ in copy_calls} == {64, 48, 40}
+    assert len(copy_calls) == linear_path.COPY_PASSES * sum(
+        len([r for r in linear_path.COPY_ROWS if r in linear_path.buckets(Shape(n, 32, torch.bfloat16, False))])
+        for n in (64, 48, 40))
+    assert rule_copies == {64: torch.float32, 48: torch.bfloat16, 40: torch.bfloat16, 200: torch.bfloat16}
+    assert plan.summary == ("auto bfloat16: packed on 64x32,48x32,40x32,200x32 (bfloat16 packed widened to "
+                            "float32 on 64x32: faster at 64/256 rows)")
+    projections = [Projection(w, b, plan) for w, b in weights]
+    assert [p.packed.dtype for p in projections] == [torch.float32] + [torch.bfloat16] * 3
+    model = tiny_model(torch.bfloat16)                   # the decoder's Linear takes the same copies
+    monkeypatch.setattr(linear_path, "time_both", timer)
+    monkeypatch.setattr(linear_path, "time_copies", lambda w, own, wide, b, rows: (2.0, 1.0) if w.shape[0] == 48
+                        else (1.0, 2.0))
+    pack_linears(model, "auto")
+    assert [m.packed.dtype for m in model] == [torch.float32, torch.bfloat16, torch.float32]
+
+
+@needs_bf16_packing
+@pytest.mark.numerics
+def test_a_widened_copy_computes_the_bf16_function():
+    """x and bias widened, fp32 sums, one rounding to bf16: F.linear over the exactly widened weight."""
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
+    plan = Plan("auto", {Shape.of(w, b): Rule.always(True)}, copies={Shape.of(w, b): torch.float32})
+    proj = Projection(w, b, plan)
+    x = torch.randn(17, 64).bfloat16()
+    with torch.inference_mode():
+        got = proj(x)
+    assert proj.packed.dtype == torch.float32 and got.dtype == torch.bfloat16
+    assert_close(got, F.linear(x.float(), w.float(), b.float()).bfloat16(), dtype=torch.bfloat16, k=64)
 
 
 def test_forced_modes_do_not_time(monkeypatch):

@@ -67,7 +67,7 @@ class Linear(nn.Linear):
     def adopt(self, plan: linear_path.Plan) -> None:
         """Take plan's rule for this weight's shape; pack the weight if the rule ever uses it."""
         self.rule = plan.rule(self.weight, self.bias)
-        self.packed = linear_path.pack(self.weight) if self.rule.ever_packed else None
+        self.packed = plan.pack(self.weight, self.bias) if self.rule.ever_packed else None
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         """The few-row kernel over whichever weight this Linear holds (int8 with its scales)."""

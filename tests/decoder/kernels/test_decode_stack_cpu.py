@@ -25,7 +25,8 @@ LAYERS = 2
 
 def projection(kind: str, out: int, inp: int, bias: bool, g: torch.Generator, library: str,
                gemv_rows: int = KERNEL_ROWS) -> Projection:
-    """library: how rows above gemv_rows run: "plain", "packed", or "both" (packed from 8 rows on)."""
+    """library: how rows above gemv_rows run: "plain", "packed", "both" (packed from 8 rows on), or
+    "widened" (packed, from a copy widened to fp32: linear_path's per-shape choice for bf16)."""
     w = torch.randn(out, inp, generator=g) / inp ** 0.5
     b = torch.randn(out, generator=g).to(DTYPES[kind]) * 0.1 if bias else None
     if kind == "int8":
@@ -34,8 +35,9 @@ def projection(kind: str, out: int, inp: int, bias: bool, g: torch.Generator, li
     w = w.to(DTYPES[kind])
     if library == "plain":
         return Projection(w, None, b, gemv_rows)
-    rule = ((1,), (True,)) if library == "packed" else ((1, 8), (False, True))
-    return Projection(w, None, b, gemv_rows, linear_path.pack(w), rule)
+    rule = ((1, 8), (False, True)) if library == "both" else ((1,), (True,))
+    copy = torch.float32 if library == "widened" else None
+    return Projection(w, None, b, gemv_rows, linear_path.pack(w, copy), rule)
 
 
 def model(kind: str, shape: Shape, qk_norm: bool, bias: bool, num_blocks: int, block_size: int, g: torch.Generator,
@@ -112,9 +114,9 @@ def test_few_rows_match_reference(kind, rows, heads, kv_heads, head_dim, block_s
     check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias)
 
 
-@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind,library", [(k, lib) for k in ("fp32", "bf16") for lib in ("plain", "packed", "both")]
+                         + [("bf16", "widened")])     # only a bf16 weight has a wider copy
 @pytest.mark.parametrize("rows,gemv_rows", [(2, 1), (KERNEL_ROWS + 1, KERNEL_ROWS), (16, 2)])
-@pytest.mark.parametrize("library", ["plain", "packed", "both"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,qk_norm,bias", SHAPES[:2])
 def test_rows_past_gemv_rows_run_the_library_matmuls(kind, rows, gemv_rows, library, heads, kv_heads, head_dim,
                                                      block_size, qk_norm, bias):
