@@ -335,11 +335,11 @@ def plan(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]], mode: str 
     if notes:
         log.warning("linear path: plain F.linear where packing is impossible: %s", "; ".join(notes))
     notes += [f"{d} packed widened to float32" for d in widened]
-    wide = [str(shape) for shape in first if shape in copies and rules[shape].ever_packed]
-    if wide:
-        notes.append(f"bfloat16 packed widened to float32 on {','.join(wide)}: faster at "
+    kept = {shape: copies[shape] for shape in first if shape in copies and rules[shape].ever_packed}
+    if kept:
+        notes.append(f"bfloat16 packed widened to float32 on {','.join(map(str, kept))}: faster at "
                      f"{'/'.join(map(str, COPY_ROWS))} rows")
-    result = Plan(mode, rules, "; ".join(notes), {s: d for s, d in copies.items() if rules[s].ever_packed})
+    result = Plan(mode, rules, "; ".join(notes), kept)
     log.info("linear path %s [%.0f ms]", result.summary, (time.perf_counter() - start) * 1e3)
     if details:
         log.debug("linear path timings, rows:plain_us/packed_us: %s", "  ".join(details))
