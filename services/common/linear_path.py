@@ -254,9 +254,10 @@ def _fastest_pair(*calls: Callable[[], object]) -> tuple[float, float]:
 
 
 def choose_copies(entries: dict[Shape, tuple[torch.Tensor, torch.Tensor | None]],
-                  timer: CopyTimer | None = None) -> dict[Shape, torch.dtype]:
-    """{bf16 shape: (weight, bias)} -> {shape: float32} for the shapes whose widened packed copy took
-    less time than their own, by more than TIE, over COPY_ROWS (each the fastest of COPY_PASSES passes)."""
+                  timer: CopyTimer | None = None) -> dict[Shape, torch.Tensor]:
+    """{bf16 shape: (weight, bias)} -> {shape: its packed copy}: widened to fp32 where that took less
+    time than its own, by more than TIE, over COPY_ROWS (each the fastest of COPY_PASSES passes), else
+    its own. The rule is then timed on that very copy."""
     timer = timer or time_copies
     copies = {shape: (pack(w, shape.dtype), pack(w, torch.float32)) for shape, (w, _) in entries.items()}
     best = {(shape, rows): (math.inf, math.inf) for shape in entries for rows in COPY_ROWS
@@ -269,7 +270,8 @@ def choose_copies(entries: dict[Shape, tuple[torch.Tensor, torch.Tensor | None]]
     total = {shape: [0.0, 0.0] for shape in entries}
     for (shape, _), times in best.items():
         total[shape] = [total[shape][i] + times[i] for i in (0, 1)]
-    return {shape: torch.float32 for shape, (own, wide) in total.items() if wide * (1 + TIE) < own}
+    return {shape: copies[shape][1] if wide * (1 + TIE) < own else copies[shape][0]
+            for shape, (own, wide) in total.items()}
 
 
 def measure_rules(entries: dict[Shape, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
@@ -318,14 +320,15 @@ def plan(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]], mode: str 
     both = {shape: wb for shape, wb in first.items()
             if mode == "auto" and packs.get(shape.dtype) == torch.bfloat16 and COPY_ROWS[0] in buckets(shape)
             and pack_error(torch.float32) is None}
-    copies = choose_copies(both, copy_timer) if both else {}
+    chosen = choose_copies(both, copy_timer) if both else {}
+    copies = {shape: torch.float32 for shape, packed in chosen.items() if packed.dtype == torch.float32}
     rules, timed = {}, {}
     for shape, (w, b) in first.items():
         err = errors.get(shape.dtype)
         if mode != "auto" or err:
             rules[shape] = Rule.always(mode == "packed" and not err)
         else:
-            timed[shape] = (w, pack(w, copies.get(shape)), b)
+            timed[shape] = (w, chosen[shape] if shape in chosen else pack(w), b)
     measured = measure_rules(timed, timer) if timed else {}
     rules.update((shape, rule) for shape, (rule, _) in measured.items())
     rules = {shape: rules[shape] for shape in first}   # the model's order, for the summary
