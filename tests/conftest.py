@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -44,11 +46,33 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(slow)
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_EPHEMERAL_LOW = _ephemeral_low()
+_given: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 right now, below the kernel's ephemeral range and not handed out
+    before in this process. A port from bind(0) lies in that range, where any outgoing connection may
+    take it before the server under test binds it (seen in CI: the gateway's EADDRINUSE)."""
+    for _ in range(1000):
+        port = random.randrange(20000, max(20001, _EPHEMERAL_LOW))
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise RuntimeError("no free TCP port below the ephemeral range on 127.0.0.1")
 
 
 @pytest.fixture
