@@ -27,7 +27,7 @@ import torch
 
 from services.decoder.kernels import decode_stack_cpu, native
 from services.decoder.model.decoder import CausalLM
-from services.decoder.model.linear import Linear, lay_out_in_order
+from services.decoder.model.linear import Linear
 from services.decoder.runner.attention import CPP, AttentionPlan, PagedAttention, Workspace
 from services.decoder.runner.batch import StepBatch
 from services.decoder.runner.kv_cache import KVCache
@@ -55,9 +55,6 @@ class FusedDecode:
         reason = _ineligible(model, attention_backend, linear_auto)
         if reason:
             return None, f"off ({reason})"
-        # The weights a step streams, back to back in the order it reads them (model/linear.py).
-        laid = lay_out_in_order([p for layer in model.model.layers for p in _projections(layer)])
-        log.info("decode stack: %.0f MB of projection weights laid out in the order a step reads them", laid / 1e6)
         try:
             stack = decode_stack_cpu.make_stack(_shape(model), _layers(model, cache), model.model.norm.weight)
         except native.BuildError as e:
@@ -156,11 +153,6 @@ def _shape(model: CausalLM) -> decode_stack_cpu.Shape:
                                   cfg.intermediate_size, cfg.rms_norm_eps)
 
 
-def _projections(layer) -> tuple[Linear, Linear, Linear, Linear]:
-    """A layer's projections in the order a decode step runs them."""
-    return layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up, layer.mlp.down_proj
-
-
 def _projection(linear: Linear) -> decode_stack_cpu.Projection:
     if linear.qweight is not None:
         return decode_stack_cpu.Projection(linear.qweight, linear.qscale, linear.bias)
@@ -172,10 +164,10 @@ def _projection(linear: Linear) -> decode_stack_cpu.Projection:
 def _layers(model: CausalLM, cache: KVCache) -> list[decode_stack_cpu.LayerWeights]:
     out = []
     for i, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
+        attn, mlp = layer.self_attn, layer.mlp
         out.append(decode_stack_cpu.LayerWeights(
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-            *(_projection(p) for p in _projections(layer)),
+            _projection(attn.qkv), _projection(attn.o_proj), _projection(mlp.gate_up), _projection(mlp.down_proj),
             cache.k[i], cache.v[i],
             attn.q_norm.weight if attn.q_norm is not None else None,
             attn.k_norm.weight if attn.k_norm is not None else None))
