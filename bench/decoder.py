@@ -7,13 +7,13 @@ the same token count; outputs are compared token for token.
   (a) throughput, all prompts submitted at once, vs transformers static batches of 16
       (--rounds R: tessera and vLLM (e) alternate R times, each round on a cold prefix cache; the best
       round of each counts, so that a slow spell of a shared machine penalises neither side more)
-  (b) batch-1 decode tokens/s vs transformers (tessera: best of 3 runs of 128 tokens, as llama.cpp's)
+  (b) batch-1 decode tokens/s vs transformers (tessera: best of 3 runs of 128 tokens, as llama.cpp's),
+      and the batch-1 memory bound: a decode step reads every projection and LM-head weight once, so
+      tok/s <= the machine's read bandwidth (measured in the same run) / those bytes; each engine's
+      batch-1 rate is given as a fraction of it (llama.cpp's GGUF holds the same weights in the same
+      dtype, Q8_0 a few percent more: its per-block scales)
   (c) prefix cache: TTFT with a shared 1,000-token prefix vs a cold request (medians of 3 pairs)
   (d) headroom: tokens/s at the largest batch / the fp32 matmul bound
-      (b) also prints the batch-1 memory bound: a decode step reads every projection and LM-head weight
-      once, so tok/s <= the machine's read bandwidth (measured in the same run) / those bytes; each
-      engine's batch-1 rate is given as a fraction of it (llama.cpp's GGUF holds the same weights in
-      the same dtype, Q8_0 a few percent more: its per-block scales)
   (e) --peer vllm: the same workload on vLLM in .venv-peers (make bench-peers)
   (f) --peer llamacpp: llama.cpp's llama-server (build/peers/, make bench-peers) on F32 GGUF for
       fp32, BF16 GGUF for bf16 and Q8_0 GGUF for int8 (tessera's --quantization int8),
@@ -128,8 +128,8 @@ def matmul_flops(threads: int) -> float:
     return reps * 2 * 256 * 1024 * 4096 / (time.perf_counter() - start)
 
 
-def read_bandwidth(threads: int) -> float:
-    """Measured bytes/s at which `threads` threads read memory: torch.sum over 256 MiB (best of 5)."""
+def read_bandwidth() -> float:
+    """Measured bytes/s at which this process's torch threads read memory: torch.sum over 256 MiB (best of 5)."""
     x = torch.ones(64 * 2 ** 20)
     x.sum()
     best = float("inf")
@@ -240,7 +240,7 @@ def main() -> None:
             ours_b1 = max(runs)
             print(f"(b) {dtype} batch-1 runs: tessera {', '.join(f'{r:.1f}' for r in runs)} tok/s; decode stack "
                   f"{ours.runner.decode_stack}")
-            bandwidth, weights = read_bandwidth(args.threads), decode_bytes(ours.runner)
+            bandwidth, weights = read_bandwidth(), decode_bytes(ours.runner)
             b1_bound = bandwidth / weights
             print(f"(b) {dtype} batch-1 memory bound: read {bandwidth / 1e9:.1f} GB/s / {weights / 1e6:.0f} MB a "
                   f"step -> {b1_bound:.1f} tok/s; tessera at {ours_b1 / b1_bound:.2f} of it")
