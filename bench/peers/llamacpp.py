@@ -15,6 +15,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -169,6 +170,20 @@ def run(dtype: str, batch: list[list[int]], max_tokens: int, threads: int, kv_mo
     best = max(modes, key=lambda m: modes[m]["tok_s"])
     return {"modes": modes, "best": best, "b1": max(max(m["b1"]) for m in modes.values()),
             "ctx": ctx, "per_slot": per_slot}
+
+
+def batch1_rounds(dtype: str, prompt: list[int], max_tokens: int, threads: int, rounds: int,
+                  ours: Callable[[], float]) -> tuple[list[float], list[float]]:
+    """Batch-1 decode on a one-slot llama-server, alternating with `ours` (one run of the other engine,
+    returning its tok/s): `rounds` runs each, so that a slow spell of a shared machine falls on both.
+    Returns (llama.cpp's tok/s by the server's own timings, ours), one per round."""
+    with LlamaServer(require_built(dtype), threads, 1, slot_ctx([prompt], max_tokens)) as srv:
+        srv.complete(prompt, 4)                            # warm-up
+        theirs, mine = [], []
+        for _ in range(rounds):
+            theirs.extend(srv.batch1(prompt, max_tokens, repeats=1))
+            mine.append(ours())
+    return theirs, mine
 
 
 def kv_modes_supported() -> tuple[str, ...]:
