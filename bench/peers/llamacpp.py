@@ -173,16 +173,16 @@ def run(dtype: str, batch: list[list[int]], max_tokens: int, threads: int, kv_mo
 
 
 def batch1_rounds(dtype: str, prompt: list[int], max_tokens: int, threads: int, rounds: int,
-                  ours: Callable[[], float]) -> tuple[list[float], list[float]]:
-    """Batch-1 decode on a one-slot llama-server, alternating with `ours` (one run of the other engine,
-    returning its tok/s): `rounds` runs each, so that a slow spell of a shared machine falls on both.
-    Returns (llama.cpp's tok/s by the server's own timings, ours), one per round."""
+                  ours: Callable[[str], float]) -> tuple[list[float], list[float]]:
+    """Batch-1 decode on a one-slot llama-server, alternating with `ours` (one run of the other engine
+    under a tag unique to the round, returning its tok/s): `rounds` runs each, so that a slow spell of a
+    shared machine falls on both. Returns (llama.cpp's tok/s by the server's own timings, ours), one per round."""
     with LlamaServer(require_built(dtype), threads, 1, slot_ctx([prompt], max_tokens)) as srv:
         srv.complete(prompt, 4)                            # warm-up
         theirs, mine = [], []
-        for _ in range(rounds):
+        for i in range(rounds):
             theirs.extend(srv.batch1(prompt, max_tokens, repeats=1))
-            mine.append(ours())
+            mine.append(ours(f"alt{i}"))
     return theirs, mine
 
 
