@@ -8,7 +8,8 @@ PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := gen/.stamp
 MODELS_STAMP := models/.stamp
 KERNELS_STAMP := build/.kernels-stamp
-KERNEL_SOURCES := $(wildcard services/decoder/kernels/*.cpp) services/decoder/kernels/native.py \
+KERNEL_SOURCES := $(wildcard services/decoder/kernels/*.cpp) services/common/native.py \
+	services/pooling/attention_cpu.cpp services/pooling/attention_cpu.py \
 	services/decoder/kernels/paged_attention_cpu.py services/decoder/kernels/gemv_cpu.py \
 	services/decoder/kernels/decode_stack_cpu.py
 PYTEST_ARGS ?=
@@ -56,13 +57,13 @@ $(MODELS_STAMP): deploy/models.py deploy/adapters.py $(STAMP)
 	touch $@
 
 kernels: $(KERNELS_STAMP)
-# Compiled once per machine (-march=native; services/decoder/kernels/native.py), so no request
-# pays the compile. Without a compiler the decoder runs its torch paths and logs a WARNING.
+# Compiled once per machine (-march=native; services/common/native.py), so no request
+# pays the compile. Without a compiler the decoder and pooling run their torch paths and log a WARNING.
 $(KERNELS_STAMP): $(KERNEL_SOURCES) $(STAMP)
 	@mkdir -p build
 	@if $(PY) -m services.decoder.kernels.paged_attention_cpu && $(PY) -m services.decoder.kernels.gemv_cpu && \
-		$(PY) -m services.decoder.kernels.decode_stack_cpu; then touch $@; \
-	else echo "WARNING: C++ kernels not built (reason above); the decoder will use its torch paths"; fi
+		$(PY) -m services.decoder.kernels.decode_stack_cpu && $(PY) -m services.pooling.attention_cpu; then touch $@; \
+	else echo "WARNING: C++ kernels not built (reason above); the decoder and pooling will use their torch paths"; fi
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -64,6 +64,7 @@ class _Base:
     # The matmul path (services/common/linear_path.py); transformers' own forward unless a
     # subclass runs a faster one.
     linear_backend = "transformers"
+    attention_backend = "transformers"
 
     def __init__(self, spec: ModelSpec, module: torch.nn.Module, dtype: str):
         self.spec = spec
@@ -116,10 +117,10 @@ class Embedder(_Base):
         # (tests/pooling/test_reference.py), at ~0.6x its CPU time on MiniLM.
         self.packed = packed.PackedBert.wrap(self.module, linear_path) if fast else None
         if self.packed is not None:
-            self.linear_backend = self.packed.linear_path
-        log.info("embedding model %s: %s pooling=%s normalize=%s max_len=%d fast=%s linear=%s", spec.name,
-                 type(self.module).__name__, spec.pooling, spec.normalize, spec.max_model_len,
-                 self.packed is not None, self.linear_backend)
+            self.linear_backend, self.attention_backend = self.packed.linear_path, self.packed.attention
+        log.info("embedding model %s: %s pooling=%s normalize=%s max_len=%d fast=%s linear=%s attention=%s",
+                 spec.name, type(self.module).__name__, spec.pooling, spec.normalize, spec.max_model_len,
+                 self.packed is not None, self.linear_backend, self.attention_backend)
 
     def tokenize(self, inputs: list[str | list[int]], truncate: bool) -> list[Sequence]:
         """Validate and tokenise request inputs (text, or token ids) in order."""

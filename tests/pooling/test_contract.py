@@ -149,6 +149,9 @@ def test_model_info(stub):
     assert rerank.kind == pb.MODEL_KIND_RERANK and rerank.activation == "sigmoid"
     # The packed BERT forward's matmul path per weight shape; the reranker runs transformers' forward.
     assert " float32: " in embed.linear_backend and rerank.linear_backend == "transformers"
+    # Its attention: the C++ operator or the grouped SDPA, whichever timed faster at load.
+    assert embed.attention_backend.startswith(("cpp (timed cpp ", "torch-grouped (timed cpp "))
+    assert rerank.attention_backend == "transformers"
 
 
 BAD_EMBEDS = [

@@ -43,12 +43,15 @@ def test_groups_cap_their_rows():
 
 
 @pytest.mark.numerics
-def test_grouped_forward_equals_transformers_in_any_row_order(minilm_dir):
+@pytest.mark.parametrize("cpp_attention", [False, True], ids=["grouped-sdpa", "cpp"])
+def test_packed_forward_equals_transformers_in_any_row_order(minilm_dir, cpp_attention):
     """Rows of equal length (a view group), of mixed lengths (a gathered, masked group) and one long row
-    alone, given shuffled: the result follows the callers' order and equals BertModel's padded forward."""
+    alone, given shuffled: the result follows the callers' order and equals BertModel's padded forward,
+    with attention on either path (the load-time timing picks one; both must be right)."""
     from services.pooling.folder import read_spec
     from services.pooling.model import Embedder
     model = Embedder(read_spec(minilm_dir, kind="embedding"))
+    model.packed.cpp_attention = cpp_attention
     rng = random.Random(0)
     lengths = [6] * 5 + [9, 11, 14, 17, 30, 31, 33] + [250]
     rng.shuffle(lengths)

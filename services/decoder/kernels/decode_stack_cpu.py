@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import native
+from services.common import native
+
 from .gemv_cpu import gemv_ref
 from .paged_attention_cpu import paged_decode_ref
 

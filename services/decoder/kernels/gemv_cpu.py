@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import native
+from services.common import native
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 MAX_ROWS = 4          # the kernel keeps every row of x in registers' reach; more rows go to GEMMs

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from . import native
+from services.common import native
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 OPERATOR = native.Operator("paged_attention_cpu", SOURCE)

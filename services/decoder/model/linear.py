@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.common import linear_path
-from services.decoder.kernels import gemv_cpu, native
+from services.common import linear_path, native
+from services.decoder.kernels import gemv_cpu
 from services.decoder.model import quantization
 
 log = logging.getLogger("tessera.linear")

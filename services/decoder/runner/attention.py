@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.decoder.kernels import native, paged_attention_cpu
+from services.common import native
+from services.decoder.kernels import paged_attention_cpu
 from services.decoder.runner.kv_cache import KVCache
 
 log = logging.getLogger("tessera.attention")

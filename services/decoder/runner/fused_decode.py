@@ -25,7 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-from services.decoder.kernels import decode_stack_cpu, native
+from services.common import native
+from services.decoder.kernels import decode_stack_cpu
 from services.decoder.model.decoder import CausalLM
 from services.decoder.model.linear import Linear
 from services.decoder.runner.attention import CPP, AttentionPlan, PagedAttention, Workspace

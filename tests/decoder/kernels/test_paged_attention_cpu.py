@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from services.decoder.kernels import native
+from services.common import native
 from services.decoder.kernels.paged_attention_cpu import load, paged_decode, paged_decode_ref
 from tests.tolerance import assert_close
 

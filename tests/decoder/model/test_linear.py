@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from services.decoder.kernels import gemv_cpu, native
+from services.common import native
+from services.decoder.kernels import gemv_cpu
 from services.decoder.model.linear import Linear, choose_gemv, quantize_linears
 from tests.tolerance import assert_close
 

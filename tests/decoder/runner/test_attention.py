@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.decoder.kernels import native, paged_attention_cpu
+from services.common import native
+from services.decoder.kernels import paged_attention_cpu
 from services.decoder.runner import attention
 from services.decoder.runner.attention import (
     CPP,

@@ -1,4 +1,5 @@
-"""Building and loading the decoder's C++ operators (torch.utils.cpp_extension), once per machine.
+"""Building and loading the C++ operators (torch.utils.cpp_extension), once per machine: the decoder's
+kernels (services/decoder/kernels) and the pooling service's encoder attention.
 
 An operator is compiled with -O3 -march=native, so its binary is only valid on the CPU that built
 it. Each build therefore lands in <build dir>/<name>_<key>.so, where key hashes the source (with
@@ -29,7 +30,7 @@ import torch
 log = logging.getLogger("tessera.kernels")
 
 ENV_DIR = "TESSERA_KERNELS_DIR"
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 # The vectorised loops in the kernels need nothing beyond these; -fopenmp makes at::parallel_for
 # parallel (it is a header template) and links the libgomp torch has already loaded.
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
