@@ -58,10 +58,9 @@ template <typename T>
 void run(T* out, const T* qkv, const int64_t* offsets, int64_t B, int64_t H, int64_t D, float scale) {
   const int64_t width = H * D, stride = 3 * width;  // a token's q | k | v, each [H, D]
   const int64_t DB = (D + LANES - 1) / LANES, DP = DB * LANES;
-  // One task is one sequence, all heads, so its rows stay in cache from one head to the next.
-  // A task's cost grows as L^2, so
-  // threads take tasks from a shared counter, longest first: a static split of length-sorted
-  // batches left one thread with all the long ones.
+  // One task is one sequence, all heads, so its rows stay in cache from one head to the next. A
+  // task's cost grows as L^2, so threads take tasks from a shared counter, longest first: a static
+  // split of length-sorted batches left one thread with all the long ones.
   std::vector<int64_t> order(B);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
