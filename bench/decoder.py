@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.peers import llamacpp  # noqa: E402
 from bench.workload import SMOLLM2, gsm8k_messages, run_vllm_peer  # noqa: E402
+from services.common.allocator import keep_freed_memory  # noqa: E402
 from services.decoder.engine.config import EngineConfig  # noqa: E402
 from services.decoder.engine.engine_core import EngineCore  # noqa: E402
 from services.decoder.engine.step import SamplingParams  # noqa: E402
@@ -187,6 +188,8 @@ def main() -> None:
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     torch.set_num_threads(args.threads)
+    # As the decoder service does at start; the transformers baseline shares this process.
+    print(f"malloc: {keep_freed_memory()}", flush=True)
     parts = set(args.parts.split(","))
     peers = set(args.peer)
     batch = prompts(args.prompts)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.common import compute, logs, metrics
+from services.common import allocator, compute, logs, metrics
 from services.common import config as cfg_mod
 from services.decoder.server.config import DecoderConfig, DecoderServerConfig
 from services.decoder.server.service import serve
@@ -17,6 +17,7 @@ def main(argv=None) -> None:
     logs.setup(server_cfg.log_level)
     cfg_mod.log_config(server_cfg, decoder_cfg)
     metrics.serve(server_cfg.metrics_port)
+    allocator.keep_freed_memory()    # before the model loads (services/common/allocator.py)
     # The loop's threads start no OpenMP teams of their own (services/common/compute.py).
     asyncio.run(compute.serially(serve(server_cfg, decoder_cfg)))
 

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from services.common import compute, config, logs
+from services.common import allocator, compute, config, logs
 
 from .config import PoolingConfig, PoolingServerConfig
 from .server import start_server
@@ -30,6 +30,7 @@ def main(argv=None) -> int:
                     "with dynamic batching")
     logs.setup(server_cfg.log_level)
     config.log_config(server_cfg, cfg)
+    allocator.keep_freed_memory()    # before the model loads (services/common/allocator.py)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:

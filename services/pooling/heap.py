@@ -19,9 +19,10 @@ Where there is no glibc or no /proc (musl, macOS) nothing is bounded and `Heap.a
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
+
+from services.common.allocator import libc
 
 log = logging.getLogger("tessera.pooling.heap")
 
@@ -39,9 +40,8 @@ def resident_bytes() -> int | None:
 
 def _malloc_trim():
     """glibc's malloc_trim(0) as a callable, or None where the C library lacks it."""
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    trim = getattr(libc(), "malloc_trim", None)
+    if trim is None:
         return None
     trim.restype, trim.argtypes = ctypes.c_int, [ctypes.c_size_t]
     return lambda: trim(0)

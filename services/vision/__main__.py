@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.common import compute, logs, metrics
+from services.common import allocator, compute, logs, metrics
 from services.common import config as cfg_mod
 from services.vision.config import VisionConfig, VisionServerConfig
 from services.vision.service import serve
@@ -18,6 +18,7 @@ def main(argv=None) -> None:
     logs.setup(server_cfg.log_level)
     cfg_mod.log_config(server_cfg, vision_cfg)
     metrics.serve(server_cfg.metrics_port)
+    allocator.keep_freed_memory()    # before the model loads (services/common/allocator.py)
     # The loop's threads start no OpenMP teams of their own (services/common/compute.py).
     asyncio.run(compute.serially(serve(server_cfg, vision_cfg)))
 

@@ -1,0 +1,89 @@
+"""services/common/allocator.py: glibc keeps the pages a forward frees, unless TESSERA_MALLOC=default."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from services.common import allocator
+
+# A child process frees a touched 24 MiB block (the size of a prefill chunk's gate|up output) and prints
+# how many MiB its resident size dropped by. The settings are process-wide, so they are tried in children.
+CHILD = textwrap.dedent("""
+    import ctypes, os, sys
+    from services.common import allocator
+    print(allocator.keep_freed_memory(sys.argv[1]), file=sys.stderr)
+    libc = allocator.libc()
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    page = os.sysconf("SC_PAGE_SIZE")
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+    size = 24 << 20
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    before = rss()
+    libc.free(block)
+    print((before - rss()) >> 20)
+""")
+
+
+def _dropped_mib(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(allocator.libc() is None or not hasattr(allocator.libc(), "mallopt"), reason="needs glibc")
+def test_freed_block_stays_resident_only_when_kept():
+    assert _dropped_mib("default") >= 20      # glibc maps a 24 MiB block on its own and unmaps it on free
+    assert _dropped_mib("keep") <= 1          # kept: the next forward touches no new page
+
+
+class FakeLibc:
+    """mallopt records its calls; a plain function, so that ctypes' restype/argtypes can be set on it."""
+
+    def __init__(self, answer: int = 1):
+        self.calls = []
+
+        def mallopt(param, value):
+            self.calls.append((param, value))
+            return answer
+        self.mallopt = mallopt
+
+
+def test_keep_sets_both_thresholds(monkeypatch, caplog):
+    fake = FakeLibc()
+    monkeypatch.setattr(allocator, "libc", lambda: fake)
+    monkeypatch.delenv(allocator.ENV, raising=False)
+    with caplog.at_level(logging.INFO, "tessera.allocator"):
+        summary = allocator.keep_freed_memory()
+    # The mmap threshold first: fixing the trim threshold alone stops the mmap threshold's growth (slower).
+    assert fake.calls == [(allocator.M_MMAP_THRESHOLD, 32 << 20), (allocator.M_TRIM_THRESHOLD, 1 << 30)]
+    assert summary.startswith("freed memory kept") and summary in caplog.text
+
+
+def test_default_mode_leaves_malloc_alone(monkeypatch):
+    fake = FakeLibc()
+    monkeypatch.setattr(allocator, "libc", lambda: fake)
+    monkeypatch.setenv(allocator.ENV, " Default ")
+    assert "defaults" in allocator.keep_freed_memory()
+    assert fake.calls == []
+
+
+def test_refusal_and_missing_glibc_are_said(monkeypatch, caplog):
+    monkeypatch.setattr(allocator, "libc", lambda: FakeLibc(answer=0))
+    with caplog.at_level(logging.WARNING, "tessera.allocator"):
+        assert "refused" in allocator.keep_freed_memory("keep")
+    assert "refused" in caplog.text
+    monkeypatch.setattr(allocator, "libc", lambda: None)
+    assert "no glibc" in allocator.keep_freed_memory("keep")
+
+
+def test_bad_mode_names_the_variable(monkeypatch):
+    monkeypatch.setenv(allocator.ENV, "jemalloc")
+    with pytest.raises(ValueError, match="TESSERA_MALLOC='jemalloc': expected one of keep, default"):
+        allocator.keep_freed_memory()
