@@ -239,7 +239,8 @@ def main() -> None:
                       f"-c {lc['ctx']} ({lc['per_slot']}/slot), {mode} KV: {m['tok_s']:.1f} tok/s "
                       f"({m['tokens']} tokens in {m['seconds']:.1f}s); identical outputs "
                       f"{agreement(mine, m['outputs']):.0%}; batch-1 "
-                      f"{', '.join(f'{x:.1f}' for x in m['b1'])} tok/s; load avg {load}")
+                      f"{', '.join(f'{x:.1f}' for x in m['b1'])} tok/s; load avg {load}"
+                      f"{'' if m['repack'] else '; --no-repack (it crashed loading with repacking)'}")
             llamacpp_64.append(f"vs_llamacpp_{dtype}={tps / lc['modes'][lc['best']]['tok_s']:.2f}x")
         if "b" in parts:
             one = batch[:1]

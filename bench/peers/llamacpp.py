@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -58,6 +59,10 @@ def server_flags() -> str:
     return proc.stdout + proc.stderr
 
 
+class Crashed(Exception):
+    """llama-server died of a signal before it was healthy."""
+
+
 class LlamaServer:
     """`with LlamaServer(model, ...) as srv:` starts llama-server and waits until it is healthy."""
 
@@ -71,10 +76,25 @@ class LlamaServer:
         if kv_unified is not None:
             self.cmd.append("--kv-unified" if kv_unified else "--no-kv-unified")
         self.startup_s = startup_s
+        self.repack = True                 # False once a crash at load made it retry with --no-repack
         self.proc: subprocess.Popen | None = None
         self.log = tempfile.TemporaryFile(mode="w+")
 
     def __enter__(self) -> LlamaServer:
+        try:
+            self._start()
+        except Crashed as e:
+            # b10573's CPU weight repacking segfaults on Q8_0 on an Intel Xeon with AMX (family 6 model 167,
+            # 2026-12-03) before the server answers; without it the same GGUF serves. Say so and retry once.
+            print(f"llama-server crashed while loading ({e}); retrying with --no-repack", file=sys.stderr)
+            self.cmd.append("--no-repack")
+            self.repack = False
+            self._start()
+        return self
+
+    def _start(self) -> None:
+        self.log.seek(0)
+        self.log.truncate()
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         try:
@@ -82,7 +102,6 @@ class LlamaServer:
         except BaseException:
             self.stop()
             raise
-        return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -96,8 +115,10 @@ class LlamaServer:
         deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise SystemExit(f"llama-server exited with {self.proc.returncode}:\n{' '.join(self.cmd)}\n"
-                                 f"{self.tail()}")
+                code = self.proc.returncode
+                if code < 0 and self.repack:
+                    raise Crashed(f"signal {-code}")
+                raise SystemExit(f"llama-server exited with {code}:\n{' '.join(self.cmd)}\n{self.tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -152,7 +173,7 @@ def run(dtype: str, batch: list[list[int]], max_tokens: int, threads: int, kv_mo
     """64-chat throughput in each KV mode and batch-1 decode, on F32 (fp32), BF16 (bf16) or Q8_0 (int8) GGUF.
 
     Returns {"modes": {mode: {"tok_s", "seconds", "outputs", "b1": [tok/s ...], "load": 1/5/15-min
-    load average when the mode finished}}, "best": mode,
+    load average when the mode finished, "repack": False if it ran with --no-repack}}, "best": mode,
     "b1": best batch-1 tok/s over the modes, "ctx": ...}.
     """
     model = require_built(dtype)
@@ -166,7 +187,7 @@ def run(dtype: str, batch: list[list[int]], max_tokens: int, threads: int, kv_mo
             tokens = sum(map(len, outputs))
             b1 = srv.batch1(batch[0], max_tokens)
         modes[mode] = {"tok_s": tokens / seconds, "seconds": seconds, "tokens": tokens, "outputs": outputs,
-                       "b1": b1, "load": os.getloadavg()}
+                       "b1": b1, "load": os.getloadavg(), "repack": srv.repack}
     best = max(modes, key=lambda m: modes[m]["tok_s"])
     return {"modes": modes, "best": best, "b1": max(max(m["b1"]) for m in modes.values()),
             "ctx": ctx, "per_slot": per_slot}

@@ -42,6 +42,17 @@ def test_greedy_is_argmax():
     assert all(t.logprob is None for t in out)
 
 
+def test_greedy_takes_the_first_of_tied_maxima():
+    """The sampler's argmax is max(dim).indices: the first index of a tie, as torch.argmax, and a NaN's."""
+    logits = torch.zeros(3, 49152)
+    logits[0, [7, 9, 40000]] = 5.0           # a three-way tie
+    logits[1, [3, 20000]] = float("inf")
+    logits[2, 11] = 1.0
+    logits[2, 30000] = float("nan")
+    out = Sampler(0)(logits, [chunk(str(i), SamplingParams(temperature=0)) for i in range(3)])
+    assert [t.token_id for t in out] == [7, 3, 30000] == logits.argmax(-1).tolist()
+
+
 def test_seeded_sampling_is_independent_of_batch():
     target = logits_rows(1, seed=1)[0]
     params = SamplingParams(temperature=1.3, top_p=0.95, top_k=20, seed=1234)
