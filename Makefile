@@ -11,7 +11,7 @@ KERNELS_STAMP := build/.kernels-stamp
 KERNEL_SOURCES := $(wildcard services/decoder/kernels/*.cpp) services/common/native.py \
 	services/pooling/attention_cpu.cpp services/pooling/attention_cpu.py \
 	services/decoder/kernels/paged_attention_cpu.py services/decoder/kernels/gemv_cpu.py \
-	services/decoder/kernels/decode_stack_cpu.py
+	services/decoder/kernels/decode_stack_cpu.py services/decoder/kernels/glue_cpu.py
 PYTEST_ARGS ?=
 # The numerics-marked tests run a second time under other kernels on the same CPU: AVX2 for
 # ATen and oneDNN (as on an AVX2-only machine) and MKL's compatible code path (another summation
@@ -62,7 +62,8 @@ kernels: $(KERNELS_STAMP)
 $(KERNELS_STAMP): $(KERNEL_SOURCES) $(STAMP)
 	@mkdir -p build
 	@if $(PY) -m services.decoder.kernels.paged_attention_cpu && $(PY) -m services.decoder.kernels.gemv_cpu && \
-		$(PY) -m services.decoder.kernels.decode_stack_cpu && $(PY) -m services.pooling.attention_cpu; then touch $@; \
+		$(PY) -m services.decoder.kernels.decode_stack_cpu && $(PY) -m services.decoder.kernels.glue_cpu && \
+		$(PY) -m services.pooling.attention_cpu; then touch $@; \
 	else echo "WARNING: C++ kernels not built (reason above); the decoder and pooling will use their torch paths"; fi
 
 lint: $(STAMP)

@@ -13,7 +13,7 @@
 // results track that path; the matmul and attention sums are fp32 in both, as there.
 #define TESSERA_NO_MODULE
 #include "gemv_cpu.cpp"
-#include "paged_attention_cpu.cpp"
+#include "glue_cpu.cpp"  // with paged_attention_cpu.cpp
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -143,53 +143,9 @@ struct Layer {
   at::Tensor k_cache, v_cache;  // [NB, BS, KVH, D], the model's dtype
 };
 
-// v rounded to the nearest bf16, ties to even, NaN kept NaN: c10::BFloat16's rounding bit for bit, written
-// branch-free so that the loops over it vectorise.
-inline float to_bf16(float v) {
-  uint32_t b;
-  std::memcpy(&b, &v, sizeof b);
-  const uint32_t r = v != v ? 0x7FC00000u : (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
-  float f;
-  std::memcpy(&f, &r, sizeof f);
-  return f;
-}
-
-// Where the torch path stores a tensor of the model's dtype: a bf16 rounding, or nothing in fp32.
-template <bool BF16>
-inline float rnd(float v) {
-  if constexpr (BF16) {
-    return to_bf16(v);
-  } else {
-    return v;
-  }
-}
-
-// p[i] = v in T (bf16: rounded as c10 does, branch-free, so loops over it vectorise).
-template <typename T>
-inline void put(T* p, int64_t i, float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    p[i] = v;
-  } else {
-    const float r = to_bf16(v);
-    uint32_t b;
-    std::memcpy(&b, &r, sizeof b);
-    reinterpret_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(b >> 16);
-  }
-}
-
-// dst[0, n) = src in T.
-template <typename T>
-inline void store(T* dst, const float* src, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) put(dst, i, src[i]);
-}
-
-// g * sigmoid(g) with exp taken of -|g| only (tessera_paged's branch-free exp, within 1 ulp), so the
-// loop vectorises; F.silu's g / (1 + exp(-g)) up to that rounding.
-inline float silu(float g) {
-  const float e = tessera_paged::exp_nonpositive(-std::fabs(g));
-  return g * (g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e));
-}
+using tessera_glue::put;
+using tessera_glue::rnd;
+using tessera_glue::store;
 
 class DecodeStack {
  public:
@@ -277,15 +233,9 @@ class DecodeStack {
     return w.to(at::kFloat).contiguous();
   }
 
-  // RMSNorm as model/layers.py: variance in fp32, h rounded to the dtype, then weight * h (rounded).
   template <bool BF16, typename O>
   void rms_norm(const float* x, const float* w, O* out, int64_t n) const {
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps_);
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) put(out, i, rnd<BF16>(w[i] * rnd<BF16>(x[i] * inv)));
+    tessera_glue::rms_norm_row<BF16>(x, w, out, n, eps_);
   }
 
   // x * cos + roll(x, D/2) * sin over one head, each product and the sum rounded as torch would.
@@ -377,11 +327,7 @@ class DecodeStack {
         each_row(M, [&](int64_t m) {
           const auto* g = src + m * 2 * inter;
           const auto* u = g + inter;
-          T* a = &act[m * inter];
-#pragma omp simd
-          for (int64_t i = 0; i < inter; ++i)
-            put(a, i, rnd<BF16>(rnd<BF16>(silu(rnd<BF16>(tessera_paged::widen(g[i])))) *
-                                rnd<BF16>(tessera_paged::widen(u[i]))));
+          tessera_glue::silu_mul_row<BF16>(g, u, &act[m * inter], inter);
         });
       });
       residual(L.down(act.data(), y.data(), M, hold));

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from services.decoder.model.config import ModelConfig
-from services.decoder.model.layers import AttentionFn, DecoderLayer, RMSNorm
+from services.decoder.model.layers import MLP, AttentionFn, DecoderLayer, RMSNorm
 from services.decoder.model.linear import Linear
 from services.decoder.model.rotary import Rotary
 
@@ -39,6 +39,14 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def use_native_glue(self, norm: bool, act: bool) -> None:
+        """Run the RMSNorms and SiLU(gate) * up by the C++ row ops (model/glue.py decides by timing)."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.native = norm
+            elif isinstance(m, MLP):
+                m.native = act
 
     def setup_rotary(self, device: torch.device | str) -> None:
         cfg = self.config

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.decoder.kernels import glue_cpu
 from services.decoder.model.config import ModelConfig
 from services.decoder.model.linear import Linear, fuse
 from services.decoder.model.rotary import apply_rotary
@@ -28,13 +29,23 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self.native = False       # the C++ row op (kernels/glue_cpu) on [N, dim] rows; set by model/glue.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] -> same shape; variance in fp32, then cast back as transformers does."""
+        if self.native and x.dim() == 2 and x.is_contiguous():
+            return glue_cpu.rms_norm(x, self.weight, self.eps)[1]
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, y [N, dim] -> (x + y, forward(x + y)), in one pass when native."""
+        if self.native and x.is_contiguous() and y.is_contiguous() and y.dtype == x.dtype:
+            return glue_cpu.rms_norm(x, self.weight, self.eps, y)
+        s = x + y
+        return s, self(s)
 
 
 class Attention(nn.Module):
@@ -89,6 +100,7 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up: Linear | None = None    # gate|up side by side, once fuse() ran
+        self.native = False       # SiLU(gate) * up by the C++ row op (kernels/glue_cpu); set by model/glue.py
 
     def fuse(self) -> None:
         self.gate_up = fuse([self.gate_proj, self.up_proj])
@@ -96,8 +108,12 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""
         if self.gate_up is not None:
-            gate, up = self.gate_up(x).chunk(2, dim=1)
-            gate, up = self.gate_proj.correct(x, gate), self.up_proj.correct(x, up)
+            gate_up = self.gate_up(x)
+            gate, up = gate_up.chunk(2, dim=1)
+            g, u = self.gate_proj.correct(x, gate), self.up_proj.correct(x, up)
+            if self.native and g is gate and u is up:      # no adapter changed them
+                return self.down_proj(glue_cpu.silu_mul(gate_up))
+            gate, up = g, u
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -113,5 +129,5 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), cos, sin, attend))
+        return x + self.mlp(h)

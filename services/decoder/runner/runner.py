@@ -15,6 +15,7 @@ from services.common.errors import InvalidArgument, Unsupported
 from services.common.linear_path import resolve_mode as linear_path_mode
 from services.decoder.engine.step import StepInput, StepOutput
 from services.decoder.model.decoder import CausalLM
+from services.decoder.model.glue import choose as choose_glue
 from services.decoder.model.linear import choose_gemv, pack_linears, quantize_linears
 from services.decoder.model.loader import load_model
 from services.decoder.runner.attention import TORCH as TORCH_ATTENTION
@@ -41,6 +42,8 @@ class Runner:
         # Then the few-row kernel where it beats that path (decode at batch 1 to 4), by timing.
         if linear_path_mode(linear_path) == "auto":
             self.linear_backend += "; " + choose_gemv(model)
+        # RMSNorm and SiLU(gate) * up by the C++ row ops or torch's, per op by timing (model/glue.py).
+        self.glue = choose_glue(model)
         self.config = cfg = model.config
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype

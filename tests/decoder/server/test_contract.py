@@ -1,6 +1,7 @@
 """DecoderService over real gRPC: health, reflection, streaming order, cancellation, every error code."""
 from __future__ import annotations
 
+import re
 import time
 
 import grpc
@@ -74,6 +75,9 @@ def test_model_info(stub, tiny_chat_model):
         assert "(stack vs layers)" in info.decode_stack
     else:
         assert info.decode_stack == "off (decode attention is torch-gather)"
+    # The elementwise glue per op, timed at load (model/glue.py).
+    assert re.fullmatch(r"norm (cpp|torch) \([\d.]+ vs [\d.]+ ms\), silu\*up (cpp|torch) \([\d.]+ vs [\d.]+ ms\) "
+                        r"at 512 rows", info.glue), info.glue
     assert info.quantization == "none"
 
 

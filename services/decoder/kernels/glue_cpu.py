@@ -1,0 +1,54 @@
+"""The elementwise glue between a decoder layer's matmuls on CPU, one pass per op: launchers and torch refs.
+
+The kernel is glue_cpu.cpp next to this file (decode_stack_cpu.cpp runs the same row functions),
+compiled once per machine by native.load (`make kernels`). `silu_mul` and `rms_norm` are the
+launchers, `silu_mul_ref` and `rms_norm_ref` the torch computations of model/layers.py they must
+match (tests/decoder/kernels). Whether the model uses them is decided at load by timing
+(model/glue.py); this module only computes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from services.common import native
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+OPERATOR = native.Operator("glue_cpu", SOURCE)
+load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [N, 2I] (fp32 or bf16, unit column stride) -> [N, I] = SiLU(gate) * up in its dtype."""
+    out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
+    load().silu_mul(out, gate_up)
+    return out
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=1)
+    return F.silu(gate) * up
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, H] (fp32 or bf16, contiguous), weight [H] in x's dtype, residual [N, H] or None ->
+    (s, RMSNorm(s)) with s = x + residual (x itself when None), both [N, H] in x's dtype."""
+    out = torch.empty_like(x)
+    s = None if residual is None else torch.empty_like(x)
+    load().rms_norm(out, x, residual, s, weight, float(eps))
+    return (x if s is None else s), out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x if residual is None else x + residual
+    h = s.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return s, weight * h.to(s.dtype)
+
+
+if __name__ == "__main__":
+    OPERATOR.main()
