@@ -106,14 +106,14 @@ inline void over_rows(int64_t rows, int64_t width, F&& f) {
 }
 
 template <typename T>
-void silu_mul_typed(at::Tensor& out, const at::Tensor& gate_up) {
-  const int64_t n = out.size(1);
-  const T* gu = gate_up.data_ptr<T>();
+void silu_mul_typed(at::Tensor& out, const at::Tensor& gate, const at::Tensor& up) {
+  const int64_t n = out.size(1), gs = gate.stride(0), us = up.stride(0);
+  const T* g = gate.data_ptr<T>();
+  const T* u = up.data_ptr<T>();
   T* o = out.data_ptr<T>();
-  const int64_t gs = gate_up.stride(0);
   over_rows(out.size(0), 2 * n, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      silu_mul_row<std::is_same_v<T, c10::BFloat16>>(gu + r * gs, gu + r * gs + n, o + r * n, n);
+      silu_mul_row<std::is_same_v<T, c10::BFloat16>>(g + r * gs, u + r * us, o + r * n, n);
   });
 }
 
@@ -158,18 +158,19 @@ void check_dtype(const at::Tensor& t) {
               t.scalar_type());
 }
 
-// out [N, I] = SiLU(gate_up[:, :I]) * gate_up[:, I:], gate_up [N, 2I] with unit column stride.
-void silu_mul(at::Tensor out, const at::Tensor& gate_up) {
-  check_dtype(gate_up);
-  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
-              "glue.silu_mul: gate_up must be a CPU [N, 2I] tensor with unit column stride");
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == gate_up.size(0) &&
-                  out.size(1) * 2 == gate_up.size(1) && out.scalar_type() == gate_up.scalar_type(),
-              "glue.silu_mul: out must be a contiguous [N, I] tensor of gate_up's dtype");
-  if (gate_up.scalar_type() == at::kBFloat16) {
-    silu_mul_typed<c10::BFloat16>(out, gate_up);
+// out [N, I] = SiLU(gate) * up; gate and up [N, I] with unit column stride (e.g. halves of gate|up).
+void silu_mul(at::Tensor out, const at::Tensor& gate, const at::Tensor& up) {
+  check_dtype(gate);
+  TORCH_CHECK(gate.device().is_cpu() && up.device().is_cpu() && gate.dim() == 2 && up.sizes() == gate.sizes() &&
+                  up.scalar_type() == gate.scalar_type() && gate.stride(1) == 1 && up.stride(1) == 1,
+              "glue.silu_mul: gate and up must be CPU [N, I] tensors of one dtype with unit column stride");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.sizes() == gate.sizes() &&
+                  out.scalar_type() == gate.scalar_type(),
+              "glue.silu_mul: out must be a contiguous [N, I] tensor of gate's dtype");
+  if (gate.scalar_type() == at::kBFloat16) {
+    silu_mul_typed<c10::BFloat16>(out, gate, up);
   } else {
-    silu_mul_typed<float>(out, gate_up);
+    silu_mul_typed<float>(out, gate, up);
   }
 }
 
@@ -196,8 +197,8 @@ void rms_norm(at::Tensor out, const at::Tensor& x, c10::optional<at::Tensor> y, 
 
 #ifdef TESSERA_GLUE_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("silu_mul", &tessera_glue::silu_mul, "out = SiLU(gate) * up over rows of gate|up", pybind11::arg("out"),
-        pybind11::arg("gate_up"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("silu_mul", &tessera_glue::silu_mul, "out = SiLU(gate) * up over rows", pybind11::arg("out"),
+        pybind11::arg("gate"), pybind11::arg("up"), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rms_norm", &tessera_glue::rms_norm, "out = RMSNorm(x + y), sum = x + y", pybind11::arg("out"),
         pybind11::arg("x"), pybind11::arg("y"), pybind11::arg("sum"), pybind11::arg("weight"), pybind11::arg("eps"),
         pybind11::call_guard<pybind11::gil_scoped_release>());

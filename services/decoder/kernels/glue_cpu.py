@@ -20,15 +20,19 @@ OPERATOR = native.Operator("glue_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [N, 2I] (fp32 or bf16, unit column stride) -> [N, I] = SiLU(gate) * up in its dtype."""
-    out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
-    load().silu_mul(out, gate_up)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [N, I] (fp32 or bf16; the halves of gate|up are read in place) -> [N, I] =
+    SiLU(gate) * up in their dtype."""
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    load().silu_mul(out, _unit_columns(gate), _unit_columns(up))
     return out
 
 
-def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=1)
+def _unit_columns(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 

@@ -60,12 +60,12 @@ def choose(model: CausalLM, timer: Timer | None = None) -> str:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(ROWS, cfg.hidden_size, generator=gen).to(dtype)
     y = torch.randn(ROWS, cfg.hidden_size, generator=gen).to(dtype)
-    gate_up = torch.randn(ROWS, 2 * cfg.intermediate_size, generator=gen).to(dtype)
+    gate, up = torch.randn(ROWS, 2 * cfg.intermediate_size, generator=gen).to(dtype).chunk(2, dim=1)
     norm = model.model.norm
     ops = {
         "norm": (lambda: glue_cpu.rms_norm(x, norm.weight, norm.eps, y),
                  lambda: glue_cpu.rms_norm_ref(x, norm.weight, norm.eps, y)),
-        "act": (lambda: glue_cpu.silu_mul(gate_up), lambda: glue_cpu.silu_mul_ref(gate_up)),
+        "act": (lambda: glue_cpu.silu_mul(gate, up), lambda: glue_cpu.silu_mul_ref(gate, up)),
     }
     wins, parts = {}, []
     with torch.inference_mode():
