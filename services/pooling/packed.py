@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from services.common import linear_path, native
+from services.common import linear_path, native, stopwatch
 
 from . import attention_cpu
 
@@ -54,13 +53,7 @@ def attention_groups(lengths: list[int], call_cost: int = CALL_COST) -> list[tup
 
 def best_of(name: str, fn: Callable[[], object]) -> float:
     """The fastest of 3 calls of fn after one warm-up call, in seconds (name: which path, for tests)."""
-    fn()
-    samples = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return min(samples)
+    return stopwatch.fastest(fn, 3)
 
 
 def choose_attention(heads: int, head_dim: int, dtype: torch.dtype,

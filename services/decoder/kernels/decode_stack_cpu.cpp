@@ -143,7 +143,6 @@ struct Layer {
   at::Tensor k_cache, v_cache;  // [NB, BS, KVH, D], the model's dtype
 };
 
-using tessera_glue::put;
 using tessera_glue::rnd;
 using tessera_glue::store;
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 
 import torch
 
-from services.common import native
+from services.common import native, stopwatch
 from services.decoder.kernels import glue_cpu
 from services.decoder.model.decoder import CausalLM
 
@@ -35,13 +34,7 @@ Timer = Callable[[str, str, Callable[[], object]], float]
 
 
 def best_of(op: str, path: str, fn: Callable[[], object]) -> float:
-    fn()
-    samples = []
-    for _ in range(REPS):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return min(samples)
+    return stopwatch.fastest(fn, REPS)
 
 
 def choose(model: CausalLM, timer: Timer | None = None) -> str:

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 
 import torch
 
-from services.common import native
+from services.common import native, stopwatch
 from services.decoder.kernels import decode_stack_cpu
 from services.decoder.model.decoder import CausalLM
 from services.decoder.model.linear import Linear
@@ -120,13 +119,7 @@ Timer = Callable[[str, int, Callable[[], object]], float]
 
 def best_of(path: str, rows: int, fn: Callable[[], object]) -> float:
     """The fastest of TIMING_REPS calls of fn, after one warm-up call."""
-    fn()
-    samples = []
-    for _ in range(TIMING_REPS):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return min(samples)
+    return stopwatch.fastest(fn, TIMING_REPS)
 
 
 def _ineligible(model: CausalLM, attention_backend: str, linear_auto: bool) -> str:
