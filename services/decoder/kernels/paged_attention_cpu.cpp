@@ -9,8 +9,8 @@
 // several stretches is merged at the end by their (m, l). Everything accumulates in fp32; bf16
 // rows are widened as they are loaded. Threads take tasks from a shared counter, so ragged rows
 // balance, and the next block is prefetched a few lines per token while this one is computed.
-// Loops and GCC/Clang vector extensions compiled for the build machine (-march=native): no
-// intrinsics, so the source builds on any x86 or ARM CPU.
+// Loops and GCC/Clang vector extensions compiled for the build machine (-march=native), so the
+// source builds on any x86 or ARM CPU; one intrinsic, under __AVX512F__, widens bf16 rows.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -73,6 +73,15 @@ inline v16 load16(const float* p) {
 typedef uint16_t u16x16 __attribute__((vector_size(LANES * sizeof(uint16_t))));
 typedef uint32_t u32x16 __attribute__((vector_size(LANES * sizeof(uint32_t))));
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+// GCC 12 splits the generic widening below into two 256-bit halves with extracts and inserts on a
+// Zen 4 (it tunes for znver3 there); one zero-extending load and a shift made bf16 decode attention
+// 12-16% faster (64 rows x 160 keys, 2 threads).
+inline v16 load16(const c10::BFloat16* p) {
+  return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+}
+#else
 inline v16 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32: widen and shift
   u16x16 half;
   std::memcpy(&half, p, sizeof half);
@@ -81,6 +90,7 @@ inline v16 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32:
   std::memcpy(&x, &bits, sizeof x);
   return x;
 }
+#endif
 
 typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
@@ -396,14 +406,14 @@ void stretch_task(const Problem& P, const Tasks& tasks, int64_t task, const T* q
 // out[row] from a split row's stretches: sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p.
 template <typename T>
 void merge_row(const Problem& P, const Tasks& tasks, int64_t b, const int64_t* row_ids, const float* partial,
-               T* out) {
+               T* out, std::vector<float>& num) {
   const int64_t H = P.heads, D = P.head_dim;
   const int64_t row = row_ids ? row_ids[b] : b;
   for (int64_t hq = 0; hq < H; ++hq) {
     float M = -std::numeric_limits<float>::infinity();
     for (int64_t t = tasks.first[b]; t < tasks.first[b + 1]; ++t) M = std::max(M, partial[(t * H + hq) * (D + 2) + D]);
     float den = 0.0f;
-    std::vector<float> num(D, 0.0f);
+    num.assign(D, 0.0f);
     for (int64_t t = tasks.first[b]; t < tasks.first[b + 1]; ++t) {
       const float* ph = partial + (t * H + hq) * (D + 2);
       const float w = exp_nonpositive(ph[D] - M);
@@ -437,8 +447,9 @@ void run(const Problem& P, const at::Tensor& q, const at::Tensor& k, const at::T
   });
   if (split) {
     at::parallel_for(0, P.rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> num;  // one per thread, not one allocation per head
       for (int64_t b = begin; b < end; ++b)
-        if (tasks.first[b + 1] - tasks.first[b] > 1) merge_row<T>(P, tasks, b, rp, partial.data(), op);
+        if (tasks.first[b + 1] - tasks.first[b] > 1) merge_row<T>(P, tasks, b, rp, partial.data(), op, num);
     });
   }
 }
