@@ -19,6 +19,7 @@ per-machine choice (DESIGN.md). TESSERA_DECODE_STACK=off keeps it out (A/B bench
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 
@@ -36,6 +37,10 @@ log = logging.getLogger("tessera.decode_stack")
 
 ENV = "TESSERA_DECODE_STACK"
 TIMING_ROWS, TIMING_CONTEXT, TIMING_REPS = (1, 2, 3, 4, 16, 64), 64, 3
+# Each path is timed in TIMING_ROUNDS alternating rounds and keeps its best, so a burst of load on a
+# shared 2-core instance during one path's calls cannot decide alone: one profile run on a Zen 4 came
+# up with 64-row steps on the layers path, 12% slower there than the stack.
+TIMING_ROUNDS = 2
 WIN = 0.05        # the stack must be this much faster to be used
 
 
@@ -91,7 +96,10 @@ class FusedDecode:
         for rows in self.timing_rows:
             if rows * per_row > cache.num_blocks:
                 break
-            best = {name: timer(name, rows, fn) for name, fn in self._steps(cache, rows, context, per_row).items()}
+            steps, best = self._steps(cache, rows, context, per_row), {}
+            for _ in range(TIMING_ROUNDS):
+                for name, fn in steps.items():
+                    best[name] = min(best.get(name, math.inf), timer(name, rows, fn))
             detail.append(f"{rows} row{'s' if rows > 1 else ''} {best['stack'] * 1e3:.1f} vs "
                           f"{best['layers'] * 1e3:.1f} ms")
             if best["stack"] * (1 + WIN) >= best["layers"]:

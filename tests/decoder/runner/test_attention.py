@@ -60,22 +60,27 @@ def test_decode_groups_bound_padding_and_cover_every_row():
 
 
 def test_cpp_plan_holds_every_decode_row_once():
-    """Decode rows and the rows of a short chunk after 0 go to the operator; other chunks stay SDPA."""
+    """Decode rows and the rows of short chunks go to the operator; longer chunks stay SDPA."""
     long = attention.PREFILL_IN_PLACE_MAX + 1
+    first_long = attention.FIRST_CHUNK_IN_PLACE_MAX + 1
+    first_table = list(range(100, 100 + -(-first_long // BS)))
     spans = [(0, 6, [7, 2]), (5, 1, [3, 9]), (9, 3, [1, 4, 8]), (0, 1, [6]), (12, 1, [10, 11, 12, 13, 5]),
-             (2, long, list(range(20, 26)))]
+             (2, long, list(range(20, 26))), (0, first_long, first_table)]
     plan = AttentionPlan.build(spans, BS, torch.device("cpu"), backend=CPP)
     rows = plan.decode_rows
-    assert plan.decode == [] and rows.rows.tolist() == [6, 7, 8, 9, 10, 11]
-    assert [(p.lo, p.hi) for p in plan.prefills] == [(0, 6), (12, 12 + long)]
-    assert rows.context_lens.tolist() == [6, 10, 11, 12, 1, 13] and rows.block_tables.dtype == torch.int32
-    assert rows.block_tables.tolist() == [[3, 9, 0, 0], [1, 4, 8, 0], [1, 4, 8, 0], [1, 4, 8, 0], [6, 0, 0, 0],
-                                          [10, 11, 12, 13]]
+    assert plan.decode == [] and rows.rows is None         # rows 0..11 are 0..B-1: the operator needs no index
+    assert [(p.lo, p.hi) for p in plan.prefills] == [(12, 12 + long), (12 + long, 12 + long + first_long)]
+    assert plan.prefills[1].context_slots is None and plan.prefills[1].mask is None
+    assert rows.context_lens.tolist() == [1, 2, 3, 4, 5, 6, 6, 10, 11, 12, 1, 13]
+    assert rows.block_tables.dtype == torch.int32
+    assert rows.block_tables.tolist() == [[7, 2, 0, 0]] * 6 + [[3, 9, 0, 0], [1, 4, 8, 0], [1, 4, 8, 0],
+                                                                [1, 4, 8, 0], [6, 0, 0, 0], [10, 11, 12, 13]]
     assert plan.slot_mapping.tolist() == AttentionPlan.build(spans, BS, torch.device("cpu"),
                                                              backend=TORCH).slot_mapping.tolist()
-    only_decode = AttentionPlan.build([(3, 1, [1]), (0, 1, [2])], BS, torch.device("cpu"), backend=CPP)
-    assert only_decode.decode_rows.rows is None            # rows 0..B-1: the operator needs no index
-    assert AttentionPlan.build([(0, 5, [1, 2])], BS, torch.device("cpu"), backend=CPP).decode_rows is None
+    after = AttentionPlan.build([(0, first_long, first_table), (3, 1, [1])], BS, torch.device("cpu"), backend=CPP)
+    assert after.decode_rows.rows.tolist() == [first_long]
+    only_prefill = AttentionPlan.build([(0, first_long, first_table)], BS, torch.device("cpu"), backend=CPP)
+    assert only_prefill.decode_rows is None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

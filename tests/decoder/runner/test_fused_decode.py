@@ -9,7 +9,7 @@ import torch
 from services.decoder.engine.step import StepInput
 from services.decoder.runner import Runner, attention
 from services.decoder.runner.batch import StepBatch
-from services.decoder.runner.fused_decode import FusedDecode
+from services.decoder.runner.fused_decode import TIMING_ROUNDS, FusedDecode
 from tests.decoder.model.checkpoints import TINY_SHAPE, build
 from tests.decoder.runner.driver import BlockAllocator, Seq
 from tests.tolerance import assert_close
@@ -67,15 +67,18 @@ def test_decode_steps_match_the_layers(folders, name, variant):
     for rows in (4, 1, 3, 2, 16, 4) if variant != "int8" else (4, 1, 3, 2, 4):
         for _ in range(3):
             out = {}
+            # The whole rest of each sequence: a whole prompt (start 0, at most 33 tokens, so it runs as
+            # operator rows) or one decode row; the stack takes the step when those rows fit its widest.
+            width = sum(len(s.tokens) - s.computed for s in seqs["f"][:rows])
             for r, runner in (("f", fused), ("l", layers)):
                 chunks = [s.chunk(len(s.tokens) - s.computed, allocs[r], BLOCK) for s in seqs[r][:rows]]
                 out[r], _ = runner.logits(StepInput(chunks))
-            assert calls[-1] == (all(s.computed > s.num_prompt for s in seqs["f"][:rows]))
+            assert calls[-1] == (width <= widest)
             assert_close(out["f"], out["l"], dtype=dtype, k=TINY_SHAPE["k"], depth=TINY_SHAPE["depth"])
             for r in "fl":
                 for s, row in zip(seqs[r][:rows], out["f"], strict=True):
                     s.tokens.append(int(row.argmax()))      # both follow the fused run's tokens
-    assert sum(calls) >= 12 + 2 * (widest > 4)   # the decode steps (not the prefills) took the stack
+    assert sum(calls) >= 12 + 2 * (widest > 4)   # the decode steps (and short prefills) took the stack
 
 
 def test_the_choice_is_made_from_measurement(folders):
@@ -89,7 +92,7 @@ def test_the_choice_is_made_from_measurement(folders):
 
     fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, True, timer=timer)
     assert fused.max_rows == 2 and summary.startswith("cpp rows<=2; timed 1 row 1000.0 vs 2000.0 ms")
-    assert seen == [("stack", 1), ("layers", 1), ("stack", 2), ("layers", 2), ("stack", 3), ("layers", 3)]
+    assert seen == [(path, rows) for rows in (1, 2, 3) for _ in range(TIMING_ROUNDS) for path in ("stack", "layers")]
     assert all(not k.any() for k in runner.cache.k) and all(not v.any() for v in runner.cache.v)
 
     fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, True,
@@ -118,8 +121,10 @@ def test_prefill_adapter_and_wide_steps_take_the_layers(folders):
     def batch(chunks) -> StepBatch:
         return StepBatch.build(StepInput(chunks), BLOCK, torch.device("cpu"), None)
 
+    long = Seq("long", [5 + i % 50 for i in range(attention.FIRST_CHUNK_IN_PLACE_MAX + 1)])
+    assert not fused.fused_decode.applies(batch([long.chunk(len(long.tokens), alloc, BLOCK)]))
     prefill = [s.chunk(7, alloc, BLOCK) for s in seqs]
-    assert not fused.fused_decode.applies(batch(prefill[:1]))
+    assert fused.fused_decode.applies(batch(prefill[:1]))          # a short whole prompt runs as rows
     fused.logits(StepInput(prefill))
     for s in seqs:
         s.tokens.append(9)
