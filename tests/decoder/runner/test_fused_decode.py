@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from services.decoder.engine.step import StepInput
+from services.decoder.kernels import decode_stack_cpu
+from services.decoder.model.linear import Linear
 from services.decoder.runner import Runner, attention
 from services.decoder.runner.batch import StepBatch
 from services.decoder.runner.fused_decode import TIMING_ROUNDS, FusedDecode
@@ -47,6 +49,14 @@ def runners(folder, variant: str) -> tuple[Runner, Runner]:
                                                                True, timer=stack_wins)
     layers = Runner.from_folder(folder, dtype, block_size=BLOCK, num_blocks=BLOCKS, quantization=quantization)
     layers.fused_decode = None
+    if quantization == "int8":
+        # The stack runs int8 projections in gemv_cpu (fp32 activations). The layers take whichever path
+        # their load-time timing kept per shape, and _weight_int8pack_mm rounds activations to bf16: a
+        # noisy timing (seen under a parallel load) would compare two precisions. Few rows take gemv on both.
+        for runner in (fused, layers):
+            for m in runner.model.modules():
+                if isinstance(m, Linear) and m.qweight is not None:
+                    m.gemv_rows = decode_stack_cpu.KERNEL_ROWS
     return fused, layers
 
 
