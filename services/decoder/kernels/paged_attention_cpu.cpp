@@ -148,11 +148,71 @@ struct Ahead {
   }
 };
 
-// s[g * bsp + t] = q[g] . K[t] for g < GC, t < n; q [GC, D] contiguous, K rows `rs` floats
-// apart. DC % LANES == 0: vectors, 16 tokens folded at a time; else plain loops over runtime D.
+// The 16 tokens of a block folded from their partial-sum vectors into one vector of 16 scores,
+// 4 tokens at a time; partials(kt, p) fills p[g] with 16 partial sums of head g's score for token kt.
+// s[g * bsp + t] = post * the score, for g < GC, t < n.
+template <typename T, int GC, typename Partials>
+inline void fold_scores(Partials&& partials, const T* __restrict__ K, int64_t rs, int64_t n, float* __restrict__ s,
+                        int64_t bsp, float post, Ahead& ahead) {
+  int64_t t = 0;
+  for (; t + LANES <= n; t += LANES) {
+    v16 x4[GC][4];
+    for (int i = 0; i < 4; ++i) {
+      v16 p0[GC], p1[GC], p2[GC], p3[GC];
+      const T* kt = K + (t + 4 * i) * rs;
+      ahead.step();
+      ahead.step();
+      ahead.step();
+      ahead.step();
+      partials(kt, p0);
+      partials(kt + rs, p1);
+      partials(kt + 2 * rs, p2);
+      partials(kt + 3 * rs, p3);
+      for (int g = 0; g < GC; ++g) x4[g][i] = fold4(fold8(p0[g], p1[g]), fold8(p2[g], p3[g]));
+    }
+    for (int g = 0; g < GC; ++g) {
+      const v16 total = fold1(fold2(x4[g][0], x4[g][1]), fold2(x4[g][2], x4[g][3])) * post;
+      std::memcpy(s + g * bsp + t, &total, sizeof total);
+    }
+  }
+  for (; t < n; ++t) {
+    ahead.step();
+    v16 p[GC];
+    partials(K + t * rs, p);
+    for (int g = 0; g < GC; ++g) s[g * bsp + t] = hsum(p[g]) * post;
+  }
+}
+
+// s[g * bsp + t] = q[g] . K[t] for g < GC, t < n; q [GC, D] contiguous (fp32, scaled), K rows `rs`
+// floats apart. DC % LANES == 0: vectors, 16 tokens folded at a time; else plain loops over runtime D.
+// qb/scale: on CPUs with the bf16 dot product (avx512_bf16), bf16 rows with DC % 32 == 0 take it over
+// qb, q's own unscaled bf16 values [GC, D], and the scale is applied to the folded scores: products of
+// two bf16 are exact in fp32 either way, only the order of the fp32 sums differs (and, as the
+// instruction does, subnormal inputs and sums count as zero). 3x fewer instructions a token than
+// widening K and 4 FMAs a head.
 template <typename T, int DC, int GC>
-inline void group_scores(const float* __restrict__ q, const T* __restrict__ K, int64_t rs, int64_t n,
-                         float* __restrict__ s, int64_t bsp, int d_runtime, Ahead& ahead) {
+inline void group_scores(const float* __restrict__ q, const c10::BFloat16* __restrict__ qb, float scale,
+                         const T* __restrict__ K, int64_t rs, int64_t n, float* __restrict__ s, int64_t bsp,
+                         int d_runtime, Ahead& ahead) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, c10::BFloat16> && DC > 0 && DC % 32 == 0) {
+    constexpr int NV = DC / 32;
+    __m512bh qv[GC][NV];
+    for (int g = 0; g < GC; ++g)
+      for (int i = 0; i < NV; ++i) qv[g][i] = (__m512bh)_mm512_loadu_si512(qb + g * DC + i * 32);
+    auto partials = [&](const T* kt, v16* p) {
+      __m512bh kv[NV];
+      for (int i = 0; i < NV; ++i) kv[i] = (__m512bh)_mm512_loadu_si512(kt + i * 32);
+      for (int g = 0; g < GC; ++g) {
+        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+        for (int i = 1; i < NV; ++i) acc = _mm512_dpbf16_ps(acc, qv[g][i], kv[i]);
+        p[g] = (v16)acc;
+      }
+    };
+    fold_scores<T, GC>(partials, K, rs, n, s, bsp, scale, ahead);
+    return;
+  }
+#endif
   if constexpr (DC > 0 && DC % LANES == 0) {
     constexpr int NV = DC / LANES;
     v16 qv[GC][NV];
@@ -166,33 +226,7 @@ inline void group_scores(const float* __restrict__ q, const T* __restrict__ K, i
         for (int i = 1; i < NV; ++i) p[g] += qv[g][i] * kv[i];
       }
     };
-    int64_t t = 0;
-    for (; t + LANES <= n; t += LANES) {
-      v16 x4[GC][4];
-      for (int i = 0; i < 4; ++i) {
-        v16 p0[GC], p1[GC], p2[GC], p3[GC];
-        const T* kt = K + (t + 4 * i) * rs;
-        ahead.step();
-        ahead.step();
-        ahead.step();
-        ahead.step();
-        partials(kt, p0);
-        partials(kt + rs, p1);
-        partials(kt + 2 * rs, p2);
-        partials(kt + 3 * rs, p3);
-        for (int g = 0; g < GC; ++g) x4[g][i] = fold4(fold8(p0[g], p1[g]), fold8(p2[g], p3[g]));
-      }
-      for (int g = 0; g < GC; ++g) {
-        const v16 total = fold1(fold2(x4[g][0], x4[g][1]), fold2(x4[g][2], x4[g][3]));
-        std::memcpy(s + g * bsp + t, &total, sizeof total);
-      }
-    }
-    for (; t < n; ++t) {
-      ahead.step();
-      v16 p[GC];
-      partials(K + t * rs, p);
-      for (int g = 0; g < GC; ++g) s[g * bsp + t] = hsum(p[g]);
-    }
+    fold_scores<T, GC>(partials, K, rs, n, s, bsp, 1.0f, ahead);
   } else {
     const int D = DC ? DC : d_runtime;
     for (int g = 0; g < GC; ++g)
@@ -327,17 +361,19 @@ void stretch_task(const Problem& P, const Tasks& tasks, int64_t task, const T* q
   const int64_t j0 = part * tasks.span_blocks;
   const int64_t j1 = std::min((len + BS - 1) / BS, j0 + tasks.span_blocks);
 
-  // scratch: q (scaled, fp32) [H, D] | acc [H, D] | scores [GC_MAX, BSP] | m [H] | l [H]
+  // scratch: q (scaled, fp32) [H, D] | acc [H, D] | scores [GC_MAX, BSP] | m [H] | l [H] | q (bf16) [H, D]
   const int64_t token_stride = KVH * D;
   const int64_t gc_max = DC > 0 && DC % LANES == 0 ? heads_together(D) : 1;
-  scratch.resize(2 * H * D + GC_MAX * BSP + 2 * H);
+  scratch.resize(2 * H * D + GC_MAX * BSP + 2 * H + (std::is_same_v<T, float> ? 0 : (H * D + 1) / 2));
   float* qf = scratch.data();
   float* acc = qf + H * D;
   float* s = acc + H * D;
   float* m = s + GC_MAX * BSP;
   float* l = m + H;
+  c10::BFloat16* qb = std::is_same_v<T, float> ? nullptr : reinterpret_cast<c10::BFloat16*>(l + H);
   for (int64_t hq = 0; hq < H; ++hq) {
     const T* qh = q + row * P.q_row_stride + hq * P.q_head_stride;
+    if constexpr (!std::is_same_v<T, float>) std::memcpy(qb + hq * D, qh, D * sizeof(T));
     for (int d = 0; d < D; ++d) qf[hq * D + d] = widen(qh[d]) * P.scale;
     m[hq] = -std::numeric_limits<float>::infinity();
     l[hq] = 0.0f;
@@ -367,7 +403,8 @@ void stretch_task(const Problem& P, const Tasks& tasks, int64_t task, const T* q
         const int gc = static_cast<int>(std::min<int64_t>(gc_max, G - g0));
         const int64_t hq0 = h * G + g0;
         with_heads(gc, [&](auto GCc) {
-          group_scores<T, DC, GCc.value>(qf + hq0 * D, kb + h * D, token_stride, n, s, BSP, D, ahead);
+          group_scores<T, DC, GCc.value>(qf + hq0 * D, qb ? qb + hq0 * D : nullptr, P.scale, kb + h * D,
+                                         token_stride, n, s, BSP, D, ahead);
         });
         for (int g = 0; g < gc; ++g) {
           const int64_t hq = hq0 + g;
