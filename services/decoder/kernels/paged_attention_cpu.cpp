@@ -10,7 +10,8 @@
 // rows are widened as they are loaded. Threads take tasks from a shared counter, so ragged rows
 // balance, and the next block is prefetched a few lines per token while this one is computed.
 // Loops and GCC/Clang vector extensions compiled for the build machine (-march=native), so the
-// source builds on any x86 or ARM CPU; one intrinsic, under __AVX512F__, widens bf16 rows.
+// source builds on any x86 or ARM CPU; intrinsics only where the CPU has them: AVX-512 widens bf16
+// rows, avx512_bf16 takes bf16 scores by its dot product.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
