@@ -189,8 +189,8 @@ inline void fold_scores(Partials&& partials, const T* __restrict__ K, int64_t rs
 // qb/scale: on CPUs with the bf16 dot product (avx512_bf16), bf16 rows with DC % 32 == 0 take it over
 // qb, q's own unscaled bf16 values [GC, D], and the scale is applied to the folded scores: products of
 // two bf16 are exact in fp32 either way, only the order of the fp32 sums differs (and, as the
-// instruction does, subnormal inputs and sums count as zero). 3x fewer instructions a token than
-// widening K and 4 FMAs a head.
+// instruction does, subnormal inputs and sums count as zero). About a third of the instructions a
+// token of widening K and 4 FMAs a head.
 template <typename T, int DC, int GC>
 inline void group_scores(const float* __restrict__ q, const c10::BFloat16* __restrict__ qb, float scale,
                          const T* __restrict__ K, int64_t rs, int64_t n, float* __restrict__ s, int64_t bsp,

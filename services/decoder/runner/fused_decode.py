@@ -6,7 +6,7 @@ on a 2-core machine and ~15% of a 64-row step in bf16. The stack runs all layers
 step in one call over the same weights and the same paged cache, each projection on the path its
 Linear chose at load for that row count (gemv_cpu, packed or plain). A step takes it when:
 - every row is a decode row of the in-place attention operator (no prefill span; a short chunk
-  after 0, e.g. speculative drafts, counts as rows), at most `max_rows` of them;
+  after 0, e.g. speculative drafts, and a short first chunk count as rows), at most `max_rows` of them;
 - no row uses a LoRA adapter (those steps need the per-projection corrections of the layers).
 Any other step runs the model's own layers, which stay the reference (tests compare the two).
 
