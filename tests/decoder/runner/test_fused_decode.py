@@ -49,11 +49,13 @@ def runners(folder, variant: str) -> tuple[Runner, Runner]:
                                                                True, timer=stack_wins)
     layers = Runner.from_folder(folder, dtype, block_size=BLOCK, num_blocks=BLOCKS, quantization=quantization)
     layers.fused_decode = None
-    if quantization == "int8":
-        # The stack runs int8 projections in gemv_cpu (fp32 activations). The layers take whichever path
-        # their load-time timing kept per shape, and _weight_int8pack_mm rounds activations to bf16: a
-        # noisy timing (seen under a parallel load) would compare two precisions. Few rows take gemv on both.
-        for runner in (fused, layers):
+    # Both runners take the same elementwise glue and, for int8, the same few-row path. Each is chosen by
+    # timing at load, and int8's library path rounds activations to bf16: two runners that chose
+    # differently under a parallel load compared two roundings (a C++ against a torch RMSNorm in front of
+    # that rounding failed this test every time), not the stack against the layers.
+    for runner in (fused, layers):
+        runner.model.use_native_glue(norm=True, act=True)
+        if quantization == "int8":
             for m in runner.model.modules():
                 if isinstance(m, Linear) and m.qweight is not None:
                     m.gemv_rows = decode_stack_cpu.KERNEL_ROWS
