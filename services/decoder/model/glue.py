@@ -40,7 +40,7 @@ def best_of(op: str, path: str, fn: Callable[[], object]) -> float:
 def choose(model: CausalLM, timer: Timer | None = None) -> str:
     """Time each op both ways and set the modules' `native` flags; one line for the log and
     GetModelInfo.glue, e.g. "norm cpp (0.18 vs 0.62 ms), silu*up torch (1.90 vs 1.35 ms) at 512 rows"."""
-    reason = _ineligible(model)
+    reason = ineligible(model, ENV)
     if reason:
         return f"torch ({reason})"
     try:
@@ -73,9 +73,11 @@ def choose(model: CausalLM, timer: Timer | None = None) -> str:
     return summary
 
 
-def _ineligible(model: CausalLM) -> str:
-    if os.environ.get(ENV, "auto").strip().lower() == "off":
-        return f"{ENV}=off"
+def ineligible(model: CausalLM, env: str) -> str:
+    """Why C++ row ops (this glue, the decode stack) cannot run model here, or "": the switch `env`
+    is off, the model is not on CPU, or its activations are neither float32 nor bfloat16."""
+    if os.environ.get(env, "auto").strip().lower() == "off":
+        return f"{env}=off"
     weight = model.model.norm.weight
     if weight.device.type != "cpu":
         return "not on CPU"

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable
 
 import torch
 
 from services.common import native, stopwatch
 from services.decoder.kernels import decode_stack_cpu
+from services.decoder.model import glue
 from services.decoder.model.decoder import CausalLM
 from services.decoder.model.linear import Linear
 from services.decoder.runner.attention import CPP, AttentionPlan, PagedAttention, Workspace
@@ -132,13 +132,9 @@ def best_of(path: str, rows: int, fn: Callable[[], object]) -> float:
 
 def _ineligible(model: CausalLM, attention_backend: str, linear_auto: bool) -> str:
     """Why the stack cannot run this model here, or "" when it can."""
-    if os.environ.get(ENV, "auto").strip().lower() == "off":
-        return f"{ENV}=off"
-    weight = model.model.norm.weight
-    if weight.device.type != "cpu":
-        return "not on CPU"
-    if weight.dtype not in (torch.float32, torch.bfloat16):
-        return f"{str(weight.dtype).removeprefix('torch.')} activations"
+    reason = glue.ineligible(model, ENV)
+    if reason:
+        return reason
     if attention_backend != CPP:
         return f"decode attention is {attention_backend}"
     if not linear_auto:
