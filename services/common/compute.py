@@ -78,7 +78,12 @@ def _libgomp() -> ctypes.CDLL | None:
 def serial_here() -> bool:
     """From now on torch runs this thread's ops inline, never with an OpenMP team; other threads keep
     torch's thread count. Call it before this thread's first parallel op. False (and a log line)
-    where it cannot be done: torch without libgomp, or no /proc."""
+    where it cannot be done: torch without libgomp, or no /proc.
+
+    It holds for torch's own ops, not for our C++ operators (services/common/native.py): each shared
+    object keeps its own once-per-thread flag for ATen's thread setup, so the first at::parallel_for
+    of an operator on this thread sets the process-wide count again (seen: 1 before an encoder
+    attention call, 2 after it). Serial threads here never run those operators."""
     # First let ATen initialise this thread's OpenMP settings: it does so once per thread, from the
     # process-wide count, and would undo the setting below if it came later. Asking starts no team.
     torch.get_num_threads()
