@@ -5,7 +5,8 @@
 // torch ops (two RMSNorms, the rotary, the cache write, SiLU, the residual adds, views and splits),
 // whose dispatch costs about as much as the matmuls at batch 1 on a 2-core machine (issue 10). Here
 // the same layer runs as one loop: each matmul on its Linear's load-time path (gemv_cpu.cpp up to a
-// few rows, else oneDNN's packed or the plain library matmul), the attention operator, and a few
+// few rows, else oneDNN's packed or the plain library matmul, or tile_gemm_cpu.cpp's panels from
+// tile_rows rows where the runner chose them at load), the attention operator, and a few
 // vectorised elementwise passes per row, with no Python and no dispatcher in between.
 //
 // Activations live in fp32 buffers. In bfloat16 mode each value is rounded to bf16 wherever the
@@ -14,6 +15,7 @@
 #define TESSERA_NO_MODULE
 #include "gemv_cpu.cpp"
 #include "glue_cpu.cpp"  // with paged_attention_cpu.cpp
+#include "tile_gemm_cpu.cpp"
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -40,15 +42,18 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
 // [starts[i], starts[i+1]) packed iff flags[i]; a bf16 weight's copy may be fp32), else plain. int8
 // weights always take the kernel.
 struct Proj {
-  at::Tensor w, scale, bias, bias_model, packed;  // undefined when absent; bias: fp32, bias_model: the model's
+  // undefined when absent; bias: fp32, bias_model: the model's; tiles: tessera_tiles::pack(w)
+  at::Tensor w, scale, bias, bias_model, packed, tiles;
   std::vector<int64_t> starts;
   std::vector<bool> flags;
-  int64_t N = 0, K = 0, gemv_rows = 0;
+  int64_t N = 0, K = 0, gemv_rows = 0, tile_rows = 0;
 
   Proj() = default;
   Proj(at::Tensor w_, c10::optional<at::Tensor> s, c10::optional<at::Tensor> b, c10::optional<at::Tensor> packed_,
-       std::vector<int64_t> starts_, std::vector<bool> flags_, int64_t gemv_rows_)
-      : w(std::move(w_)), starts(std::move(starts_)), flags(std::move(flags_)), gemv_rows(gemv_rows_) {
+       std::vector<int64_t> starts_, std::vector<bool> flags_, int64_t gemv_rows_,
+       c10::optional<at::Tensor> tiles_, int64_t tile_rows_)
+      : w(std::move(w_)), starts(std::move(starts_)), flags(std::move(flags_)), gemv_rows(gemv_rows_),
+        tile_rows(tile_rows_) {
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
                 "decode_stack: a projection weight must be a contiguous 2-D CPU tensor");
     N = w.size(0);
@@ -65,6 +70,13 @@ struct Proj {
       bias = b->to(at::kFloat).contiguous();
     }
     if (packed_.has_value()) packed = *packed_;
+    if (tiles_.has_value()) {
+      TORCH_CHECK(tessera_tiles::AVAILABLE && tessera_tiles::fits(w) && tiles_->dim() == 4 &&
+                      tiles_->size(0) * tessera_tiles::COLS == N && tiles_->size(1) * 2 == K &&
+                      tiles_->size(2) == tessera_tiles::COLS && tiles_->scalar_type() == at::kBFloat16,
+                  "decode_stack: tiles must be tile_gemm_cpu.pack of a bf16 weight, on a CPU with avx512_bf16");
+      tiles = *tiles_;
+    }
     if (t == at::kChar) gemv_rows = tessera_gemv::MAX_ROWS;
     TORCH_CHECK(gemv_rows >= 0 && gemv_rows <= tessera_gemv::MAX_ROWS, "decode_stack: gemv_rows must be 0 to ",
                 tessera_gemv::MAX_ROWS);
@@ -79,10 +91,17 @@ struct Proj {
   }
 
   // x [M, K] in the activations' dtype T @ w^T (* scale) (+ bias) -> [M, N]: fp32 in y from the few-row
-  // kernel (bf16 x on bf16 weights takes its bf16 dot product), or T in `hold` from the library, which
-  // runs on T tensors as the model's Linear does. Exactly one of the result's pointers is set.
+  // kernel (bf16 x on bf16 weights takes its bf16 dot product) or the panels, or T in `hold` from the
+  // library, which runs on T tensors as the model's Linear does. Exactly one of the result's pointers is set.
   template <typename T>
   std::pair<const float*, const T*> operator()(const T* x, float* y, int64_t M, at::Tensor& hold) const {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (tiles.defined() && M > gemv_rows && M >= tile_rows) {
+        tessera_tiles::gemm(x, M, tiles.data_ptr<at::BFloat16>(), bias.defined() ? bias.data_ptr<float>() : nullptr,
+                            y, N, K);
+        return {y, nullptr};
+      }
+    }
     if (M > gemv_rows) {
       TORCH_CHECK(w.scalar_type() != at::kChar, "decode_stack: int8 weights run at most ", tessera_gemv::MAX_ROWS,
                   " rows here");
@@ -342,9 +361,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using tessera_stack::Proj;
   pybind11::class_<Proj>(m, "Projection")
       .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                          std::vector<int64_t>, std::vector<bool>, int64_t>(),
+                          std::vector<int64_t>, std::vector<bool>, int64_t, c10::optional<at::Tensor>, int64_t>(),
            pybind11::arg("weight"), pybind11::arg("scale"), pybind11::arg("bias"), pybind11::arg("packed"),
-           pybind11::arg("starts"), pybind11::arg("flags"), pybind11::arg("gemv_rows"));
+           pybind11::arg("starts"), pybind11::arg("flags"), pybind11::arg("gemv_rows"), pybind11::arg("tiles"),
+           pybind11::arg("tile_rows"));
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor>(),
            pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("hidden"),

@@ -15,6 +15,12 @@ included, up to 4 rows), the decode attention is the C++ operator, the matmul pa
 timing, and the operator builds. It then times one step both ways at each of TIMING_ROWS and keeps
 the largest count up to which the stack won at every one (`max_rows`, 0: never), as every
 per-machine choice (DESIGN.md). TESSERA_DECODE_STACK=off keeps it out (A/B benchmarks).
+
+In bf16, where the CPU has the bf16 dot product, a second stack runs the projections that fit
+(tile_gemm_cpu.fits) through tile_gemm_cpu above the few-row kernel's rows. It is timed too, at
+those of TIMING_ROWS above KERNEL_ROWS, and replaces the first only if it was faster at every one
+(then its panel copy of the weights stays resident; otherwise it is dropped). Over 30 layers of
+weights read from memory (a 64-row step), the panels ran 1.16-1.19x oneDNN's packed GEMM on a Zen 4.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from services.common import native, stopwatch
-from services.decoder.kernels import decode_stack_cpu
+from services.decoder.kernels import decode_stack_cpu, tile_gemm_cpu
 from services.decoder.model import glue
 from services.decoder.model.decoder import CausalLM
 from services.decoder.model.linear import Linear
@@ -45,8 +51,10 @@ WIN = 0.05        # the stack must be this much faster to be used
 
 
 class FusedDecode:
-    def __init__(self, model: CausalLM, stack):
+    def __init__(self, model: CausalLM, stack, tiled=None):
         self.model, self.stack = model, stack
+        self.tiled = tiled          # the stack with tile_gemm_cpu projections, until choose() decides
+        self.tiles = False          # whether self.stack is that one
         self.max_rows = 0
         # int8 projections run in gemv_cpu only (the library path above it takes bf16 activations).
         int8 = any(m.qweight is not None for m in model.modules() if isinstance(m, Linear))
@@ -65,7 +73,12 @@ class FusedDecode:
         except native.BuildError as e:
             log.warning("decode stack unavailable, decode steps run the model's layers: %s", e)
             return None, f"off (unavailable: {str(e).splitlines()[0]})"
-        fused = cls(model, stack)
+        tiled = None
+        if model.model.norm.weight.dtype == torch.bfloat16 and tile_gemm_cpu.available():
+            layers = _layers(model, cache, tiles=True)
+            if any(p.tiles is not None for w in layers for p in (w.qkv, w.o, w.gate_up, w.down)):
+                tiled = decode_stack_cpu.make_stack(_shape(model), layers, model.model.norm.weight)
+        fused = cls(model, stack, tiled)
         timings = fused.choose(cache, timer or best_of)
         summary = (f"cpp rows<={fused.max_rows}" if fused.max_rows else "off (the layers were as fast)") + \
             f"; timed {timings}"
@@ -79,20 +92,24 @@ class FusedDecode:
 
     def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         """embeds [M, hidden] (consumed) -> final-normed hidden states [M, hidden], as CausalLM.forward."""
+        return self._run(self.stack, embeds, positions, plan)
+
+    def _run(self, stack, embeds: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         cos, sin = self.model.rotary.cos_sin(positions, embeds.dtype)       # [M, 1, D]
         d = plan.decode_rows
-        return decode_stack_cpu.decode_stack(self.stack, embeds.contiguous(), cos[:, 0], sin[:, 0],
+        return decode_stack_cpu.decode_stack(stack, embeds.contiguous(), cos[:, 0], sin[:, 0],
                                              plan.slot_mapping, d.block_tables, d.context_lens)
 
     @torch.inference_mode()
     def choose(self, cache: KVCache, timer: Timer) -> str:
-        """Time a decode step of r rows both ways for each r in timing_rows, in order, over blocks of the
-        runner's own cache (zeroed again afterwards: no request owns a block at load), at TIMING_CONTEXT
-        keys or what the cache holds. Sets max_rows; returns the timings, e.g. "1 row 9.1 vs 14.0 ms; ..."."""
+        """Time a decode step of r rows both ways (and on the tiled stack, above KERNEL_ROWS) for each r in
+        timing_rows, in order, over blocks of the runner's own cache (zeroed again afterwards: no request
+        owns a block at load), at TIMING_CONTEXT keys or what the cache holds. Sets max_rows and which
+        stack runs; returns the timings, e.g. "1 row 9.1 vs 14.0 ms; ...; 64 rows 60.1 (tiles 51.0) vs ..."."""
         bs, largest = cache.block_size, self.timing_rows[-1]
         per_row = max(1, min(-(-TIMING_CONTEXT // bs), cache.num_blocks // largest))
         context = min(TIMING_CONTEXT, per_row * bs)
-        detail, self.max_rows = [], 0
+        timed = []                  # (rows, best seconds per path)
         for rows in self.timing_rows:
             if rows * per_row > cache.num_blocks:
                 break
@@ -100,15 +117,27 @@ class FusedDecode:
             for _ in range(TIMING_ROUNDS):
                 for name, fn in steps.items():
                     best[name] = min(best.get(name, math.inf), timer(name, rows, fn))
-            detail.append(f"{rows} row{'s' if rows > 1 else ''} {best['stack'] * 1e3:.1f} vs "
-                          f"{best['layers'] * 1e3:.1f} ms")
-            if best["stack"] * (1 + WIN) >= best["layers"]:
+            timed.append((rows, best))
+            if min(best["stack"], best.get("tiles", math.inf)) * (1 + WIN) >= best["layers"]:
                 break
-            self.max_rows = rows
         for k, v in zip(cache.k, cache.v, strict=True):
             k[:largest * per_row].zero_()
             v[:largest * per_row].zero_()
-        return "; ".join(detail) + " (stack vs layers)"
+        tiled = [best for _, best in timed if "tiles" in best]
+        self.tiles = bool(tiled) and all(best["tiles"] < best["stack"] for best in tiled)
+        if self.tiles:
+            self.stack = self.tiled
+        self.tiled = None           # the losing stack (and its panels, if they lost) is freed
+        detail, self.max_rows = [], 0
+        for rows, best in timed:
+            tiles = f" (tiles {best['tiles'] * 1e3:.1f})" if "tiles" in best else ""
+            detail.append(f"{rows} row{'s' if rows > 1 else ''} {best['stack'] * 1e3:.1f}{tiles} vs "
+                          f"{best['layers'] * 1e3:.1f} ms")
+            ours = best["tiles"] if self.tiles and "tiles" in best else best["stack"]
+            if ours * (1 + WIN) >= best["layers"]:
+                break
+            self.max_rows = rows
+        return "; ".join(detail) + f" (stack vs layers; tiles {'on' if self.tiles else 'off' if tiled else 'n/a'})"
 
     def _steps(self, cache: KVCache, rows: int, context: int, per_row: int) -> dict[str, Callable[[], object]]:
         """One step of `rows` decode rows at `context` keys, row r on blocks [r * per_row, (r + 1) * per_row),
@@ -117,11 +146,14 @@ class FusedDecode:
         plan = AttentionPlan.build(spans, cache.block_size, torch.device("cpu"), CPP)
         positions = torch.full((rows,), context - 1, dtype=torch.long)
         embeds = torch.randn(rows, self.model.config.hidden_size).to(cache.k[0].dtype)
-        return {"stack": lambda: self(embeds.clone(), positions, plan),
-                "layers": lambda: self.model(embeds.clone(), positions, PagedAttention(cache, plan, Workspace()))}
+        steps = {"stack": lambda: self(embeds.clone(), positions, plan),
+                 "layers": lambda: self.model(embeds.clone(), positions, PagedAttention(cache, plan, Workspace()))}
+        if self.tiled is not None and rows > decode_stack_cpu.KERNEL_ROWS:
+            steps["tiles"] = lambda: self._run(self.tiled, embeds.clone(), positions, plan)
+        return steps
 
 
-# (path: "stack" or "layers", rows, a call of one step on that path) -> seconds it takes.
+# (path: "stack", "tiles" or "layers", rows, a call of one step on that path) -> seconds it takes.
 Timer = Callable[[str, int, Callable[[], object]], float]
 
 
@@ -151,21 +183,26 @@ def _shape(model: CausalLM) -> decode_stack_cpu.Shape:
                                   cfg.intermediate_size, cfg.rms_norm_eps)
 
 
-def _projection(linear: Linear) -> decode_stack_cpu.Projection:
+def _projection(linear: Linear, tiles: bool) -> decode_stack_cpu.Projection:
+    """The stack's view of a Linear; with tiles, a bf16 weight that fits gets its tile_gemm_cpu panels for
+    every row count above the few-row kernel's."""
     if linear.qweight is not None:
         return decode_stack_cpu.Projection(linear.qweight, linear.qscale, linear.bias)
     rule = linear.rule
+    panels = tile_gemm_cpu.pack(linear.weight) if tiles and tile_gemm_cpu.fits(linear.weight) else None
     return decode_stack_cpu.Projection(linear.weight, None, linear.bias, linear.gemv_rows, linear.packed,
-                                       (rule.starts, rule.packed) if rule is not None else ((1,), (False,)))
+                                       (rule.starts, rule.packed) if rule is not None else ((1,), (False,)),
+                                       panels, decode_stack_cpu.KERNEL_ROWS + 1)
 
 
-def _layers(model: CausalLM, cache: KVCache) -> list[decode_stack_cpu.LayerWeights]:
+def _layers(model: CausalLM, cache: KVCache, tiles: bool = False) -> list[decode_stack_cpu.LayerWeights]:
     out = []
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         out.append(decode_stack_cpu.LayerWeights(
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-            _projection(attn.qkv), _projection(attn.o_proj), _projection(mlp.gate_up), _projection(mlp.down_proj),
+            _projection(attn.qkv, tiles), _projection(attn.o_proj, tiles), _projection(mlp.gate_up, tiles),
+            _projection(mlp.down_proj, tiles),
             cache.k[i], cache.v[i],
             attn.q_norm.weight if attn.q_norm is not None else None,
             attn.k_norm.weight if attn.k_norm is not None else None))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.decoder.engine.step import StepInput
-from services.decoder.kernels import decode_stack_cpu
+from services.decoder.kernels import decode_stack_cpu, tile_gemm_cpu
 from services.decoder.model.linear import Linear
 from services.decoder.runner import Runner, attention
 from services.decoder.runner.batch import StepBatch
@@ -38,8 +38,8 @@ def cpp_attention(monkeypatch):
 
 
 def stack_wins(path: str, rows: int, fn) -> float:
-    fn()                          # both paths still run once: the timing steps must work
-    return {"stack": 1.0, "layers": 2.0}[path]
+    fn()                          # every path still runs once: the timing steps must work
+    return {"tiles": 0.5, "stack": 1.0, "layers": 2.0}[path]      # bf16 here: the panels, where they run
 
 
 def runners(folder, variant: str) -> tuple[Runner, Runner]:
@@ -68,6 +68,11 @@ def test_decode_steps_match_the_layers(folders, name, variant):
     fused, layers = runners(folders[name], variant)
     widest = 4 if variant == "int8" else 64        # int8 weights run in gemv_cpu only
     assert fused.decode_stack.startswith(f"cpp rows<={widest}; timed 1 row 1000.0 vs 2000.0 ms")
+    # bf16 steps above 4 rows run the panels wherever the CPU has them and a projection fits (every
+    # case has one: a 64-wide hidden or a 192-wide gate_up), so the comparison below covers them.
+    tiles = variant == "bf16" and tile_gemm_cpu.available()
+    assert fused.fused_decode.tiles == tiles
+    assert fused.decode_stack.endswith(f"tiles {'on' if tiles else 'n/a'})")
     dtype = fused.cache.k[0].dtype
     g = random.Random(5)
     prompts = [[g.randrange(4, 160) for _ in range(3 + 2 * i)] for i in range(16)]
@@ -110,6 +115,23 @@ def test_the_choice_is_made_from_measurement(folders):
     fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, True,
                                        timer=lambda path, rows, fn: 1.0)
     assert fused is None and summary.startswith("off (the layers were as fast); timed 1 row 1000.0 vs 1000.0 ms")
+
+
+@pytest.mark.skipif(not tile_gemm_cpu.available(), reason="no avx512_bf16: the panels are never built here "
+                    "(test_decode_steps_match_the_layers checks that)")
+def test_the_panels_run_only_where_they_were_faster(folders):
+    runner = Runner.from_folder(folders[CASES[0]], "bf16", block_size=BLOCK, num_blocks=BLOCKS)
+    seen = []
+
+    def timer(path, rows, fn):
+        seen.append((path, rows))
+        fn()
+        return {"stack": 1.0, "layers": 2.0, "tiles": 0.5 if rows < 64 else 1.5}[path]
+
+    fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, True, timer=timer)
+    assert not fused.tiles and fused.tiled is None and fused.max_rows == 64
+    assert "16 rows 1000.0 (tiles 500.0) vs 2000.0 ms" in summary and summary.endswith("tiles off)")
+    assert [rows for path, rows in seen if path == "tiles"] == [16] * TIMING_ROUNDS + [64] * TIMING_ROUNDS
 
 
 def test_when_it_stays_off(folders, monkeypatch):
