@@ -71,10 +71,9 @@ struct Proj {
     }
     if (packed_.has_value()) packed = *packed_;
     if (tiles_.has_value()) {
-      TORCH_CHECK(tessera_tiles::AVAILABLE && tessera_tiles::fits(w) && tiles_->dim() == 4 &&
-                      tiles_->size(0) * tessera_tiles::COLS == N && tiles_->size(1) * 2 == K &&
-                      tiles_->size(2) == tessera_tiles::COLS && tiles_->scalar_type() == at::kBFloat16,
-                  "decode_stack: tiles must be tile_gemm_cpu.pack of a bf16 weight, on a CPU with avx512_bf16");
+      TORCH_CHECK(tessera_tiles::fits(w) && tessera_tiles::available(t) && tiles_->scalar_type() == t &&
+                      tiles_->numel() == w.numel() && tiles_->size(0) * tessera_tiles::COLS == N,
+                  "decode_stack: tiles must be tile_gemm_cpu.pack of the weight, on a CPU that runs them");
       tiles = *tiles_;
     }
     if (t == at::kChar) gemv_rows = tessera_gemv::MAX_ROWS;
@@ -95,12 +94,10 @@ struct Proj {
   // library, which runs on T tensors as the model's Linear does. Exactly one of the result's pointers is set.
   template <typename T>
   std::pair<const float*, const T*> operator()(const T* x, float* y, int64_t M, at::Tensor& hold) const {
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (tiles.defined() && M > gemv_rows && M >= tile_rows) {
-        tessera_tiles::gemm(x, M, tiles.data_ptr<at::BFloat16>(), bias.defined() ? bias.data_ptr<float>() : nullptr,
-                            y, N, K);
-        return {y, nullptr};
-      }
+    constexpr auto dtype = at::CppTypeToScalarType<T>::value;
+    if (tiles.defined() && M > gemv_rows && M >= tile_rows && tiles.scalar_type() == dtype) {
+      tessera_tiles::gemm(x, M, tiles.data_ptr<T>(), bias.defined() ? bias.data_ptr<float>() : nullptr, y, N, K);
+      return {y, nullptr};
     }
     if (M > gemv_rows) {
       TORCH_CHECK(w.scalar_type() != at::kChar, "decode_stack: int8 weights run at most ", tessera_gemv::MAX_ROWS,

@@ -16,11 +16,12 @@ timing, and the operator builds. It then times one step both ways at each of TIM
 the largest count up to which the stack won at every one (`max_rows`, 0: never), as every
 per-machine choice (DESIGN.md). TESSERA_DECODE_STACK=off keeps it out (A/B benchmarks).
 
-In bf16, where the CPU has the bf16 dot product, a second stack runs the projections that fit
-(tile_gemm_cpu.fits) through tile_gemm_cpu above the few-row kernel's rows. It is timed too, at
-those of TIMING_ROWS above KERNEL_ROWS, and replaces the first only if it was faster at every one
-(then its panel copy of the weights stays resident; otherwise it is dropped). Over 30 layers of
-weights read from memory (a 64-row step), the panels ran 1.16-1.19x oneDNN's packed GEMM on a Zen 4.
+Where tile_gemm_cpu runs for the model's dtype (AVX-512; for bf16 the bf16 dot product), a second
+stack runs the projections that fit (tile_gemm_cpu.fits) through it above the few-row kernel's rows.
+It is timed too, at those of TIMING_ROWS above KERNEL_ROWS, and replaces the first only if it was
+faster by WIN at every one (then its panel copy of the weights stays resident; otherwise it is dropped).
+Over 30 layers of weights read from memory (a 64-row step), the panels ran 1.16-1.19x oneDNN's packed
+GEMM in bf16 and 1.05-1.07x in fp32 on a Zen 4.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ TIMING_ROWS, TIMING_CONTEXT, TIMING_REPS = (1, 2, 3, 4, 16, 64), 64, 3
 # shared 2-core instance during one path's calls cannot decide alone: one profile run on a Zen 4 came
 # up with 64-row steps on the layers path, 12% slower there than the stack.
 TIMING_ROUNDS = 2
-WIN = 0.05        # the stack must be this much faster to be used
+WIN = 0.05        # the stack must be this much faster to be used (and the panels than the stack)
 
 
 class FusedDecode:
@@ -74,7 +75,7 @@ class FusedDecode:
             log.warning("decode stack unavailable, decode steps run the model's layers: %s", e)
             return None, f"off (unavailable: {str(e).splitlines()[0]})"
         tiled = None
-        if model.model.norm.weight.dtype == torch.bfloat16 and tile_gemm_cpu.available():
+        if tile_gemm_cpu.available(model.model.norm.weight.dtype):
             layers = _layers(model, cache, tiles=True)
             if any(p.tiles is not None for w in layers for p in (w.qkv, w.o, w.gate_up, w.down)):
                 tiled = decode_stack_cpu.make_stack(_shape(model), layers, model.model.norm.weight)
@@ -124,7 +125,8 @@ class FusedDecode:
             k[:largest * per_row].zero_()
             v[:largest * per_row].zero_()
         tiled = [best for _, best in timed if "tiles" in best]
-        self.tiles = bool(tiled) and all(best["tiles"] < best["stack"] for best in tiled)
+        # By WIN, as the stack against the layers: kept, the panels are one more copy of the weights.
+        self.tiles = bool(tiled) and all(best["tiles"] * (1 + WIN) < best["stack"] for best in tiled)
         if self.tiles:
             self.stack = self.tiled
         self.tiled = None           # the losing stack (and its panels, if they lost) is freed
@@ -184,7 +186,7 @@ def _shape(model: CausalLM) -> decode_stack_cpu.Shape:
 
 
 def _projection(linear: Linear, tiles: bool) -> decode_stack_cpu.Projection:
-    """The stack's view of a Linear; with tiles, a bf16 weight that fits gets its tile_gemm_cpu panels for
+    """The stack's view of a Linear; with tiles, a weight that fits gets its tile_gemm_cpu panels for
     every row count above the few-row kernel's."""
     if linear.qweight is not None:
         return decode_stack_cpu.Projection(linear.qweight, linear.qscale, linear.bias)

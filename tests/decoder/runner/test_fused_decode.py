@@ -39,7 +39,7 @@ def cpp_attention(monkeypatch):
 
 def stack_wins(path: str, rows: int, fn) -> float:
     fn()                          # every path still runs once: the timing steps must work
-    return {"tiles": 0.5, "stack": 1.0, "layers": 2.0}[path]      # bf16 here: the panels, where they run
+    return {"tiles": 0.5, "stack": 1.0, "layers": 2.0}[path]      # the panels, where they run
 
 
 def runners(folder, variant: str) -> tuple[Runner, Runner]:
@@ -68,12 +68,13 @@ def test_decode_steps_match_the_layers(folders, name, variant):
     fused, layers = runners(folders[name], variant)
     widest = 4 if variant == "int8" else 64        # int8 weights run in gemv_cpu only
     assert fused.decode_stack.startswith(f"cpp rows<={widest}; timed 1 row 1000.0 vs 2000.0 ms")
-    # bf16 steps above 4 rows run the panels wherever the CPU has them and a projection fits (every
-    # case has one: a 64-wide hidden or a 192-wide gate_up), so the comparison below covers them.
-    tiles = variant == "bf16" and tile_gemm_cpu.available()
+    # Steps above 4 rows run the panels wherever the CPU runs them for the dtype and a projection fits
+    # (every case has one: a 64-wide hidden or a 192-wide gate_up), so the comparison below covers them;
+    # int8 weights never take them.
+    dtype = fused.cache.k[0].dtype
+    tiles = variant != "int8" and tile_gemm_cpu.available(dtype)
     assert fused.fused_decode.tiles == tiles
     assert fused.decode_stack.endswith(f"tiles {'on' if tiles else 'n/a'})")
-    dtype = fused.cache.k[0].dtype
     g = random.Random(5)
     prompts = [[g.randrange(4, 160) for _ in range(3 + 2 * i)] for i in range(16)]
     seqs = {r: [Seq(f"s{i}", list(p)) for i, p in enumerate(prompts)] for r in "fl"}
@@ -117,8 +118,8 @@ def test_the_choice_is_made_from_measurement(folders):
     assert fused is None and summary.startswith("off (the layers were as fast); timed 1 row 1000.0 vs 1000.0 ms")
 
 
-@pytest.mark.skipif(not tile_gemm_cpu.available(), reason="no avx512_bf16: the panels are never built here "
-                    "(test_decode_steps_match_the_layers checks that)")
+@pytest.mark.skipif(not tile_gemm_cpu.available(torch.bfloat16), reason="no avx512_bf16: the panels are never "
+                    "built here (test_decode_steps_match_the_layers checks that)")
 def test_the_panels_run_only_where_they_were_faster(folders):
     runner = Runner.from_folder(folders[CASES[0]], "bf16", block_size=BLOCK, num_blocks=BLOCKS)
     seen = []
