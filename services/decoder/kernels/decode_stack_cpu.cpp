@@ -6,7 +6,7 @@
 // whose dispatch costs about as much as the matmuls at batch 1 on a 2-core machine (issue 10). Here
 // the same layer runs as one loop: each matmul on its Linear's load-time path (gemv_cpu.cpp up to a
 // few rows, else oneDNN's packed or the plain library matmul, or tile_gemm_cpu.cpp's panels from
-// tile_rows rows where the runner chose them at load), the attention operator, and a few
+// more than a few rows where the runner chose them at load), the attention operator, and a few
 // vectorised elementwise passes per row, with no Python and no dispatcher in between.
 //
 // Activations live in fp32 buffers. In bfloat16 mode each value is rounded to bf16 wherever the
@@ -46,14 +46,13 @@ struct Proj {
   at::Tensor w, scale, bias, bias_model, packed, tiles;
   std::vector<int64_t> starts;
   std::vector<bool> flags;
-  int64_t N = 0, K = 0, gemv_rows = 0, tile_rows = 0;
+  int64_t N = 0, K = 0, gemv_rows = 0;
 
   Proj() = default;
   Proj(at::Tensor w_, c10::optional<at::Tensor> s, c10::optional<at::Tensor> b, c10::optional<at::Tensor> packed_,
        std::vector<int64_t> starts_, std::vector<bool> flags_, int64_t gemv_rows_,
-       c10::optional<at::Tensor> tiles_, int64_t tile_rows_)
-      : w(std::move(w_)), starts(std::move(starts_)), flags(std::move(flags_)), gemv_rows(gemv_rows_),
-        tile_rows(tile_rows_) {
+       c10::optional<at::Tensor> tiles_)
+      : w(std::move(w_)), starts(std::move(starts_)), flags(std::move(flags_)), gemv_rows(gemv_rows_) {
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
                 "decode_stack: a projection weight must be a contiguous 2-D CPU tensor");
     N = w.size(0);
@@ -95,7 +94,7 @@ struct Proj {
   template <typename T>
   std::pair<const float*, const T*> operator()(const T* x, float* y, int64_t M, at::Tensor& hold) const {
     constexpr auto dtype = at::CppTypeToScalarType<T>::value;
-    if (tiles.defined() && M > gemv_rows && M >= tile_rows && tiles.scalar_type() == dtype) {
+    if (tiles.defined() && M > tessera_gemv::MAX_ROWS && tiles.scalar_type() == dtype) {
       tessera_tiles::gemm(x, M, tiles.data_ptr<T>(), bias.defined() ? bias.data_ptr<float>() : nullptr, y, N, K);
       return {y, nullptr};
     }
@@ -358,10 +357,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using tessera_stack::Proj;
   pybind11::class_<Proj>(m, "Projection")
       .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                          std::vector<int64_t>, std::vector<bool>, int64_t, c10::optional<at::Tensor>, int64_t>(),
+                          std::vector<int64_t>, std::vector<bool>, int64_t, c10::optional<at::Tensor>>(),
            pybind11::arg("weight"), pybind11::arg("scale"), pybind11::arg("bias"), pybind11::arg("packed"),
-           pybind11::arg("starts"), pybind11::arg("flags"), pybind11::arg("gemv_rows"), pybind11::arg("tiles"),
-           pybind11::arg("tile_rows"));
+           pybind11::arg("starts"), pybind11::arg("flags"), pybind11::arg("gemv_rows"), pybind11::arg("tiles"));
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor>(),
            pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("hidden"),

@@ -37,10 +37,9 @@ class Projection:
     gemv_rows: int = KERNEL_ROWS
     packed: torch.Tensor | None = None
     rule: tuple[tuple[int, ...], tuple[bool, ...]] = ((1,), (False,))
-    # Above gemv_rows and from tile_rows rows on, a bf16 weight with tiles = tile_gemm_cpu.pack(weight)
-    # runs tile_gemm_cpu instead (fp32 sums, like the others).
+    # Above KERNEL_ROWS rows, a weight with tiles = tile_gemm_cpu.pack(weight) runs tile_gemm_cpu
+    # instead (fp32 sums, like the others).
     tiles: torch.Tensor | None = None
-    tile_rows: int = 0
 
 
 @dataclass
@@ -80,7 +79,7 @@ def make_stack(shape: Shape, layers: list[LayerWeights], final_norm: torch.Tenso
 
 def _projection(p: Projection):
     return load().Projection(p.weight, p.scale, p.bias, p.packed, list(p.rule[0]), list(p.rule[1]), p.gemv_rows,
-                             p.tiles, p.tile_rows)
+                             p.tiles)
 
 
 def decode_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -91,7 +90,7 @@ def decode_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s
     up to context_lens[m] keys (int32, its position + 1). cos/sin [M, D] from Rotary.cos_sin (sin's
     first half negated). Every layer writes the rows' K/V into its cache at `slots`, as the model's
     own layers do; see decode_stack_ref for the computation. Each projection runs gemv_cpu up to its
-    gemv_rows rows, else tile_gemm_cpu from its tile_rows on (if it has tiles), else its packed or plain
+    gemv_rows rows, else tile_gemm_cpu above KERNEL_ROWS (if it has tiles), else its packed or plain
     library matmul (int8 weights: refused above KERNEL_ROWS).
     """
     stack.forward(x, cos.contiguous(), sin.contiguous(), slots, block_tables.to(torch.int32).contiguous(),

@@ -1,5 +1,6 @@
 """fp32 or bf16 matmul of many decode rows over a weight packed in 64-column panels, on CPU: the
-launcher and its torch ref.
+launcher. Its torch reference is gemv_cpu.gemv_ref (F.linear in fp32 over the widened weight), the
+same computation as the few-row kernel's.
 
 The kernel is tile_gemm_cpu.cpp next to this file (decode_stack_cpu.cpp includes it), compiled once
 per machine by native.load (`make kernels`); it needs AVX-512, and for bf16 avx512_bf16 (`available`).
@@ -11,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from services.common import native
 
@@ -49,11 +49,6 @@ def tile_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None =
     out = torch.empty((x.shape[0], packed.shape[0] * COLS), dtype=torch.float32)
     load().tile_gemm(out, x.contiguous(), packed, None if bias is None else bias.float().contiguous())
     return out
-
-
-def tile_gemm_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch reference: F.linear in fp32 over the widened weight, fp32 result."""
-    return F.linear(x.float(), w.float(), None if bias is None else bias.float())
 
 
 if __name__ == "__main__":

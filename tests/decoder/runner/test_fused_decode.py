@@ -118,10 +118,14 @@ def test_the_choice_is_made_from_measurement(folders):
     assert fused is None and summary.startswith("off (the layers were as fast); timed 1 row 1000.0 vs 1000.0 ms")
 
 
-@pytest.mark.skipif(not tile_gemm_cpu.available(torch.bfloat16), reason="no avx512_bf16: the panels are never "
-                    "built here (test_decode_steps_match_the_layers checks that)")
+PANEL_VARIANTS = [v for v, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))
+                  if tile_gemm_cpu.available(dtype)]
+
+
+@pytest.mark.skipif(not PANEL_VARIANTS, reason="no AVX-512: the panels are never built here "
+                    "(test_decode_steps_match_the_layers checks that)")
 def test_the_panels_run_only_where_they_were_faster(folders):
-    runner = Runner.from_folder(folders[CASES[0]], "bf16", block_size=BLOCK, num_blocks=BLOCKS)
+    runner = Runner.from_folder(folders[CASES[0]], PANEL_VARIANTS[0], block_size=BLOCK, num_blocks=BLOCKS)
     seen = []
 
     def timer(path, rows, fn):
