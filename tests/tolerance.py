@@ -44,13 +44,18 @@ import torch
 SAFETY = 4.0
 
 # Low-precision dtypes are accumulated in fp32 by every kernel this project uses (matmuls, SDPA,
-# the Triton LoRA kernels); wider dtypes accumulate in themselves.
-_ACCUMULATE = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+# the Triton LoRA kernels); wider dtypes accumulate in themselves. int8 stands for activations
+# rounded to int8 in blocks (kernels/gemv_cpu over int8 weights), whose block sums are fp32.
+_ACCUMULATE = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.int8: torch.float32}
+# A value rounded to an int8 step of its block's scale max|block| / 127 is off by at most max|block|
+# / 254: relative to the block's largest magnitude, as u is relative to each value's own; the
+# norm-wise comparison below measures against the largest magnitude anyway.
+_INT8_BLOCK_U = 1 / 254
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
-    """u = eps / 2: the largest relative error of one rounding to `dtype`."""
-    return torch.finfo(dtype).eps / 2
+    """u = eps / 2: the largest relative error of one rounding to `dtype` (int8: see _INT8_BLOCK_U)."""
+    return _INT8_BLOCK_U if dtype == torch.int8 else torch.finfo(dtype).eps / 2
 
 
 def rel_tol(dtype: torch.dtype, k: int, depth: int = 1) -> float:

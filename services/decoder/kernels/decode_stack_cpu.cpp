@@ -136,7 +136,7 @@ struct Proj {
         dispatch_rows(M, xf, w.data_ptr<at::BFloat16>(), sp, bp, y, N, K);
         break;
       default:
-        dispatch_rows(M, xf, w.data_ptr<int8_t>(), sp, bp, y, N, K);
+        tessera_gemv::dispatch_q8(M, xf, w.data_ptr<int8_t>(), sp, bp, y, N, K);
     }
     return {y, nullptr};
   }

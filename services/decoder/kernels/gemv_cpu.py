@@ -16,6 +16,7 @@ from services.common import native
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 MAX_ROWS = 4          # the kernel keeps every row of x in registers' reach; more rows go to GEMMs
+QBLOCK = 32           # over int8 weights, x is rounded to int8 in blocks of this many inputs
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 OPERATOR = native.Operator("gemv_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
@@ -26,7 +27,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     """x [M <= MAX_ROWS, K] (fp32 or bf16) -> [M, N] in x's dtype = x @ (w * scale[:, None])^T + bias.
 
     w [N, K] contiguous float32, bfloat16, or int8 with scale [N] (int8 only); bias [N] or None.
-    Products and sums in fp32 (bf16 and int8 weights widen exactly), one rounding to x's dtype at the end.
+    Products and sums in fp32 (bf16 weights widen exactly), one rounding to x's dtype at the end. Over
+    int8 weights x is first rounded as round_blocks does and each block's products are summed in int32.
     """
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
     load().gemv(out, x.contiguous(), w, None if scale is None else scale.float(),
@@ -34,11 +36,24 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     return out
 
 
+def round_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> fp32 [M, K], each block of QBLOCK inputs (the last may be shorter) rounded to int8 steps
+    of its own scale max|block| / 127 (1 for an all-zero block), ties to even, and scaled back."""
+    m, k = x.shape
+    pad = -k % QBLOCK
+    blocks = F.pad(x.float(), (0, pad)).view(m, -1, QBLOCK)
+    amax = blocks.abs().amax(dim=2, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return (torch.round(blocks / scale).clamp(-127, 127) * scale).view(m, -1)[:, :k]
+
+
 def gemv_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
              bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch reference: F.linear in fp32 over the widened (and scaled) weight, fp32 result."""
+    """The torch reference: F.linear in fp32 over the widened (and scaled) weight, fp32 result; over
+    int8 weights, of x rounded by round_blocks."""
     wf = w.float() if scale is None else w.float() * scale.float()[:, None]
-    return F.linear(x.float(), wf, None if bias is None else bias.float())
+    xf = round_blocks(x) if w.dtype == torch.int8 else x.float()
+    return F.linear(xf, wf, None if bias is None else bias.float())
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Weight-only int8 (`--quantization int8`): per-output-channel symmetric int8 weights.
+"""int8 weights (`--quantization int8`): per-output-channel symmetric int8 weights.
 
 At batch 1 a decode step reads every weight once, so the bytes read decide its time
 (issue 10: the projections and LM head are ~85% of a batch-1 step). int8 weights are a
@@ -12,8 +12,8 @@ matmul; the int8 weights themselves are the larger error (a step of max|w|/127 p
 The kernel reads K in whole vectors and gives wrong sums (or crashes) when K is not a
 multiple of 16 on this torch, so such weights stay dense (`eligible`), and the summary
 says how many did. Decode steps of a few rows may instead run kernels/gemv_cpu.cpp over the
-same int8 weights and scales, with fp32 activations, where it was measured faster at load
-(model/linear.py, choose_gemv).
+same int8 weights and scales, where it was measured faster at load (model/linear.py,
+choose_gemv); it rounds the activations to int8 in blocks of 32 (gemv_cpu.round_blocks).
 """
 from __future__ import annotations
 

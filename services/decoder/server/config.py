@@ -12,9 +12,10 @@ from services.decoder.engine.config import SpeculativeConfig
 
 # services.decoder.model.quantization.MODES/HELP (not imported: it imports torch).
 QUANTIZATION_MODES = ("none", "int8")
-QUANTIZATION_HELP = ("weight-only quantization of the projections and LM head: int8 keeps int8 weights with one "
+QUANTIZATION_HELP = ("weight quantization of the projections and LM head: int8 keeps int8 weights with one "
                      "scale per output channel (a quarter of fp32's weight bytes, for batch-1 latency on CPU; the "
-                     "matmul's activations are bf16); none keeps the --dtype weights")
+                     "matmul's activations are rounded to bf16, or to int8 in blocks of 32 in steps of up to 4 "
+                     "rows, as llama.cpp's Q8_0); none keeps the --dtype weights")
 
 # The projections an adapter may target (services.decoder.lora.weights.TARGETS; not
 # imported here so reading the config never imports torch).

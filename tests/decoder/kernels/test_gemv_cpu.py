@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decoder.kernels.gemv_cpu import MAX_ROWS, gemv, gemv_ref
+from services.decoder.kernels.gemv_cpu import MAX_ROWS, QBLOCK, gemv, gemv_ref, round_blocks
 from services.decoder.model.quantization import quantize
-from tests.tolerance import assert_close
+from tests.tolerance import assert_close, is_close
 
 pytestmark = pytest.mark.numerics
 
@@ -52,6 +52,30 @@ def test_each_row_is_independent_of_the_thread_count_bit_for_bit():
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
     assert torch.equal(gemv(x[1:2], w)[0], one[1])     # and of the other rows
+
+
+def test_round_blocks():
+    """Per block of QBLOCK: steps of max|block| / 127, ties to even; an all-zero block stays zero; a
+    short last block has its own scale."""
+    x = torch.zeros(1, 2 * QBLOCK + 3)
+    x[0, 0], x[0, 1], x[0, 2] = 127.0, 2.5, -3.5          # scale 1: 2.5 -> 2, -3.5 -> -4 (to even)
+    x[0, 2 * QBLOCK:] = torch.tensor([0.3, -0.1, 0.05])    # scale 0.3 / 127
+    r = round_blocks(x)
+    assert r[0, :3].tolist() == [127.0, 2.0, -4.0] and not r[0, 3:QBLOCK].any()
+    assert not r[0, QBLOCK:2 * QBLOCK].any()
+    step = 0.3 / 127
+    assert torch.allclose(r[0, 2 * QBLOCK:], torch.round(x[0, 2 * QBLOCK:] / step) * step)
+
+
+def test_int8_weights_round_the_activations():
+    """What the kernel computes over int8 weights is x rounded to int8 blocks: outside fp32's bound of the
+    unrounded product, inside int8's (tests/tolerance.py)."""
+    g = torch.Generator().manual_seed(4)
+    w, scale = quantize(torch.randn(256, 576, generator=g))
+    x = torch.randn(2, 576, generator=g)
+    y, exact = gemv(x, w, scale), torch.nn.functional.linear(x, w.float() * scale[:, None])
+    assert not is_close(y, exact, dtype=torch.float32, k=576)
+    assert_close(y, exact, dtype=torch.int8, k=576)
 
 
 @pytest.mark.parametrize("call, message", [

@@ -107,12 +107,11 @@ def test_model_matches_transformers_on_dequantized_weights(folders, name, fp32_a
     assert not is_close(logits, unquantized, **TINY_SHAPE)
 
 
-@pytest.mark.parametrize("activations", ["bf16", "fp32"])
-def test_runner_decodes_with_int8_weights(folders, monkeypatch, activations):
-    """The real path (bf16 activations) at bf16's bound, and its fp32-activation form at fp32's."""
-    if activations == "fp32":
-        monkeypatch.setattr(quantization, "ACT_DTYPE", torch.float32)
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[activations]
+def test_runner_decodes_with_int8_weights(folders):
+    """The real paths against the dequantized model: the prefill's library matmuls round the activations
+    to bf16, the decode steps' few-row kernel to int8 blocks (gemv_cpu.round_blocks), whose bound (int8
+    in tests/tolerance.py) is the wider of the two. The kernel alone is held to fp32's bound against
+    the same rounding in tests/decoder/kernels/test_gemv_cpu.py."""
     name = "llama_gqa4_tied_sharded"
     runner = Runner.from_folder(folders[name], "fp32", block_size=4, num_blocks=32, quantization="int8")
     assert runner.quantization.startswith("int8: ")
@@ -124,7 +123,7 @@ def test_runner_decodes_with_int8_weights(folders, monkeypatch, activations):
         logits, _ = runner.logits(StepInput([seq.chunk(len(seq.tokens) - seq.computed, alloc, 4)]))
         with torch.no_grad():
             expected = ref(torch.tensor([seq.tokens])).logits[0, -1]
-        assert_close(logits[0], expected, dtype=dtype, **TINY_SHAPE)
+        assert_close(logits[0], expected, dtype=torch.int8, **TINY_SHAPE)
         seq.tokens.append(int(logits[0].argmax()))
 
 
