@@ -233,8 +233,8 @@ inline void quantize_row(const float* x, int64_t K, QuantRow& r) {
   int64_t b0 = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   // Whole blocks in two vectors each: the same division and rounding (nearest, ties to even: the
-  // default mode) as the scalar loop below, which a per-call cost of ~K scalar divisions made a
-  // tenth of an int8 batch-1 step.
+  // default mode) as the scalar loop below, whose K scalar divisions per call run on the caller's
+  // thread while the others wait.
   const __m512i ones = _mm512_set1_epi8(1);
   for (; b0 + QBLOCK <= K; b0 += QBLOCK) {
     const __m512 lo = _mm512_loadu_ps(x + b0), hi = _mm512_loadu_ps(x + b0 + 16);
@@ -269,9 +269,6 @@ inline void quantize_row(const float* x, int64_t K, QuantRow& r) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// acc[m, n] = sum over blocks of s * (q . w) for M rows. The dot-product instruction multiplies unsigned
-// by signed bytes: the weights are flipped to unsigned (w + 128, an XOR of the sign bit) and each
-// lane starts at -128 * (its four q), so every lane ends at the exact signed sum.
 // One QCHUNK step of row_q8: a += s * (q . w) over inputs [k, k + QCHUNK) of every row.
 template <int M>
 inline void step_q8(__m512 (&a)[M], const int8_t* const (&q)[M], const int32_t* const (&c)[M],
@@ -282,6 +279,9 @@ inline void step_q8(__m512 (&a)[M], const int8_t* const (&q)[M], const int32_t* 
   }
 }
 
+// acc[m, n] = sum over blocks of s * (q . w) for M rows. The dot-product instruction multiplies unsigned
+// by signed bytes: the weights are flipped to unsigned (w + 128, an XOR of the sign bit) and each
+// lane starts at -128 * (its four q), so every lane ends at the exact signed sum.
 template <int M>
 inline void row_q8(const QuantRow* xr, const int8_t* wn, int64_t K, int64_t n, float* acc, int64_t N) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -338,7 +338,7 @@ void run_q8(const float* x, const int8_t* w, const float* scale, const float* bi
   });
 }
 
-// y [M, N] fp32 = round_q8(x [M, K] fp32) @ w [N, K] int8 ^T * scale [N] (+ bias).
+// y [M, N] fp32 = (x [M, K] fp32 rounded as gemv_cpu.round_blocks) @ w [N, K] int8 ^T * scale [N] (+ bias).
 void dispatch_q8(int64_t M, const float* x, const int8_t* w, const float* scale, const float* bias, float* y,
                  int64_t N, int64_t K) {
   switch (M) {
@@ -472,7 +472,8 @@ void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<tor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace tessera_gemv;
-  m.def("gemv", &gemv, "few-row matmul over fp32/bf16 weights (fp32 math) or int8 (int8 x blocks)", py::arg("out"), py::arg("x"),
-        py::arg("w"), py::arg("scale"), py::arg("bias"), py::call_guard<py::gil_scoped_release>());
+  m.def("gemv", &gemv, "few-row matmul over fp32/bf16 weights (fp32 math) or int8 ones (x in int8 blocks)",
+        py::arg("out"), py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"),
+        py::call_guard<py::gil_scoped_release>());
 }
 #endif
