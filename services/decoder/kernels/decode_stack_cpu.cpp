@@ -130,10 +130,10 @@ struct Proj {
     }
     switch (w.scalar_type()) {
       case at::kFloat:
-        dispatch_rows(M, xf, w.data_ptr<float>(), sp, bp, y, N, K);
+        dispatch_rows(M, xf, w.data_ptr<float>(), bp, y, N, K);
         break;
       case at::kBFloat16:
-        dispatch_rows(M, xf, w.data_ptr<at::BFloat16>(), sp, bp, y, N, K);
+        dispatch_rows(M, xf, w.data_ptr<at::BFloat16>(), bp, y, N, K);
         break;
       default:
         tessera_gemv::dispatch_q8(M, xf, w.data_ptr<int8_t>(), sp, bp, y, N, K);

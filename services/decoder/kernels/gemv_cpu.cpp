@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -35,6 +36,19 @@ inline float widen(at::BFloat16 v) {
 
 constexpr int64_t NB = 4;        // weight rows reduced together
 constexpr int64_t MAX_ROWS = 4;  // rows of x per call (gemv_cpu.MAX_ROWS)
+
+// f(std::integral_constant<int, M>) for the call's row count M in [1, MAX_ROWS]: each kernel is a
+// template on M, so its rows' accumulators are registers.
+template <typename F>
+inline void with_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    default: TORCH_CHECK(false, "gemv: at most 4 rows, got ", M);
+  }
+}
 
 #ifdef __AVX512F__
 #define TESSERA_GEMV_ROW1 1
@@ -341,43 +355,26 @@ void run_q8(const float* x, const int8_t* w, const float* scale, const float* bi
 // y [M, N] fp32 = (x [M, K] fp32 rounded as gemv_cpu.round_blocks) @ w [N, K] int8 ^T * scale [N] (+ bias).
 void dispatch_q8(int64_t M, const float* x, const int8_t* w, const float* scale, const float* bias, float* y,
                  int64_t N, int64_t K) {
-  switch (M) {
-    case 1: return run_q8<1>(x, w, scale, bias, y, N, K);
-    case 2: return run_q8<2>(x, w, scale, bias, y, N, K);
-    case 3: return run_q8<3>(x, w, scale, bias, y, N, K);
-    case 4: return run_q8<4>(x, w, scale, bias, y, N, K);
-    default: TORCH_CHECK(false, "gemv: at most 4 rows, got ", M);
-  }
+  with_rows(M, [&](auto R) { run_q8<R.value>(x, w, scale, bias, y, N, K); });
 }
 
 template <typename W, int M>
-void run(const float* x, const W* w, const float* scale, const float* bias, float* y, int64_t N, int64_t K) {
+void run(const float* x, const W* w, const float* bias, float* y, int64_t N, int64_t K) {
   // Blocks of weight rows per task: whole NB groups, at least 64 rows so a task is worth starting.
   const int64_t grain = 64;
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     rows_block<W, M>(x, w, K, n0, n1, y, N);
     for (int m = 0; m < M; ++m) {
       float* ym = y + m * N;
-      for (int64_t n = n0; n < n1; ++n) {
-        float v = ym[n];
-        if (scale) v *= scale[n];
-        if (bias) v += bias[n];
-        ym[n] = v;
-      }
+      if (bias)
+        for (int64_t n = n0; n < n1; ++n) ym[n] += bias[n];
     }
   });
 }
 
 template <typename W>
-void dispatch_rows(int64_t M, const float* x, const W* w, const float* scale, const float* bias, float* y,
-                   int64_t N, int64_t K) {
-  switch (M) {
-    case 1: return run<W, 1>(x, w, scale, bias, y, N, K);
-    case 2: return run<W, 2>(x, w, scale, bias, y, N, K);
-    case 3: return run<W, 3>(x, w, scale, bias, y, N, K);
-    case 4: return run<W, 4>(x, w, scale, bias, y, N, K);
-    default: TORCH_CHECK(false, "gemv: at most 4 rows, got ", M);
-  }
+void dispatch_rows(int64_t M, const float* x, const W* w, const float* bias, float* y, int64_t N, int64_t K) {
+  with_rows(M, [&](auto R) { run<W, R.value>(x, w, bias, y, N, K); });
 }
 
 // y [M, N] fp32 = x [M, K] bf16 @ w [N, K] bf16 ^T (+ bias): the dot-product instruction where the CPU
@@ -385,17 +382,11 @@ void dispatch_rows(int64_t M, const float* x, const W* w, const float* scale, co
 void dispatch_bf16(int64_t M, const at::BFloat16* x, const at::BFloat16* w, const float* bias, float* y, int64_t N,
                    int64_t K) {
 #ifdef __AVX512BF16__
-  switch (M) {
-    case 1: return run_dp<1>(x, w, bias, y, N, K);
-    case 2: return run_dp<2>(x, w, bias, y, N, K);
-    case 3: return run_dp<3>(x, w, bias, y, N, K);
-    case 4: return run_dp<4>(x, w, bias, y, N, K);
-    default: TORCH_CHECK(false, "gemv: at most 4 rows, got ", M);
-  }
+  with_rows(M, [&](auto R) { run_dp<R.value>(x, w, bias, y, N, K); });
 #else
   std::vector<float> xs(M * K);
   for (int64_t i = 0; i < M * K; ++i) xs[i] = widen(x[i]);
-  dispatch_rows(M, xs.data(), w, nullptr, bias, y, N, K);
+  dispatch_rows(M, xs.data(), w, bias, y, N, K);
 #endif
 }
 
@@ -443,14 +434,14 @@ void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<tor
   switch (w.scalar_type()) {
     case at::kFloat:
       TORCH_CHECK(!sp, "gemv: scale is for int8 weights");
-      dispatch_rows(M, xp, w.data_ptr<float>(), sp, bp, yp, N, K);
+      dispatch_rows(M, xp, w.data_ptr<float>(), bp, yp, N, K);
       break;
     case at::kBFloat16:
       TORCH_CHECK(!sp, "gemv: scale is for int8 weights");
       if (bf16) {
         dispatch_bf16(M, x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), bp, yp, N, K);
       } else {
-        dispatch_rows(M, xp, w.data_ptr<at::BFloat16>(), sp, bp, yp, N, K);
+        dispatch_rows(M, xp, w.data_ptr<at::BFloat16>(), bp, yp, N, K);
       }
       break;
     case at::kChar:
