@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.common import arena
 from services.decoder.model.config import ModelConfig
 from services.decoder.model.layers import MLP, AttentionFn, DecoderLayer, RMSNorm
 from services.decoder.model.linear import Linear
@@ -31,6 +32,7 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Plain object, not a buffer: it is not in checkpoints and must not be created on meta.
         self.rotary: Rotary | None = None
+        self.arena: arena.Arena | None = None   # place_weights
 
     def fuse_projections(self) -> None:
         """Q/K/V and gate/up as one matmul each: per layer 4 matmuls instead of 7, so fewer calls at
@@ -39,6 +41,20 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    @torch.no_grad()
+    def place_weights(self) -> str:
+        """Move every weight a step reads (dense, int8 and scales; a tied one once) into one arena of
+        huge pages (services/common/arena.py); returns its summary for the log."""
+        params = [p for p in self.parameters() if p.numel()]
+        quantized = [m for m in self.modules() if isinstance(m, Linear) and m.qweight is not None]
+        tensors = [p.data for p in params] + [t for m in quantized for t in (m.qweight, m.qscale)]
+        self.arena, views, summary = arena.place(tensors)
+        for p, v in zip(params, views, strict=False):
+            p.data = v
+        for i, m in enumerate(quantized):
+            m.qweight, m.qscale = views[len(params) + 2 * i:len(params) + 2 * i + 2]
+        return summary
 
     def use_native_glue(self, norm: bool, act: bool) -> None:
         """Run the RMSNorms and SiLU(gate) * up by the C++ row ops (model/glue.py decides by timing)."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from services.common import arena
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -15,9 +17,10 @@ class KVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: a slot that is never written must not hold NaN bit patterns that a
-        # masked-out read could still propagate through 0 * NaN.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # masked-out read could still propagate through 0 * NaN. In huge pages on CPU: a step's
+        # attention reads blocks scattered over all of it (services/common/arena.py).
+        self.arena, tensors, self.pages = arena.zeros([(shape, dtype)] * (2 * num_layers), device)
+        self.k, self.v = tensors[:num_layers], tensors[num_layers:]
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of one layer as [num_blocks * block_size, num_kv_heads, head_dim] views."""

@@ -5,6 +5,7 @@ rows alike), the LM head only over the rows that are sampled, then the sampler.
 """
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +29,8 @@ from services.decoder.runner.sampler import Sampler
 if TYPE_CHECKING:
     from services.decoder.lora.bank import AdapterBank
 
+log = logging.getLogger("tessera.runner")
+
 
 class Runner:
     def __init__(self, model: CausalLM, block_size: int, num_blocks: int, seed: int | None = None,
@@ -36,6 +39,9 @@ class Runner:
         model.fuse_projections()
         # Weight-only int8 first (model/quantization.py): the Linears it takes need no matmul path.
         self.quantization = quantize_linears(model, quantization)
+        # Then every weight into one arena of 2 MiB pages, before anything packs or holds them: a decode
+        # step streams them all, bound by memory (services/common/arena.py).
+        weight_pages = model.place_weights()
         # The matmul path per weight shape, chosen by timing at load (model/linear.py) unless
         # linear_path forces "packed" or "plain"; one line, e.g. "auto float32: packed on 576x576".
         self.linear_backend = pack_linears(model, linear_path)
@@ -50,6 +56,9 @@ class Runner:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                              self.dtype, self.device)
+        # Where the weights and the KV cache live, for the log and GetModelInfo.memory_pages.
+        self.memory_pages = f"weights: {weight_pages}; KV cache: {self.cache.pages}"
+        log.info("memory: %s", self.memory_pages)
         self.workspace = Workspace()
         # Decode attention: the C++ operator over the paged cache or the torch gather path,
         # timed at this model's heads at load (runner/attention.py); CUDA runs the torch path.

@@ -136,3 +136,24 @@ def test_bf16_runner_tracks_fp32(folders, references):
     expected = hf_last_logits(references[name], seq.tokens)
     assert_close(logits[0], expected, dtype=torch.bfloat16, **TINY_SHAPE)
     assert int(logits[0].argmax()) == int(expected.argmax())
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_weights_and_cache_live_in_arenas(folders, quantization):
+    """Every weight a step reads is a view of the model's arena (a tied LM head still the embedding
+    table), every KV tensor of the cache's; the logits stay transformers' (the tests above)."""
+    runner = Runner.from_folder(folders["llama_gqa4_tied_sharded"], "fp32", block_size=BLOCK, num_blocks=16,
+                                quantization=quantization)
+    model, held = runner.model, runner.model.arena
+
+    def inside(t: torch.Tensor, a) -> bool:
+        return a.address <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= a.address + a.size
+
+    weights = [p for p in model.parameters() if p.numel()]
+    weights += [t for m in model.modules() for t in (getattr(m, "qweight", None), getattr(m, "qscale", None))
+                if t is not None]
+    assert (quantization == "int8") == any(t.dtype == torch.int8 for t in weights)
+    assert weights and all(inside(t, held) for t in weights)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(inside(t, runner.cache.arena) for t in runner.cache.k + runner.cache.v)
+    assert runner.memory_pages.startswith("weights: one arena of ") and "; KV cache: one arena of " in runner.memory_pages
