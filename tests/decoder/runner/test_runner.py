@@ -156,4 +156,5 @@ def test_weights_and_cache_live_in_arenas(folders, quantization):
     assert weights and all(inside(t, held) for t in weights)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert all(inside(t, runner.cache.arena) for t in runner.cache.k + runner.cache.v)
-    assert runner.memory_pages.startswith("weights: one arena of ") and "; KV cache: one arena of " in runner.memory_pages
+    assert runner.memory_pages.startswith("weights: one arena of ")
+    assert "; KV cache: one arena of " in runner.memory_pages
