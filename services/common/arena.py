@@ -83,9 +83,11 @@ class Arena:
                 return int(line.split()[1]) * 1024
         return None
 
-    def summary(self) -> str:
+    def summary(self, written: bool = True) -> str:
+        """What the log says: the size and, once written, how much of it the kernel gave huge pages."""
         huge = self.huge_bytes()
-        got = "huge pages unreadable" if huge is None else f"{huge / (1 << 20):.0f} MiB in 2 MiB pages now"
+        got = ("2 MiB pages as it is first written" if not written else "huge pages unreadable" if huge is None
+               else f"{huge / (1 << 20):.0f} MiB in 2 MiB pages")
         return f"one arena of {self.size / (1 << 20):.0f} MiB, {got} (transparent_hugepage={thp_setting()})"
 
 
@@ -126,4 +128,4 @@ def zeros(specs: Sequence[Spec], device: torch.device | str = "cpu") -> tuple[Ar
     if refused or not specs:
         return None, [torch.zeros(tuple(s), dtype=d, device=device) for s, d in specs], refused or "nothing to place"
     arena = Arena(specs)
-    return arena, arena.tensors, arena.summary()
+    return arena, arena.tensors, arena.summary(written=False)

@@ -50,10 +50,11 @@ class CausalLM(nn.Module):
         quantized = [m for m in self.modules() if isinstance(m, Linear) and m.qweight is not None]
         tensors = [p.data for p in params] + [t for m in quantized for t in (m.qweight, m.qscale)]
         self.arena, views, summary = arena.place(tensors)
-        for p, v in zip(params, views, strict=False):
+        n = len(params)
+        for p, v in zip(params, views[:n], strict=True):
             p.data = v
-        for i, m in enumerate(quantized):
-            m.qweight, m.qscale = views[len(params) + 2 * i:len(params) + 2 * i + 2]
+        for m, q, s in zip(quantized, views[n::2], views[n + 1::2], strict=True):
+            m.qweight, m.qscale = q, s
         return summary
 
     def use_native_glue(self, norm: bool, act: bool) -> None:

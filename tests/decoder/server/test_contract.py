@@ -79,6 +79,10 @@ def test_model_info(stub, tiny_chat_model):
     assert re.fullmatch(r"norm (cpp|torch) \([\d.]+ vs [\d.]+ ms\), silu\*up (cpp|torch) \([\d.]+ vs [\d.]+ ms\) "
                         r"at 512 rows", info.glue), info.glue
     assert info.quantization == "none"
+    # Weights and KV cache in huge-page arenas (services/common/arena.py), with what the kernel granted.
+    assert re.fullmatch(r"weights: one arena of \d+ MiB, \d+ MiB in 2 MiB pages \(transparent_hugepage=\w+\); "
+                        r"KV cache: one arena of \d+ MiB, 2 MiB pages as it is first written "
+                        r"\(transparent_hugepage=\w+\)", info.memory_pages), info.memory_pages
 
 
 def test_stream_order_text_and_usage(stub, decoder_server):
