@@ -57,8 +57,14 @@ class Arena:
         # One huge page more than needed, to start at the first 2 MiB boundary inside: then every whole
         # 2 MiB of the arena can be one page.
         self.map = mmap.mmap(-1, self.size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            self.map.madvise(mmap.MADV_HUGEPAGE)
+        # Why there are no huge pages to ask for, if there are none: a kernel built without THP refuses
+        # the advice (EINVAL), and the arena is then plain memory that still works.
+        self.refused = "" if hasattr(mmap, "MADV_HUGEPAGE") else "no MADV_HUGEPAGE on this platform"
+        if not self.refused:
+            try:
+                self.map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError as exc:
+                self.refused = f"madvise(MADV_HUGEPAGE) refused: {exc.strerror}"
         raw = torch.frombuffer(self.map, dtype=torch.uint8)
         start = -raw.data_ptr() % HUGE
         self.address = raw.data_ptr() + start
@@ -84,8 +90,9 @@ class Arena:
     def summary(self, written: bool = True) -> str:
         """What the log says: the size and, once written, how much of it the kernel gave huge pages."""
         huge = self.huge_bytes()
-        got = ("2 MiB pages as it is first written" if not written else "huge pages unreadable" if huge is None
-               else f"{huge / (1 << 20):.0f} MiB in 2 MiB pages")
+        got = (f"4 KiB pages ({self.refused})" if self.refused else
+               "2 MiB pages as it is first written" if not written else
+               "huge pages unreadable" if huge is None else f"{huge / (1 << 20):.0f} MiB in 2 MiB pages")
         return f"one arena of {self.size / (1 << 20):.0f} MiB, {got} (transparent_hugepage={thp_setting()})"
 
 

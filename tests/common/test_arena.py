@@ -2,6 +2,9 @@
 torch when TESSERA_HUGE_PAGES=off."""
 from __future__ import annotations
 
+import errno
+import mmap
+
 import pytest
 import torch
 
@@ -38,6 +41,20 @@ def test_a_large_arena_gets_huge_pages(monkeypatch):
     held, (t,), summary = arena.place([torch.ones(4 << 20)])      # 16 MiB of fp32
     assert held.huge_bytes() >= 8 << 20, summary
     assert "MiB in 2 MiB pages (" in summary
+
+
+def test_a_kernel_without_huge_pages_still_gets_an_arena(monkeypatch):
+    """madvise(MADV_HUGEPAGE) fails with EINVAL on a kernel built without THP: plain pages, said so."""
+    monkeypatch.delenv(arena.ENV, raising=False)
+
+    class NoAdvice(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(errno.EINVAL, "Invalid argument")
+    monkeypatch.setattr(arena.mmap, "mmap", NoAdvice)
+    t = torch.arange(10.0)
+    held, (placed,), summary = arena.place([t])
+    assert torch.equal(placed, t) and held.refused
+    assert "4 KiB pages (madvise(MADV_HUGEPAGE) refused: Invalid argument)" in summary
 
 
 def test_off_leaves_torch_allocations(monkeypatch):
