@@ -105,10 +105,11 @@ def thp_setting() -> str:
     return next((w[1:-1] for w in words if w.startswith("[")), "unknown")
 
 
-def _refused(tensors_on: Sequence[torch.device]) -> str:
+def _refused(devices: Sequence[torch.device]) -> str:
+    """Why tensors on these devices stay in torch's allocations, or "" when they go to an arena."""
     if not enabled():
         return f"torch's allocations ({ENV}=off)"
-    if any(d.type != "cpu" for d in tensors_on):
+    if any(d.type != "cpu" for d in devices):
         return "torch's allocations (not on CPU)"
     return ""
 
