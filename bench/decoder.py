@@ -201,7 +201,8 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         ours = Tessera(dtype)
         print(f"{dtype}: linear path {ours.runner.linear_backend}; attention {ours.runner.attention_backend}; "
-              f"quantization {ours.runner.quantization}; memory {ours.runner.memory_pages}")
+              f"quantization {ours.runner.quantization}; memory {ours.runner.memory_pages}; "
+              f"argmax screen {ours.runner.argmax_screen}")
         reference = dtype in DTYPES        # transformers and vLLM run this variant too
         if "a" in parts or peers:
             vllm_here = "vllm" in peers and reference

@@ -14,6 +14,11 @@ import pytest
 # Nothing may reach a model hub; tests build tiny checkpoints locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Greedy steps of fp32 models take their tokens through the argmax screen (services/decoder/model/screen.py)
+# in every test, whatever the load-time timing would pick on the tiny models, so that each greedy parity
+# test against transformers, peft and vLLM checks it; tests/decoder/model/test_screen.py covers "off"
+# and the timing.
+os.environ.setdefault("TESSERA_ARGMAX_SCREEN", "on")
 # Without a GPU, Triton kernels run under the interpreter; this must be set before
 # any kernel module is imported (decoration reads it). CI machines have no GPU.
 if not os.path.exists("/dev/nvidia0"):

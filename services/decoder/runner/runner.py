@@ -1,11 +1,13 @@
 """The model runner: StepInput in, StepOutput out.
 
 One forward pass per step over every scheduled token (all requests, prefill and decode
-rows alike), the LM head only over the rows that are sampled, then the sampler.
+rows alike), the LM head only over the rows that are sampled, then the sampler; or, for a step
+whose rows are all plain greedy, the argmax screen in place of the fp32 head (model/screen.py).
 """
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +21,7 @@ from services.decoder.model.decoder import CausalLM
 from services.decoder.model.glue import choose as choose_glue
 from services.decoder.model.linear import choose_gemv, pack_linears, quantize_linears
 from services.decoder.model.loader import load_model
+from services.decoder.model.screen import build as build_screen
 from services.decoder.runner.attention import TORCH as TORCH_ATTENTION
 from services.decoder.runner.attention import PagedAttention, Workspace, choose_decode_backend
 from services.decoder.runner.batch import StepBatch
@@ -69,6 +72,11 @@ class Runner:
         self.fused_decode, self.decode_stack = FusedDecode.build(model, self.cache, self.attention_backend,
                                                                  linear_path_mode(linear_path) == "auto")
         self.sampler = Sampler(seed)
+        # Greedy rows of an fp32 head: their argmax through a bf16 screen of it, where that was faster
+        # at load; one line for the log and GetModelInfo, e.g. "bf16 rows<=64 (timed ...)".
+        self.screen, self.argmax_screen = build_screen(
+            model.lm_head, model.logits, math.sqrt(cfg.hidden_size) * float(model.model.norm.weight.abs().mean()))
+        log.info("argmax screen: %s", self.argmax_screen)
         # How constrained rows get their grammar masks applied, chosen by timing at the real width.
         self.grammar_mask_path = self.sampler.grammars.choose(cfg.vocab_size, self.device)
         # The adapter bank installed on self.model, if any (attach_lora); chunks whose
@@ -104,6 +112,12 @@ class Runner:
     def logits(self, step: StepInput) -> tuple[torch.Tensor, StepBatch]:
         """Run the step; fp32 logits [R, vocab] of the sampled rows: per sampled chunk (batch.sampled
         order) its last known token's row and one row per draft."""
+        hidden, batch = self.hidden(step)
+        return self.model.logits(hidden), batch
+
+    @torch.inference_mode()
+    def hidden(self, step: StepInput) -> tuple[torch.Tensor, StepBatch]:
+        """Run the step; the final hidden states [R, hidden] of the rows logits() would return."""
         batch = StepBatch.build(step, self.block_size, self.device, self.config.mrope_sections)
         if int(batch.input_ids.max()) >= self.vocab_size or int(batch.input_ids.min()) < 0:
             raise InvalidArgument(f"token ids must be in [0, {self.vocab_size})", param="prompt")
@@ -121,13 +135,20 @@ class Runner:
         else:
             with scope:
                 hidden = self.model(embeds, batch.positions, PagedAttention(self.cache, batch.plan, self.workspace))
-        return self.model.logits(hidden.index_select(0, batch.sample_rows)), batch
+        return hidden.index_select(0, batch.sample_rows), batch
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         """One engine step: write KV for every chunk, sample one token per chunk with sample=True
         (after the drafts it accepted, if it had any)."""
-        logits, batch = self.logits(step)
-        runs = self.sampler.run(logits, batch.sampled)
+        hidden, batch = self.hidden(step)
+        runs = None
+        if self.screen is not None and 0 < hidden.shape[0] <= self.screen.max_rows \
+                and self.sampler.plain_greedy(batch.sampled):
+            tokens = self.screen.argmax(hidden)
+            if tokens is not None:
+                runs = self.sampler.greedy_runs(tokens.tolist(), batch.sampled)
+        if runs is None:
+            runs = self.sampler.run(self.model.logits(hidden), batch.sampled)
         return StepOutput({c.request_id: run[-1] for c, run in zip(batch.sampled, runs, strict=True)},
                           {c.request_id: run[:-1] for c, run in zip(batch.sampled, runs, strict=True) if len(run) > 1})

@@ -57,7 +57,7 @@ import torch
 from services.common.errors import InvalidArgument
 from services.decoder.engine.step import SampledToken, SamplingParams, ScheduledChunk
 from services.decoder.grammar.mask import GrammarMasks
-from services.decoder.grammar.state import clear_bits
+from services.decoder.grammar.state import FEATURE, clear_bits
 
 _MASK64 = (1 << 64) - 1
 
@@ -284,6 +284,34 @@ class Sampler:
                     going.append(i)
             alive = going
             position += 1
+        return runs
+
+    @staticmethod
+    def plain_greedy(chunks: list[ScheduledChunk]) -> bool:
+        """Whether every chunk takes the argmax of its raw logits and nothing else of them: temperature 0,
+        no logprobs, no grammar, none of steps 1-4. Such a step needs only each row's argmax, which the
+        runner may get without the full logits (model/screen.py)."""
+        return all(c.sampling.temperature == 0 and c.sampling.logprobs is None and c.features.get(FEATURE) is None
+                   and not _modifies(c) for c in chunks)
+
+    @staticmethod
+    def greedy_runs(tokens: list[int], chunks: list[ScheduledChunk]) -> list[list[SampledToken]]:
+        """`run` for a plain_greedy step from each row's argmax (tokens, one per row as in run's logits):
+        a chunk's drafts are accepted while each is its row's argmax, then the next argmax is emitted."""
+        for c in chunks:
+            check_sampling(c.sampling)
+        positions = sum(len(c.draft_token_ids) + 1 for c in chunks)
+        if positions != len(tokens):
+            raise ValueError(f"{len(tokens)} argmax rows for {positions} sampled positions")
+        runs, row = [], 0
+        for c in chunks:
+            run = [SampledToken(tokens[row])]
+            for j, draft in enumerate(c.draft_token_ids):
+                if run[-1].token_id != draft:
+                    break
+                run.append(SampledToken(tokens[row + j + 1]))
+            runs.append(run)
+            row += len(c.draft_token_ids) + 1
         return runs
 
     def _draw(self, row: torch.Tensor, c: ScheduledChunk) -> int:

@@ -284,6 +284,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             lora_backend=st.adapters.bank.backend if st.adapters else "", linear_backend=st.runner.linear_backend,
             attention_backend=st.runner.attention_backend, grammar_mask_backend=st.runner.grammar_mask_path,
             decode_stack=st.runner.decode_stack, glue=st.runner.glue, memory_pages=st.runner.memory_pages,
+            argmax_screen=st.runner.argmax_screen,
             speculative=st.engine_config.speculative.to_json() if st.engine_config.speculative else "",
             tool_call_parser=self.cfg.tool_call_parser, quantization=st.runner.quantization,
             max_loras=self.cfg.max_loras if st.adapters else 0, max_lora_rank=self.cfg.max_lora_rank,

@@ -158,3 +158,39 @@ def test_weights_and_cache_live_in_arenas(folders, quantization):
     assert all(inside(t, runner.cache.arena) for t in runner.cache.k + runner.cache.v)
     assert runner.memory_pages.startswith("weights: one arena of ")
     assert "; KV cache: one arena of " in runner.memory_pages
+
+
+def test_greedy_steps_through_the_argmax_screen_equal_the_full_head(folders, monkeypatch):
+    """The same mixed steps on a runner with the screen (tests run it "on") and one without: the same
+    tokens; a step with a row that wants logprobs takes the full head."""
+    from services.decoder.engine.step import SamplingParams
+    from services.decoder.model import screen as screen_mod
+    folder = folders["qwen2_gqa2_odd_tied"]
+    monkeypatch.setenv(screen_mod.ENV, "on")
+    screened = Runner.from_folder(folder, "fp32", block_size=BLOCK, num_blocks=200)
+    monkeypatch.setenv(screen_mod.ENV, "off")
+    full = Runner.from_folder(folder, "fp32", block_size=BLOCK, num_blocks=200)
+    assert screened.screen is not None and full.screen is None
+    assert full.argmax_screen == "off (TESSERA_ARGMAX_SCREEN=off)"
+    calls = []
+    real_argmax = screened.screen.argmax
+    screened.screen.argmax = lambda h: calls.append(h.shape[0]) or real_argmax(h)
+    tokens = {}
+    for runner in (screened, full):
+        alloc = BlockAllocator(200, seed=3)
+        seqs = [Seq(str(i), prompt(n, i)) for i, n in enumerate([3, 11, 17, 1])]
+        got = {s.rid: [] for s in seqs}
+        for _ in range(8):
+            out = runner.execute(StepInput([s.chunk(5, alloc, BLOCK) for s in seqs]))
+            for s in seqs:
+                if s.rid in out.sampled:
+                    s.tokens.append(out.sampled[s.rid].token_id)
+                    got[s.rid].append(out.sampled[s.rid].token_id)
+        tokens[runner is screened] = got
+    assert tokens[True] == tokens[False] and all(len(t) >= 5 for t in tokens[True].values())
+    assert calls and max(calls) == 4
+    calls.clear()
+    alloc = BlockAllocator(200)
+    wants = Seq("p", prompt(6, 9), sampling=SamplingParams(temperature=0.0, max_tokens=4, logprobs=2))
+    out = screened.execute(StepInput([wants.chunk(6, alloc, BLOCK), Seq("q", prompt(4, 8)).chunk(4, alloc, BLOCK)]))
+    assert calls == [] and out.sampled["p"].logprob is not None

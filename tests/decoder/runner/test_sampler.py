@@ -2,6 +2,8 @@
 (logit_bias, min_p, repetition_penalty, blocked stop tokens) against transformers' logits processors."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import (
@@ -272,3 +274,32 @@ def test_invalid_extras_are_refused():
         Sampler(0)(logits, [chunk("a", SamplingParams(min_p=1.5))])
     with pytest.raises(InvalidArgument, match="repetition_penalty"):
         Sampler(0)(logits, [chunk("a", SamplingParams(repetition_penalty=0.0))])
+
+
+def test_greedy_runs_match_run_over_the_full_logits_with_drafts():
+    """What the runner does with the screen's argmax equals Sampler.run on the logits themselves."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    logits = logits_rows(9, seed=11)
+    best = logits.max(dim=1).indices.tolist()
+    chunks = [ScheduledChunk("a", [1], 0, [0], True, greedy),                                   # no drafts: row 0
+              replace(chunk("b", greedy), draft_token_ids=[best[1], best[2], (best[3] + 1) % V]),  # rows 1-4
+              replace(chunk("c", greedy), draft_token_ids=[(best[5] + 1) % V, best[6]]),           # rows 5-7
+              replace(chunk("d", greedy), draft_token_ids=[])]                                    # row 8
+    want = Sampler(0).run(logits.clone(), chunks)
+    got = Sampler.greedy_runs(best, chunks)
+    assert [[t.token_id for t in r] for r in got] == [[t.token_id for t in r] for r in want]
+    assert [len(r) for r in got] == [1, 3, 1, 1]
+    with pytest.raises(ValueError, match="argmax rows"):
+        Sampler.greedy_runs(best[:-1], chunks)
+
+
+def test_plain_greedy_is_only_temperature_zero_without_anything_else():
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    assert Sampler.plain_greedy([chunk("a", greedy), chunk("b", greedy)])
+    for other in (chunk("t", SamplingParams(temperature=0.5, max_tokens=8)),
+                  chunk("l", SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)),
+                  chunk("b", SamplingParams(temperature=0.0, max_tokens=8, logit_bias={3: 1.0})),
+                  chunk("r", SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.2)),
+                  chunk("s", greedy, blocked=(2,)),
+                  replace(chunk("g", greedy), features={"grammar": object()})):
+        assert not Sampler.plain_greedy([chunk("a", greedy), other]), other.request_id

@@ -86,6 +86,8 @@ def test_model_info(stub, tiny_chat_model):
                         rf"\(transparent_hugepage=\w+\); KV cache: one arena of \d+ MiB, "
                         rf"(2 MiB pages as it is first written|{refused}) \(transparent_hugepage=\w+\)",
                         info.memory_pages), info.memory_pages
+    # tests/conftest.py turns the greedy argmax screen on for every fp32 model (model/screen.py).
+    assert info.argmax_screen == "bf16, every row count (TESSERA_ARGMAX_SCREEN=on)", info.argmax_screen
 
 
 def test_stream_order_text_and_usage(stub, decoder_server):

@@ -1,0 +1,173 @@
+"""Greedy tokens through a bf16 screen of an fp32 LM head: the argmax of the fp32 logits, from half the bytes.
+
+Why: a greedy row needs only the argmax of its logits, but the head is the largest weight a step reads.
+SmolLM2-135M's tied fp32 head is 113 MB of the 538 MB a batch-1 step streams from memory, and 3.6 of the
+17 GFLOP of a 64-row step. Its bf16 copy is half of either.
+
+How, for sampled rows h [M, H] (fp32) and the head W [V, H] (fp32, no bias), L = h @ W^T the fp32
+logits the full head computes (in any order of summation):
+  1. scores s = h @ Wb^T with Wb = bf16(W), fp32 sums: the few-row kernel (gemv_cpu) over fp32 h up to
+     gemv_cpu.MAX_ROWS rows, the panel kernel (tile_gemm_cpu) over bf16(h) above, else F.linear.
+  2. |s[r, i] - L[r, i]| <= radius[r] * norms[i], with norms[i] = ||W_i||_2 and radius[r] = C ||h_r||_2:
+     per term, |h_k W_ik - h'_k Wb_ik| <= e |h_k W_ik| with e = u (h kept fp32) or 2u + u^2 (h rounded
+     to bf16), u = 2^-8 the bf16 unit roundoff; each fp32 sum of K terms errs by at most
+     gamma_K = K 2^-24 / (1 - K 2^-24) of sum |terms|, whatever its order; Cauchy-Schwarz bounds
+     sum_k |h_k W_ik| by ||h|| ||W_i||. C = 1.25 (e + 2 gamma_(K+1) (1 + u)^2): the quarter of margin
+     covers the fp32 rounding of the radius, the norms and the bound sums (each under 2^-22 ||h|| ||W_i||).
+  3. The argmax i* of L has s[i*] + radius n[i*] >= L[i*] >= L[j] >= s[j] - radius n[j] for every j, so
+     it is among the candidates screen_cpu.candidates returns. Their fp32 logits are computed from W's
+     rows (F.linear over the gathered rows) and the largest wins, the first in vocabulary order on a tie,
+     as torch's max over the full row does.
+The token equals the full head's argmax except where two fp32 logits lie within the rounding of their
+summation order of each other, where the head's own matmul paths (chosen per machine) may differ too.
+Rows that are not finite are left to the full head (the screen returns None).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from services.common import arena, native
+from services.decoder.kernels import gemv_cpu, screen_cpu, tile_gemm_cpu
+
+log = logging.getLogger("tessera.decoder.screen")
+
+ENV = "TESSERA_ARGMAX_SCREEN"          # auto (timed at load) | on | off
+BF16_UNIT = 2.0 ** -8
+TIMING_ROWS = (1, 4, 16, 64)
+TIMING_PASSES = 5
+SCREEN_TIE = 0.05                      # the screen must be this much faster at a row count to be used
+
+
+def error_scale(k: int, rounded_rows: bool, rounded_scores: bool = False) -> float:
+    """C of the module docstring for dot products of length k; rounded_rows: h is rounded to bf16 too;
+    rounded_scores: the scores are rounded to bf16 as well (|s| <= (1 + e) ||h|| ||W_i||)."""
+    u = BF16_UNIT
+    gamma = (k + 1) * 2.0 ** -24 / (1 - (k + 1) * 2.0 ** -24)
+    e = (2 * u + u * u if rounded_rows else u) + 2 * gamma * (1 + u) ** 2
+    if rounded_scores:
+        e += u * (1 + e)
+    return 1.25 * e
+
+
+class ArgmaxScreen:
+    """The bf16 copy of an fp32 head [V, H], its row norms [V], and the rows it runs for (`max_rows`)."""
+
+    def __init__(self, weight: torch.Tensor):
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError("the argmax screen is for an fp32 head on CPU")
+        self.weight = weight
+        low = weight.to(torch.bfloat16)
+        # Rounded up, so that a norm never understates its row.
+        norms = torch.nextafter(weight.double().norm(dim=1).float(), torch.tensor(math.inf))
+        # Both layouts of the copy, in 2 MiB pages like the weights: the few-row kernel reads the rows,
+        # the panel kernel the 64-column panels.
+        tensors = [low, norms] + ([tile_gemm_cpu.pack(low)] if _tiles(low) else [])
+        self.arena, placed, self.pages = arena.place(tensors)
+        self.low, self.norms = placed[:2]
+        self.panels = placed[2] if len(placed) > 2 else None
+        k = weight.shape[1]
+        self.scale_exact, self.scale_rounded = error_scale(k, False), error_scale(k, True)
+        self.scale_library = error_scale(k, True, rounded_scores=True)
+        self.max_rows = 0
+
+    def scores(self, h: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """h [M, H] fp32 -> (fp32 scores [M, V] of the bf16 head, C for them)."""
+        if h.shape[0] <= gemv_cpu.MAX_ROWS and _gemv():
+            return gemv_cpu.gemv(h, self.low), self.scale_exact
+        if self.panels is not None:
+            return tile_gemm_cpu.tile_gemm(h.to(torch.bfloat16), self.panels), self.scale_rounded
+        # The library's bf16 matmul sums in fp32 but returns bf16: one more rounding of each score.
+        return F.linear(h.to(torch.bfloat16), self.low).float(), self.scale_library
+
+    def argmax(self, h: torch.Tensor) -> torch.Tensor | None:
+        """h [M, H] fp32 -> int64 [M], the argmax of h @ W^T per row; None when a row is not finite."""
+        if not bool(torch.isfinite(h).all()):
+            return None
+        s, scale = self.scores(h)
+        radius = (h.double().norm(dim=1) * scale).float()
+        radius = torch.nextafter(radius, torch.tensor(math.inf))
+        pairs = screen_cpu.candidates(s, radius, self.norms)
+        union, column = torch.unique(pairs[:, 1], return_inverse=True)
+        exact = torch.full((h.shape[0], union.numel()), -math.inf)
+        exact[pairs[:, 0], column] = F.linear(h, self.weight.index_select(0, union))[pairs[:, 0], column]
+        return union[exact.max(dim=1).indices]
+
+
+def _gemv() -> bool:
+    try:
+        gemv_cpu.load()
+        return True
+    except native.BuildError:
+        return False
+
+
+def _tiles(low: torch.Tensor) -> bool:
+    return tile_gemm_cpu.available(torch.bfloat16) and tile_gemm_cpu.fits(low)
+
+
+def mode() -> str:
+    value = os.environ.get(ENV, "auto").strip().lower()
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"{ENV} must be auto, on or off; got {value!r}")
+    return value
+
+
+def build(head: torch.nn.Module, head_fn, hidden_norm: float) -> tuple[ArgmaxScreen | None, str]:
+    """(the screen or None, a one-line summary for the log and GetModelInfo.argmax_screen). head_fn(h)
+    -> fp32 logits is the full head it replaces for greedy rows; hidden_norm, the typical norm of a final
+    hidden state (for timing). auto keeps the screen for the row counts up to where it beat head_fn at
+    every timed count."""
+    want = mode()
+    weight = head.weight
+    if want == "off":
+        return None, f"off ({ENV}=off)"
+    if getattr(head, "qweight", None) is not None or weight.dtype != torch.float32 or weight.device.type != "cpu" \
+            or head.bias is not None:
+        return None, "off (only for an fp32 head without bias on CPU)"
+    try:
+        screen_cpu.load()
+    except native.BuildError as e:
+        log.warning("argmax screen unavailable, greedy rows use the full head: %s", e)
+        return None, f"off (unavailable: {str(e).splitlines()[0]})"
+    screen = ArgmaxScreen(weight)
+    if want == "on":
+        screen.max_rows = 1 << 30
+        return screen, f"bf16, every row count ({ENV}=on)"
+    timed = []
+    for rows in TIMING_ROWS:
+        full, screened = time_rows(screen, head_fn, rows, hidden_norm)
+        timed.append(f"{rows} row{'s' * (rows > 1)} {1e3 * full:.2f} vs {1e3 * screened:.2f} ms")
+        if screened > full * (1 - SCREEN_TIE):
+            break
+        screen.max_rows = rows
+    summary = "; ".join(timed)
+    if not screen.max_rows:
+        return None, f"off (timed full head vs screen: {summary})"
+    return screen, f"bf16 rows<={screen.max_rows} (timed full head vs screen: {summary})"
+
+
+@torch.inference_mode()
+def time_rows(screen: ArgmaxScreen, head_fn, rows: int, hidden_norm: float) -> tuple[float, float]:
+    """(full head + argmax s, screen s) at `rows` rows, median of TIMING_PASSES. Each row is a hidden
+    state that predicts one token clearly (a head row scaled to hidden_norm), as a trained model's rows
+    do; random rows would give flat logits and far more candidates than real decoding."""
+    w = screen.weight
+    picks = torch.randint(0, w.shape[0], (rows,), generator=torch.Generator().manual_seed(rows))
+    h = w.index_select(0, picks)
+    h = (h * (hidden_norm / h.norm(dim=1, keepdim=True))).contiguous()
+    full, screened = [], []
+    for _ in range(TIMING_PASSES):
+        t0 = time.perf_counter()
+        head_fn(h).max(dim=1)
+        t1 = time.perf_counter()
+        screen.argmax(h)
+        t2 = time.perf_counter()
+        full.append(t1 - t0)
+        screened.append(t2 - t1)
+    return sorted(full)[TIMING_PASSES // 2], sorted(screened)[TIMING_PASSES // 2]
