@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         gen = torch.Generator().manual_seed(7)
         prompts = torch.randint(4, 150, (len(rows), 9), generator=gen)
 
-        def logits(names):
+        def logits(names, runner=runner, registry=registry, prompts=prompts):
             seqs = [Seq(str(i), prompts[i].tolist(),
                         features={} if n is None else {"lora_slot": registry.status(n).slot})
                     for i, n in enumerate(names)]

@@ -22,7 +22,8 @@ def head_weight(seed: int = 0) -> torch.Tensor:
     """Rows of norms 0.1 to 10 (the bound is per row), and 600 pairs of rows 1e-3 apart (near-ties)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(V, H, generator=g) * torch.logspace(-1, 1, V)[torch.randperm(V, generator=g)][:, None] / 24
-    w[1::5][:600] = w[0::5][:600] + 1e-3 * torch.randn(600, H, generator=g) * w[0::5][:600].norm(dim=1, keepdim=True) / 24
+    base = w[0::5][:600]
+    w[1::5][:600] = base + 1e-3 * torch.randn(600, H, generator=g) * base.norm(dim=1, keepdim=True) / 24
     return w.contiguous()
 
 
