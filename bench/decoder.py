@@ -164,6 +164,15 @@ def decode_bytes(runner: Runner) -> int:
     return total
 
 
+def screened_bytes(runner: Runner) -> int | None:
+    """Bytes a greedy batch-1 step of this runner reads when the argmax screen runs (model/screen.py): the
+    head's bf16 copy in place of the fp32 head; None without the screen."""
+    if runner.screen is None:
+        return None
+    head, low = runner.model.lm_head.weight, runner.screen.low
+    return decode_bytes(runner) - head.numel() * head.element_size() + low.numel() * low.element_size()
+
+
 def run_vllm(dtype: str, batch: list[list[int]], max_tokens: int, threads: int) -> dict:
     return run_vllm_peer("vllm_decoder.py", ["--dtype", dtype, "--max-tokens", str(max_tokens)], batch, threads)
 
@@ -263,6 +272,10 @@ def main() -> None:
             b1_bound = bandwidth / weights
             print(f"(b) {dtype} batch-1 memory bound: read {bandwidth / 1e9:.1f} GB/s / {weights / 1e6:.0f} MB a "
                   f"step -> {b1_bound:.1f} tok/s; tessera at {ours_b1 / b1_bound:.2f} of it")
+            screened = screened_bytes(ours.runner)
+            if screened is not None:
+                print(f"(b) {dtype} tessera's greedy steps read {screened / 1e6:.0f} MB with the argmax screen "
+                      f"(bf16 head copy): its own bound {bandwidth / screened:.1f} tok/s")
             if reference:
                 ref = Transformers(dtype)
                 _, r1 = ref.generate(one, 1)
