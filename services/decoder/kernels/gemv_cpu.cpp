@@ -37,6 +37,14 @@ inline float widen(at::BFloat16 v) {
 constexpr int64_t NB = 4;        // weight rows reduced together
 constexpr int64_t MAX_ROWS = 4;  // rows of x per call (gemv_cpu.MAX_ROWS)
 
+// Whether one bf16 row of x runs rows_dp<4> (on) or row1_dp: timed per machine at load
+// (model/linear.py, choose_interleave), since the interleave that gains from memory with one row of x
+// lost with two. One flag per loaded module: gemv_cpu and decode_stack_cpu each hold a copy.
+inline bool& interleave() {
+  static bool on = true;
+  return on;
+}
+
 // f(std::integral_constant<int, M>) for the call's row count M in [1, MAX_ROWS]: each kernel is a
 // template on M, so its rows' accumulators are registers.
 template <typename F>
@@ -200,7 +208,7 @@ template <int M>
 void run_dp(const at::BFloat16* x, const at::BFloat16* w, const float* bias, float* y, int64_t N, int64_t K) {
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
-    if constexpr (M == 1) {
+    if (M == 1 && interleave()) {
       for (; n + 4 <= n1; n += 4) rows_dp<4>(x, w + n * K, K, n, y);
       for (; n < n1; ++n) rows_dp<1>(x, w + n * K, K, n, y);
     }
@@ -498,5 +506,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "few-row matmul over fp32/bf16 weights (fp32 math) or int8 ones (x in int8 blocks)",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("set_interleave", [](bool on) { interleave() = on; }, "one bf16 row of x: rows_dp<4> (true) or row1_dp",
+        py::arg("on"));
 }
 #endif
