@@ -68,7 +68,7 @@ class ArgmaxScreen:
         # Both layouts of the copy, in 2 MiB pages like the weights: the few-row kernel reads the rows,
         # the panel kernel the 64-column panels.
         tensors = [low, norms] + ([tile_gemm_cpu.pack(low)] if _tiles(low) else [])
-        self.arena, placed, self.pages = arena.place(tensors)
+        self.arena, placed, _ = arena.place(tensors)
         self.low, self.norms = placed[:2]
         self.panels = placed[2] if len(placed) > 2 else None
         k = weight.shape[1]
