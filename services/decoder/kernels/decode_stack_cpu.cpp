@@ -360,8 +360,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<int64_t>, std::vector<bool>, int64_t, c10::optional<at::Tensor>>(),
            pybind11::arg("weight"), pybind11::arg("scale"), pybind11::arg("bias"), pybind11::arg("packed"),
            pybind11::arg("starts"), pybind11::arg("flags"), pybind11::arg("gemv_rows"), pybind11::arg("tiles"));
-  m.def("set_interleave", [](bool on) { tessera_gemv::interleave() = on; },
-        "this module's copy of gemv_cpu's flag: one bf16 row of x through rows_dp<4> or row1_dp", pybind11::arg("on"));
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor>(),
            pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("hidden"),

@@ -37,14 +37,6 @@ inline float widen(at::BFloat16 v) {
 constexpr int64_t NB = 4;        // weight rows reduced together
 constexpr int64_t MAX_ROWS = 4;  // rows of x per call (gemv_cpu.MAX_ROWS)
 
-// Whether one bf16 row of x runs rows_dp<4> (on) or row1_dp: timed per machine at load
-// (model/linear.py, choose_interleave), since the interleave that gains from memory with one row of x
-// lost with two. One flag per loaded module: gemv_cpu and decode_stack_cpu each hold a copy.
-inline bool& interleave() {
-  static bool on = true;
-  return on;
-}
-
 // f(std::integral_constant<int, M>) for the call's row count M in [1, MAX_ROWS]: each kernel is a
 // template on M, so its rows' accumulators are registers.
 template <typename F>
@@ -178,12 +170,14 @@ inline void row1_dp(const at::BFloat16* x, const at::BFloat16* wn, int64_t K, in
 }
 
 // One row of x against R weight rows at a time, two accumulators each: with R = 4, eight independent
-// chains, and the four horizontal sums overlap. On a 2-core AMD EPYC Zen 5 it read a 3072 x 576 weight
-// at 169-176 GB/s from cache (row1_dp: 142) and a chain of them at 50-52 GB/s from memory (43-45); a
-// bf16 batch-1 decode stack took 4.5-4.6 ms against 5.1-5.4. With 2 or 4 rows of x the same interleave
-// was faster from cache but 17-30 % slower from memory, so those keep row1_dp. A weight row's sums are
-// the same with R = 1 (the rows left over where the threads split the weight), so they do not depend
-// on the thread count.
+// chains, and the four horizontal sums overlap. On a 2-core AMD EPYC Zen 5, over a 3072 x 576 weight: from
+// cache 165 GB/s against row1_dp's 157 in the same build; a chain of them from memory 48.9 against 47.8
+// GB/s. (This build streamed 12-37 % faster than the build before rows_dp existed, alternating in one
+// process, 47-65 against 42-48 GB/s, and so did its row1_dp: most of that step is the compiler's
+// placement of the loops, not the interleave.)
+// With 2 or 4 rows of x the interleave was faster from cache but 17-30 % slower from memory, so those keep
+// row1_dp. A weight row's sums are the same with R = 1 (the rows left over where the threads split the
+// weight), so they do not depend on the thread count.
 template <int R>
 inline void rows_dp(const at::BFloat16* x, const at::BFloat16* wn, int64_t K, int64_t n, float* acc) {
   __m512 a[R][2] = {};
@@ -208,7 +202,7 @@ template <int M>
 void run_dp(const at::BFloat16* x, const at::BFloat16* w, const float* bias, float* y, int64_t N, int64_t K) {
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
-    if (M == 1 && interleave()) {
+    if constexpr (M == 1) {
       for (; n + 4 <= n1; n += 4) rows_dp<4>(x, w + n * K, K, n, y);
       for (; n < n1; ++n) rows_dp<1>(x, w + n * K, K, n, y);
     }
@@ -506,7 +500,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "few-row matmul over fp32/bf16 weights (fp32 math) or int8 ones (x in int8 blocks)",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("set_interleave", [](bool on) { interleave() = on; }, "one bf16 row of x: rows_dp<4> (true) or row1_dp",
-        py::arg("on"));
 }
 #endif

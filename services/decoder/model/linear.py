@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common import linear_path, native
-from services.decoder.kernels import decode_stack_cpu, gemv_cpu
+from services.decoder.kernels import gemv_cpu
 from services.decoder.model import quantization
 
 log = logging.getLogger("tessera.linear")
@@ -201,46 +201,4 @@ def choose_gemv(model: nn.Module, timer: GemvTimer | None = None) -> str:
         log.debug("gemv %dx%d: %s", out, inp, " ".join(f"{r}:{o * 1e6:.0f}/{k * 1e6:.0f}"
                                                         for r, (o, k) in best.items()))
     body = "; ".join(f"rows<={r} on {','.join(shapes)}" for r, shapes in sorted(chosen.items(), reverse=True) if r)
-    if not body:
-        return "gemv: none (the library path was as fast at every shape)"
-    return f"gemv {body}{choose_interleave([m for m in linears if m.gemv_rows and m.qweight is None])}"
-
-
-# (on) -> seconds for one pass at one bf16 row over the given modules with gemv_cpu's interleave set so.
-InterleaveTimer = Callable[[bool], float]
-
-
-def set_interleave(on: bool) -> None:
-    """gemv_cpu's one-row bf16 loop (rows_dp<4> or row1_dp) in both modules that hold a copy of it."""
-    gemv_cpu.load().set_interleave(on)
-    try:
-        decode_stack_cpu.load().set_interleave(on)
-    except native.BuildError:
-        pass            # no decode stack here: only gemv_cpu runs the loop
-
-
-def choose_interleave(linears: list[Linear], timer: InterleaveTimer | None = None) -> str:
-    """For bf16 weights on gemv_cpu at one row: keep its four-row interleave only where it was GEMV_TIE
-    faster over one pass of every such weight (fastest of GEMV_PASSES each way); "" without any."""
-    group = [m for m in linears if m.weight.dtype == torch.bfloat16]
-    if not group:
-        return ""
-
-    xs = {m.in_features: torch.randn(1, m.in_features, dtype=torch.bfloat16) for m in group}
-
-    @torch.inference_mode()
-    def one_pass(on: bool) -> float:
-        set_interleave(on)
-        t0 = time.perf_counter()
-        for m in group:
-            m.gemv(xs[m.in_features])
-        return time.perf_counter() - t0
-
-    timer = timer or one_pass
-    timer(True)                 # discarded, as in choose_gemv
-    on = off = math.inf
-    for _ in range(GEMV_PASSES):
-        on, off = min(on, timer(True)), min(off, timer(False))
-    keep = on * (1 + GEMV_TIE) < off
-    set_interleave(keep)
-    return f"; bf16 1-row interleave {'on' if keep else 'off'} ({1e3 * on:.2f} vs {1e3 * off:.2f} ms)"
+    return f"gemv {body}" if body else "gemv: none (the library path was as fast at every shape)"

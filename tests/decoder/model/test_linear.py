@@ -10,7 +10,7 @@ from torch import nn
 
 from services.common import native
 from services.decoder.kernels import gemv_cpu
-from services.decoder.model.linear import Linear, choose_gemv, choose_interleave, quantize_linears, set_interleave
+from services.decoder.model.linear import Linear, choose_gemv, quantize_linears
 from tests.tolerance import assert_close
 
 pytestmark = pytest.mark.numerics
@@ -68,23 +68,3 @@ def test_an_unavailable_kernel_is_reported_and_never_used(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="tessera.linear"):
         assert choose_gemv(model) == "gemv: unavailable (compiling gemv_cpu.cpp failed: boom)"
     assert model[0].gemv_rows == 0 and "boom" in caplog.text
-
-
-@pytest.mark.parametrize("faster,expected", [(True, "on"), (False, "off")])
-def test_the_one_row_bf16_interleave_follows_the_measurement(faster, expected):
-    """choose_interleave keeps gemv_cpu's four-row loop for one bf16 row only where the timer says it won;
-    either loop gives the reference's results within the shared bound."""
-    model = nn.Sequential(Linear(64, 96), Linear(96, 32)).to(torch.bfloat16)
-    model.append(Linear(32, 16))                         # fp32: not part of the choice
-    timer = (lambda on: 1e-3 if on else 2e-3) if faster else (lambda on: 1e-3 if on else 1.02e-3)
-    try:
-        assert choose_interleave(list(model), timer) == (
-            f"; bf16 1-row interleave {expected} ({1.0:.2f} vs {2.0 if faster else 1.02:.2f} ms)")
-        for on in (True, False):
-            set_interleave(on)
-            x = torch.randn(1, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
-            assert_close(model[0].gemv(x), gemv_cpu.gemv_ref(x, model[0].weight, None, model[0].bias),
-                         dtype=torch.bfloat16, k=64)
-    finally:
-        set_interleave(True)
-    assert choose_interleave([model[2]], timer) == ""
