@@ -74,11 +74,12 @@ class ArgmaxScreen:
         k = weight.shape[1]
         self.scale_exact, self.scale_rounded = error_scale(k, False), error_scale(k, True)
         self.scale_library = error_scale(k, True, rounded_scores=True)
+        self.few_rows = _gemv()       # whether the few-row kernel is here to score up to MAX_ROWS rows
         self.max_rows = 0
 
     def scores(self, h: torch.Tensor) -> tuple[torch.Tensor, float]:
         """h [M, H] fp32 -> (fp32 scores [M, V] of the bf16 head, C for them)."""
-        if h.shape[0] <= gemv_cpu.MAX_ROWS and _gemv():
+        if h.shape[0] <= gemv_cpu.MAX_ROWS and self.few_rows:
             return gemv_cpu.gemv(h, self.low), self.scale_exact
         if self.panels is not None:
             return tile_gemm_cpu.tile_gemm(h.to(torch.bfloat16), self.panels), self.scale_rounded
