@@ -2,14 +2,13 @@
 engine, refusals are clear INVALID_ARGUMENT errors and the service keeps serving after them."""
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 
 from services.common.errors import REASON_KEY
 from services.common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
 from services.common.tensors import to_proto
+from tests.decoder.idle import wait_idle
 from tests.decoder.multimodal.conftest import photo
 from tests.decoder.multimodal.helpers import encode_images, greedy, make_core, messages, our_prompt, run
 from tests.loops import LoopThread
@@ -64,16 +63,6 @@ def generate(stub, req):
         if msg.HasField("usage"):
             usage = msg.usage
     return tokens, usage
-
-
-def wait_idle(stub, timeout=20):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        s = stub.GetModelInfo(D.GetModelInfoRequest()).stats
-        if s.running == 0 and s.waiting == 0 and s.free_blocks == s.total_blocks:
-            return
-        time.sleep(0.05)
-    pytest.fail("engine did not return to idle")
 
 
 def test_expansion_alone_crosses_the_context_limit(vl_ckpt, images):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import re
-import time
 
 import grpc
 import pytest
@@ -11,6 +10,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.errors import REASON_KEY
 from services.common.pb import decoder_pb2, decoder_pb2_grpc
+from tests.decoder.idle import wait_idle
 
 D = decoder_pb2
 
@@ -32,20 +32,6 @@ def chat(text, **sampling):
         chat=D.ChatMessages(messages=[D.ChatMessage(role="user", content=[D.ContentPart(text=text)])],
                             add_generation_prompt=True),
         sampling=D.SamplingParams(**sampling))
-
-
-def stats(stub):
-    return stub.GetModelInfo(D.GetModelInfoRequest()).stats
-
-
-def wait_idle(stub, timeout=20):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        s = stats(stub)
-        if s.running == 0 and s.waiting == 0 and s.free_blocks == s.total_blocks:
-            return s
-        time.sleep(0.05)
-    pytest.fail(f"engine did not return to idle: {stats(stub)}")
 
 
 def test_health_and_reflection(channel):

@@ -8,7 +8,8 @@ import pytest
 from services.common import config as cfg_mod
 from services.common.pb import decoder_pb2, decoder_pb2_grpc
 from services.decoder.server.config import DecoderConfig, DecoderServerConfig
-from tests.decoder.server.test_contract import chat, wait_idle
+from tests.decoder.idle import wait_idle
+from tests.decoder.server.test_contract import chat
 from tests.loops import LoopThread
 
 D = decoder_pb2
