@@ -1,6 +1,6 @@
 """Decoder benchmark: tessera's engine vs transformers (and vLLM with --peer vllm), side by side.
 
-Workload (issue 3): SmolLM2-135M-Instruct, 64 GSM8K chat prompts, 128 new tokens
+Workload: SmolLM2-135M-Instruct, 64 GSM8K chat prompts, 128 new tokens
 each, greedy, every sequence runs to max_tokens (eos ignored) so both sides emit
 the same token count; outputs are compared token for token.
 

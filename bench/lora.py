@@ -1,6 +1,6 @@
 """LoRA benchmark: many adapters in one batch, tessera's engine vs no adapters, vs peft, vs vLLM, side by side.
 
-Workload (issue 4): SmolLM2-135M-Instruct fp32 on CPU, `--threads` threads (2); 32 GSM8K chat prompts, the
+Workload: SmolLM2-135M-Instruct fp32 on CPU, `--threads` threads (2); 32 GSM8K chat prompts, the
 rows spread round-robin over 8 random rank-16 PEFT adapters on q/k/v/o (non-zero B, saved with peft into a
 temporary folder); greedy, `--max-tokens` new tokens per row (eos ignored, so every side emits the same count).
 

@@ -1,6 +1,6 @@
 """Speculative decoding benchmark: tessera's engine with n-gram drafts vs without, side by side.
 
-Workloads (issue 12), SmolLM2-135M-Instruct, greedy, eos ignored so both sides emit the same
+Workloads: SmolLM2-135M-Instruct, greedy, eos ignored so both sides emit the same
 tokens (and the outputs are compared token for token):
   (a) batch 1, input-grounded: Lee-corpus paragraphs (gensim's packaged test data) that the
       prompt asks to be repeated with a small edit, one request at a time, 128 new tokens each;

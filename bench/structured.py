@@ -1,6 +1,6 @@
 """Structured-output benchmark: 64 json_schema chat requests vs the same 64 unconstrained, side by side.
 
-Workload (issue 11): SmolLM2-135M-Instruct, 64 chat prompts asking for a JSON profile, all submitted at once
+Workload: SmolLM2-135M-Instruct, 64 chat prompts asking for a JSON profile, all submitted at once
 to the in-process engine (core + runner, as the decoder service runs it), greedy, 2 threads.
 
   (a) throughput: the constrained run uses a json_schema grammar (a nested object with a string, an

@@ -1,6 +1,6 @@
 """Pooling math: one vector per sequence from token hidden states.
 
-Padding contributes neither vectors nor a divisor (DESIGN invariant 7): the mean
+Padding contributes neither vectors nor a divisor (docs/design.md, invariant 7): the mean
 of [h0, h1, pad] is (h0 + h1) / 2.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ The Qwen2-VL checkpoint is random, so the checks are about agreement: greedy tex
 Qwen2VLForConditionalGeneration.generate on the same checkpoint, prompt and photo; the same image twice is a
 vision feature-cache hit and a decoder prefix-cache hit; a stream equals the whole answer. Every bad input is a
 clear 4xx in OpenAI's error shape, refusals the gateway can make itself never reach the vision service, and
-every service is still up afterwards (issue 5, sections 3-5)."""
+every service is still up afterwards (docs/design.md, invariants 8 and 9)."""
 from __future__ import annotations
 
 import base64

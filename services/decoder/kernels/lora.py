@@ -2,7 +2,7 @@
 
 The adapter layer computes the base projection over all rows once, then calls
 ``lora_apply(y, x, A, B, meta)`` to add every row's own adapter correction into
-y in place (DESIGN invariant 6: slot -1 rows get exactly zero correction).
+y in place (docs/design.md, invariant 6: slot -1 rows get exactly zero correction).
 """
 from __future__ import annotations
 

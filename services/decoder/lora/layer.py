@@ -1,7 +1,7 @@
 """A projection that adds each row's own LoRA correction to the shared base output.
 
 The base projection runs once over all rows (the matmul path chosen at load on CPU); then
-`lora_apply` adds B_s (A_s x) for every row whose slot s >= 0 (DESIGN invariant 6).
+`lora_apply` adds B_s (A_s x) for every row whose slot s >= 0 (docs/design.md, invariant 6).
 The per-step grouping lives in one `LoraStep` that the bank owns, publishes into for
 each forward and shares with every layer; when no row of the step uses an adapter it
 holds no meta and this layer costs one attribute read over the plain Linear.

@@ -21,7 +21,7 @@ LORA_SLOT = "lora_slot"
 def adapter_features(name: str, digest: str) -> tuple[dict[str, str], tuple]:
     """(features, extra_keys) for a request using adapter `name` with content `digest`.
 
-    The digest, never the name or a slot, salts every block hash (DESIGN invariant 4).
+    The digest, never the name or a slot, salts every block hash (docs/design.md, invariant 4).
     """
     return {LORA_NAME: name, LORA_DIGEST: digest}, (("lora", digest),)
 

@@ -1,7 +1,7 @@
 """int8 weights (`--quantization int8`): per-output-channel symmetric int8 weights.
 
 At batch 1 a decode step reads every weight once, so the bytes read decide its time
-(issue 10: the projections and LM head are ~85% of a batch-1 step). int8 weights are a
+(the projections and LM head are ~85% of a batch-1 step). int8 weights are a
 quarter of fp32's bytes and half of bf16's. The matmul is torch's own CPU kernel,
 aten._weight_int8pack_mm: y = (x @ q^T) * scale, accumulated in fp32. Its vectorised
 path takes bf16 activations (with fp32 activations it runs scalar code, ~7x slower than

@@ -18,7 +18,7 @@ Then each request's new queries attend to its context [0, start + len):
   TESSERA_ATTENTION = auto (default: the operator when it loads, else a WARNING and the torch
   path) | cpp (the operator or an error) | torch (forces the torch path: tests, A/B benchmarks).
   Under auto, choose_decode_backend (called by the runner at load) also times both at the
-  model's shapes and keeps the faster, as for every per-machine choice (DESIGN.md).
+  model's shapes and keeps the faster, as for every per-machine choice (docs/design.md, invariant 12).
 
 Slot indices and masks are built once per step (AttentionPlan) and reused by every layer,
 and the gathers write into a reused workspace so steady-state decode allocates no new

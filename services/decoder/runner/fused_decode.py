@@ -14,7 +14,7 @@ Any other step runs the model's own layers, which stay the reference (tests comp
 included, up to 4 rows), the decode attention is the C++ operator, the matmul path is chosen by
 timing, and the operator builds. It then times one step both ways at each of TIMING_ROWS and keeps
 the largest count up to which the stack won at every one (`max_rows`, 0: never), as every
-per-machine choice (DESIGN.md). TESSERA_DECODE_STACK=off keeps it out (A/B benchmarks).
+per-machine choice (docs/design.md, invariant 12). TESSERA_DECODE_STACK=off keeps it out (A/B benchmarks).
 
 Where tile_gemm_cpu runs for the model's dtype (AVX-512; for bf16 the bf16 dot product), a second
 stack runs the projections that fit (tile_gemm_cpu.fits) through it above the few-row kernel's rows.
