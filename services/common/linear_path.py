@@ -1,6 +1,6 @@
 """The CPU matmul path per weight shape: oneDNN-packed or plain F.linear, chosen by timing.
 
-Neither path wins everywhere (issues 9, 10, 14). A weight reordered once into oneDNN's
+Neither path wins everywhere. A weight reordered once into oneDNN's
 blocked layout (torch.ops.mkldnn, the ops inductor uses for frozen CPU linears) ran ~2x
 faster than F.linear at every row count on an AMD Zen 4, but 2-3x slower at 1 row on an
 Intel Emerald Rapids (faster again at 64 rows), and on AVX2-only CPUs oneDNN cannot pack

@@ -10,7 +10,7 @@ On CPU, small (decode-shaped) steps take a padded per-slot form instead of one G
 pair per segment: the rows are gathered slot by slot into [S, L, K] (L = the most rows
 any slot has), h = bmm(x_s, A_s^T) * keep, y[rows] += bmm(h, Bt_s). Five calls per
 projection whatever the number of adapters, and each row pays for its own rank R only
-(an earlier dense form, h = x @ A_all^T masked to the row's slot, paid for all S*R
+(the dense form, h = x @ A_all^T masked to the row's slot, pays for all S*R
 columns: about twice as slow on 2 threads for 32 rows over 8 rank-16 adapters). The bank
 picks it per step when rows * S * R is small or the rows are spread evenly over the slots
 (see bank.py). Padding rows have keep 0 and base rows are never gathered, so both get
