@@ -1,0 +1,212 @@
+"""The machine's execution plan: which of its candidate paths each fast path runs, chosen once at load.
+
+Several computations have more than one implementation that computes the same function (the matmul
+path per weight shape, the few-row kernel, the glue ops, decode attention, the decode stack, the
+argmax screen, the grammar mask, the encoder attention), and which is faster depends on the CPU, the
+dtype and the shapes. Each path module declares its candidates and a way to time them; this module
+owns everything else, so that every choice is made and reported the same way:
+
+- one timer (`fastest`): each candidate called once to warm up, then REPS interleaved rounds (every
+  candidate once per round, so all see the same clocks and caches); other processes only ever add
+  time, hence
+- one statistic: the minimum over the rounds;
+- one tie rule (`beats`): a challenger replaces the path kept by default only when it is faster by
+  more than TIE; the default is the older path, so noise between two equal paths changes nothing;
+- one log line per choice (`ExecutionPlan.record`), and one structured record of all of them
+  (`ExecutionPlan.choices`), which GetModelInfo returns;
+- one override: `--fast-paths name=value,...` (`Pins`), where value is one of the path's candidates
+  or `auto` (timed, the default). Tests pin paths the same way, so what a test runs does not depend on
+  the machine's timing.
+
+This module imports no torch: the service configs parse `--fast-paths` with it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+log = logging.getLogger("tessera.plan")
+
+AUTO = "auto"
+# A challenger must be this much faster than the default path to replace it.
+TIE = 0.05
+# Interleaved rounds per measurement, after one warm-up call of each candidate.
+REPS = 5
+
+# Every fast path that can be pinned: name -> its candidates (the first is the default kept on a tie).
+# "auto" is accepted for each as well.
+PATHS: dict[str, tuple[str, ...]] = {
+    # decoder and pooling: oneDNN-packed or plain F.linear per weight shape (services/common/linear_path.py)
+    "linear": ("plain", "packed"),
+    # decoder: the few-row kernel at 1..4 rows (services/decoder/model/linear.py)
+    "gemv": ("off", "on"),
+    # decoder: RMSNorm and SiLU(gate) * up by torch's ops or the C++ row ops (services/decoder/model/glue.py)
+    "glue": ("torch", "cpp"),
+    # decoder: decode attention (services/decoder/runner/attention.py)
+    "attention": ("cpp", "torch"),
+    # decoder: every layer of a few-row decode step in one C++ call (services/decoder/runner/fused_decode.py)
+    "decode_stack": ("off", "on"),
+    # decoder: greedy rows through a bf16 screen of an fp32 head (services/decoder/model/screen.py)
+    "screen": ("off", "on"),
+    # decoder: how grammar masks are applied to the logits (services/decoder/grammar/mask.py)
+    "grammar_mask": ("unpacked", "xgrammar"),
+    # decoder and pooling: weights and KV cache in 2 MiB pages (services/common/arena.py)
+    "huge_pages": ("on", "off"),
+    # decoder and pooling: glibc keeps freed pages for the next forward (services/common/allocator.py)
+    "malloc": ("keep", "default"),
+    # pooling: encoder attention by the C++ operator or grouped SDPA (services/pooling/packed.py)
+    "encoder_attention": ("torch", "cpp"),
+}
+
+HELP = ("pin fast paths instead of timing them at load, e.g. 'linear=plain,attention=torch,screen=off'; "
+        "each is auto (timed, the default) or one of its candidates: "
+        + "; ".join(f"{name}: {'|'.join(values)}" for name, values in PATHS.items()))
+
+
+@dataclass(frozen=True)
+class Pins:
+    """What `--fast-paths` pinned: path name -> candidate; paths it does not name are auto."""
+
+    values: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str | Pins | Mapping[str, str] | None) -> Pins:
+        """'linear=plain, screen=off' (or a mapping) -> Pins; ValueError in one line names what is wrong."""
+        if isinstance(text, Pins):
+            return text
+        if text is None:
+            return cls({})
+        items = text.items() if isinstance(text, Mapping) else \
+            [part.partition("=")[::2] for part in text.split(",") if part.strip()]
+        values: dict[str, str] = {}
+        for name, value in items:
+            name, value = name.strip().lower(), value.strip().lower()
+            if name not in PATHS:
+                raise ValueError(f"--fast-paths: unknown path {name!r}; choose from {', '.join(PATHS)}")
+            if value != AUTO and value not in PATHS[name]:
+                raise ValueError(f"--fast-paths {name}={value!r}: expected auto or one of {', '.join(PATHS[name])}")
+            if name in values:
+                raise ValueError(f"--fast-paths names {name} twice")
+            if value != AUTO:
+                values[name] = value
+        return cls(values)
+
+    def get(self, name: str) -> str:
+        """The pinned candidate of path `name`, or "auto"."""
+        if name not in PATHS:
+            raise KeyError(f"no fast path {name!r}")
+        return self.values.get(name, AUTO)
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.values.items())
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One measurement: a candidate's seconds per call, at `rows` rows (0 where rows do not apply)."""
+
+    candidate: str
+    seconds: float
+    rows: int = 0
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What one fast path runs: `chosen` (a candidate, or a per-row-count rule such as "on rows<=4"),
+    the timings it was chosen from (none when pinned or not eligible), and why in words."""
+
+    name: str
+    chosen: str
+    timings: tuple[Timing, ...] = ()
+    reason: str = ""
+
+    def line(self) -> str:
+        """The log line: "screen: on rows<=16 (timed) [1 row: off 0.41 ms, on 0.20 ms; ...]"."""
+        text = f"{self.name}: {self.chosen}" + (f" ({self.reason})" if self.reason else "")
+        if self.timings:
+            by_rows: dict[int, list[str]] = {}
+            for t in self.timings:
+                by_rows.setdefault(t.rows, []).append(f"{t.candidate} {t.seconds * 1e3:.3f} ms")
+            text += " [" + "; ".join((f"{r} row{'s' * (r > 1)}: " if r else "") + ", ".join(parts)
+                                     for r, parts in by_rows.items()) + "]"
+        return text
+
+
+def fastest(calls: Mapping[str, Callable[[], object]], reps: int = REPS,
+            sync: Callable[[], object] | None = None) -> dict[str, float]:
+    """{candidate: call} -> {candidate: seconds}, the minimum over `reps` interleaved rounds after one
+    warm-up call of each. sync (e.g. torch.cuda.synchronize) runs before and after every timed call."""
+    for call in calls.values():
+        call()
+    best = dict.fromkeys(calls, math.inf)
+    for _ in range(reps):
+        for name, call in calls.items():
+            if sync is not None:
+                sync()
+            start = time.perf_counter()
+            call()
+            if sync is not None:
+                sync()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def beats(challenger: float, default: float) -> bool:
+    """The tie rule: True when a challenger's time is below the default path's by more than TIE."""
+    return challenger * (1 + TIE) < default
+
+
+def tied(a: float, b: float) -> bool:
+    """Neither of two times beats the other (see beats)."""
+    return not beats(a, b) and not beats(b, a)
+
+
+def pick(seconds: Mapping[str, float], default: str) -> str:
+    """The candidate to run: the fastest, if it beats `default` (see beats); else default."""
+    best = min(seconds, key=seconds.get)
+    return best if best != default and beats(seconds[best], seconds[default]) else default
+
+
+def path_of(choice_name: str) -> str:
+    """The pinnable path a choice belongs to: "linear 576x576" -> "linear", "glue.norm" -> "glue"."""
+    return choice_name.split(" ", 1)[0].split(".", 1)[0]
+
+
+class ExecutionPlan:
+    """The pins a process was started with and the choices made under them, in the order made."""
+
+    def __init__(self, pins: Pins | str | Mapping[str, str] | None = None):
+        self.pins = Pins.parse(pins)
+        self.choices: list[Choice] = []
+
+    def pinned(self, name: str) -> str:
+        """The candidate path `name` is pinned to, or "auto"."""
+        return self.pins.get(name)
+
+    def record(self, name: str, chosen: str, timings: tuple[Timing, ...] | list[Timing] = (),
+               reason: str = "", level: int = logging.INFO) -> Choice:
+        """Add a choice (replacing an earlier one of the same name) and log its one line."""
+        path = path_of(name)
+        if not reason and path in PATHS and self.pinned(path) != AUTO:
+            reason = f"pinned by --fast-paths {path}={self.pinned(path)}"
+        choice = Choice(name, chosen, tuple(timings), reason)
+        self.choices = [c for c in self.choices if c.name != name] + [choice]
+        log.log(level, "fast path %s", choice.line())
+        return choice
+
+    def get(self, name: str) -> Choice | None:
+        return next((c for c in self.choices if c.name == name), None)
+
+    def chosen(self, name: str) -> str:
+        """The chosen value of the choice `name`; KeyError when none was made."""
+        choice = self.get(name)
+        if choice is None:
+            raise KeyError(f"no choice {name!r} in this plan")
+        return choice.chosen
+
+    def summary(self) -> str:
+        """All choices in one line (benchmarks print it): "linear 576x576: packed; attention: cpp; ..."."""
+        return "; ".join(f"{c.name}: {c.chosen}" for c in self.choices)
