@@ -1,4 +1,4 @@
-"""The house rules on imports, read from the source: who may import whom, and no circles.
+"""The house rules on layout, read from the source, each proven able to fail on a violation built here.
 
 - The gateway talks to the services over gRPC only: it imports nothing from services/ but
   services/common.
@@ -7,10 +7,20 @@
   server and the runner, never the engine), except for the engine's contract types, which both
   sides of it share.
 - No two modules import each other, directly or through others, type-checking imports included.
+- Each service is its own: a service imports or #includes nothing of another service but
+  services/common, and no C++ source #includes a .cpp (shared code lives in headers).
+- Modules stay small enough to read in one go: under MAX_LINES lines in services/, gateway/, deploy/.
+- Comments point inside the tree: none cites a design file outside the repository, an issue
+  number or a commit; the project's own record is docs/design.md.
+
+Each rule is a function of a source root, so the same code that checks the tree checks a small tree
+with one violation written under tmp_path (the tests at the end), and a rule that could never fail
+would fail there.
 """
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,17 +42,36 @@ DECODER_ABOVE = {
 # sides use them; the engine's machinery (scheduler, core, KV manager) stays the server's alone.
 ENGINE_CONTRACT = {"services.decoder.engine.step", "services.decoder.engine.output", "services.decoder.engine.request"}
 
+CPP_SUFFIXES = {".cpp", ".h", ".hpp"}
+INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+SIZED_DIRS = ("services", "gateway", "deploy")
+MAX_LINES = 500
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+# Where comments live: every source, build and deploy file of the project, and the tests.
+CITATION_DIRS = ("services", "gateway", "deploy", "bench", "tests", "protos")
+CITATION_FILES = ("Makefile", "pyproject.toml")
+CITATION_SUFFIXES = {".py", ".cpp", ".h", ".hpp", ".proto", ".sh", ".yml", ".yaml", ".toml", ".Containerfile"}
+# A design file outside the tree, an issue or PR number, or a commit named as the reason for the code.
+# (The words are split so that this file does not cite them itself.)
+OUTSIDE = re.compile("|".join((
+    r"\bDESIGN(?:\.md|\s+invariant)",
+    r"\.\./shared/",
+    r"\b[Ii]ssues?\s+#?\d+",
+    r"(?:^|[^&\w])#\d+\b",
+    r"\bcommits?\s+[0-9a-f]{7,40}\b",
+)))
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def imports_of(path: Path, known: set[str]) -> set[str]:
+def imports_of(path: Path, known: set[str], root: Path = ROOT) -> set[str]:
     """The project modules `path` imports (every import statement, at any depth)."""
-    here = module_name(path)
+    here = module_name(path, root)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -65,21 +94,24 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
     return found
 
 
-def graph() -> dict[str, set[str]]:
-    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
-    known = {module_name(p) for p in files}
-    return {module_name(p): imports_of(p, known) for p in files}
+def graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module name -> the project modules it imports, for every .py under PACKAGES."""
+    files = [p for pkg in PACKAGES if (root / pkg).is_dir() for p in (root / pkg).rglob("*.py")]
+    known = {module_name(p, root) for p in files}
+    return {module_name(p, root): imports_of(p, known, root) for p in files}
 
 
-def test_gateway_imports_only_services_common():
-    bad = {(m, d) for m, deps in graph().items() if m.startswith("gateway")
-           for d in deps if d.startswith("services.") and not d.startswith("services.common")}
-    assert not bad, f"the gateway reaches into service code: {sorted(bad)}"
+# ---------------------------------------------------------------------------------------------- the rules
+# Each takes a source root and returns its violations, empty when the rule holds.
+
+def gateway_reaches_into_services(root: Path = ROOT) -> list[tuple[str, str]]:
+    return sorted((m, d) for m, deps in graph(root).items() if m.startswith("gateway")
+                  for d in deps if d.startswith("services.") and not d.startswith("services.common"))
 
 
-def test_decoder_dependencies_point_one_way():
+def decoder_imports_upward(root: Path = ROOT) -> list[tuple[str, str]]:
     bad = []
-    for m, deps in graph().items():
+    for m, deps in graph(root).items():
         parts = m.split(".")
         if parts[:2] != ["services", "decoder"] or len(parts) < 3 or parts[2] not in DECODER_ABOVE:
             continue
@@ -87,11 +119,11 @@ def test_decoder_dependencies_point_one_way():
             dparts = d.split(".")
             if dparts[:2] == ["services", "decoder"] and len(dparts) > 2 and dparts[2] in DECODER_ABOVE[parts[2]]:
                 bad.append((m, d))
-    assert not bad, f"imports against the direction server -> engine -> runner -> model/lora -> kernels: {bad}"
+    return sorted(bad)
 
 
-def test_no_import_cycles():
-    g = graph()
+def import_cycles(root: Path = ROOT) -> list[list[str]]:
+    g = graph(root)
     state: dict[str, int] = {}       # 1: on the current path, 2: done
     cycles = []
 
@@ -110,11 +142,183 @@ def test_no_import_cycles():
     for node in sorted(g):
         if node not in state:
             visit(node, [node])
+    return cycles
+
+
+def service_of(path: Path, root: Path) -> str | None:
+    """'decoder' for services/decoder/..., None outside services/."""
+    parts = path.resolve().relative_to(root.resolve()).parts if path.resolve().is_relative_to(root.resolve()) else ()
+    return parts[1] if len(parts) > 2 and parts[0] == "services" else None
+
+
+def services_reaching_into_each_other(root: Path = ROOT) -> list[tuple[str, str]]:
+    """(importer, imported) across two services, Python imports and C++ #includes alike."""
+    bad = []
+    for m, deps in graph(root).items():
+        parts = m.split(".")
+        if parts[0] != "services" or len(parts) < 3:
+            continue
+        for d in deps:
+            dparts = d.split(".")
+            if dparts[0] == "services" and len(dparts) > 1 and dparts[1] not in (parts[1], "common"):
+                bad.append((m, d))
+    for src in cpp_sources(root):
+        for target in INCLUDE.findall(src.read_text()):
+            there, here = service_of(src.parent / target, root), service_of(src, root)
+            if here and there and there not in (here, "common"):
+                bad.append((str(src.relative_to(root)), target))
+    return sorted(bad)
+
+
+def cpp_sources(root: Path) -> list[Path]:
+    return sorted(p for d in SIZED_DIRS if (root / d).is_dir() for p in (root / d).rglob("*")
+                  if p.is_file() and p.suffix in CPP_SUFFIXES)
+
+
+def cpp_including_cpp(root: Path = ROOT) -> list[tuple[str, str]]:
+    """(source, included .cpp): one translation unit pasting another's source in."""
+    return [(str(src.relative_to(root)), target) for src in cpp_sources(root)
+            for target in INCLUDE.findall(src.read_text()) if target.endswith(".cpp")]
+
+
+def oversized_modules(root: Path = ROOT) -> list[tuple[str, int]]:
+    """(path, lines) for every .py or C++ source in SIZED_DIRS of MAX_LINES lines or more."""
+    found = [p for d in SIZED_DIRS if (root / d).is_dir() for p in sorted((root / d).rglob("*"))
+             if p.is_file() and (p.suffix == ".py" or p.suffix in CPP_SUFFIXES)]
+    sizes = ((str(p.relative_to(root)), len(p.read_text(errors="replace").splitlines())) for p in found)
+    return [(path, n) for path, n in sizes if n >= MAX_LINES]
+
+
+def citations_outside_the_tree(root: Path = ROOT) -> list[str]:
+    """'path:line: text' for every line that cites DESIGN.md, ../shared, an issue number or a commit."""
+    files = [root / name for name in CITATION_FILES if (root / name).is_file()]
+    files += [p for d in CITATION_DIRS if (root / d).is_dir() for p in sorted((root / d).rglob("*"))
+              if p.is_file() and p.suffix in CITATION_SUFFIXES and p.resolve() != Path(__file__).resolve()]
+    bad = []
+    for path in files:
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if OUTSIDE.search(line):
+                bad.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+    return bad
+
+
+# -------------------------------------------------------------------------------------- the tree obeys them
+
+def test_gateway_imports_only_services_common():
+    bad = gateway_reaches_into_services()
+    assert not bad, f"the gateway reaches into service code: {bad}"
+
+
+def test_decoder_dependencies_point_one_way():
+    bad = decoder_imports_upward()
+    assert not bad, f"imports against the direction server -> engine -> runner -> model/lora -> kernels: {bad}"
+
+
+def test_no_import_cycles():
+    cycles = import_cycles()
     assert not cycles, f"import circles: {cycles}"
 
 
-def test_the_rules_see_a_violation(tmp_path):
-    """The graph is not empty and a known edge is found, so the checks above can fail."""
+def test_the_rules_read_the_real_tree():
+    """The graph is the project's own: a known edge of each kind the rules look at is found."""
     g = graph()
-    assert "services.common.errors" in g["gateway.errors"] or any("services.common" in d for d in g["gateway.errors"])
+    assert any(d.startswith("services.common") for d in g["gateway.errors"])
     assert "services.decoder.lora.layer" in g["services.decoder.lora.bank"]
+    assert len(g) > 100
+    assert len(cpp_sources(ROOT)) >= 5
+
+
+# ------------------------------------------------------------------------ each rule fails on a violation
+
+def write(root: Path, files: dict[str, str]) -> Path:
+    """A source tree under `root`: relative path -> text (packages get an empty __init__.py)."""
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for parent in path.relative_to(root).parents:
+            if parent != Path(".") and parent.parts[0] in PACKAGES:
+                (root / parent / "__init__.py").touch()
+        path.write_text(text)
+    return root
+
+
+def test_a_gateway_import_of_service_code_is_seen(tmp_path):
+    root = write(tmp_path, {
+        "services/common/errors.py": "",
+        "services/decoder/engine/scheduler.py": "",
+        "gateway/ok.py": "from services.common import errors\n",
+        "gateway/bad.py": "def f():\n    from services.decoder.engine.scheduler import x\n",
+    })
+    assert gateway_reaches_into_services(root) == [("gateway.bad", "services.decoder.engine.scheduler")]
+
+
+def test_an_upward_decoder_import_is_seen(tmp_path):
+    root = write(tmp_path, {
+        "services/decoder/engine/step.py": "",
+        "services/decoder/engine/scheduler.py": "",
+        "services/decoder/runner/runner.py": "from services.decoder.engine.step import StepInput\n",
+        "services/decoder/kernels/gemv.py": "from ..runner.runner import Runner\n",
+        "services/decoder/server/service.py": "from services.decoder.engine import scheduler\n",
+    })
+    # The runner may use the engine's contract types; a kernel may not reach up to the runner.
+    assert decoder_imports_upward(root) == [("services.decoder.kernels.gemv", "services.decoder.runner.runner")]
+
+
+def test_an_import_cycle_is_seen(tmp_path):
+    root = write(tmp_path, {
+        "deploy/a.py": "import deploy.b\n",
+        "deploy/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from deploy.c import C\n",
+        "deploy/c.py": "from deploy import a\n",
+        "deploy/d.py": "import deploy.a\n",
+    })
+    assert import_cycles(root) == [["deploy.a", "deploy.b", "deploy.c", "deploy.a"]]
+
+
+def test_a_citation_outside_the_tree_is_seen(tmp_path):
+    design, issue = "DESIGN" + " invariant 4", "is" + "sue 10"
+    root = write(tmp_path, {
+        "services/decoder/ok.py": '"""Salted by the digest (docs/design.md, invariant 4)."""\nx = "#ff0000"\n',
+        "services/decoder/a.py": f'"""Salted by the digest ({design})."""\n',
+        "services/decoder/k.cpp": f"// streams each weight row once ({issue})\n#include <cmath>\n",
+        "gateway/b.py": "# see " + "../shared/" + "DESIGN.md\n",
+        "deploy/c.yml": "# fixes #" + "12\n",
+        "Makefile": "# since com" + "mit 55dc973\n",
+    })
+    assert [line.split(":")[0] for line in citations_outside_the_tree(root)] == [
+        "Makefile", "services/decoder/a.py", "services/decoder/k.cpp", "gateway/b.py", "deploy/c.yml"]
+
+
+def test_a_service_reaching_into_another_is_seen(tmp_path):
+    root = write(tmp_path, {
+        "services/common/native.py": "",
+        "services/decoder/kernels/gemv.py": "from services.common import native\n",
+        "services/pooling/packed.py": "import services.decoder.kernels.gemv\n",
+        "services/common/vec.h": "",
+        "services/decoder/kernels/vec.h": "",
+        "services/pooling/attention.cpp": '#include "../common/vec.h"\n#include "../decoder/kernels/vec.h"\n',
+        "services/decoder/kernels/glue.cpp": '#include "vec.h"\n#include <torch/extension.h>\n',
+    })
+    assert services_reaching_into_each_other(root) == [
+        ("services.pooling.packed", "services.decoder.kernels.gemv"),
+        ("services/pooling/attention.cpp", "../decoder/kernels/vec.h")]
+
+
+def test_a_cpp_including_a_cpp_is_seen(tmp_path):
+    root = write(tmp_path, {
+        "services/decoder/kernels/vec.h": "",
+        "services/decoder/kernels/gemv.cpp": '#include "vec.h"\n',
+        "services/decoder/kernels/stack.cpp": '#include "vec.h"\n  #  include "gemv.cpp"\n',
+    })
+    assert cpp_including_cpp(root) == [("services/decoder/kernels/stack.cpp", "gemv.cpp")]
+
+
+def test_an_oversized_module_is_seen(tmp_path):
+    root = write(tmp_path, {
+        "deploy/cluster.py": "x = 1\n" * MAX_LINES,
+        "deploy/images.py": "x = 1\n" * (MAX_LINES - 1),
+        "gateway/app.py": "",
+        "services/decoder/kernels/gemv.cpp": "//\n" * (MAX_LINES + 3),
+        "tests/test_big.py": "x = 1\n" * (2 * MAX_LINES),
+    })
+    assert oversized_modules(root) == [("services/decoder/kernels/gemv.cpp", MAX_LINES + 3),
+                                       ("deploy/cluster.py", MAX_LINES)]
