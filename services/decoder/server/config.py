@@ -53,7 +53,9 @@ class DecoderConfig:
     seed: int = option(0, "base seed for unseeded sampling")
     fault_fail_at_step: int = option(0, "TESTING ONLY: make the forward of engine step N raise, to exercise "
                                         "failure handling (requests fail, health goes NOT_SERVING); 0 disables")
-    max_images: int = option(8, "most images per request (vision-language models)")
+    max_images: int = option(8, "most images per request (vision-language models); more get 413")
+    max_image_bytes: int = option(10 * 2**20, "largest compressed image per request, in bytes; the gateway reads it "
+                                              "from GetModelInfo and refuses larger data: URIs with 413")
     # Structured outputs (services/decoder/grammar): compiled off the engine thread, cached by text.
     grammar_threads: int = option(2, "threads that compile structured-output grammars (JSON schema, regex, "
                                      "choice, EBNF) off the engine thread")
@@ -85,7 +87,7 @@ class DecoderConfig:
         if not self.model:
             raise ValueError("--model DIR is required")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_n", "max_images",
-                     "grammar_threads", "grammar_cache_size"):
+                     "max_image_bytes", "grammar_threads", "grammar_cache_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("num_blocks", "max_model_len", "threads", "max_logprobs"):

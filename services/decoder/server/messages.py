@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 from services.common.errors import InvalidArgument
+from services.decoder.server.validation import check_messages
 
 
 def _part(part) -> dict:
@@ -36,16 +37,13 @@ def _arguments(text: str, where: str) -> dict:
 def template_messages(chat) -> list[dict]:
     """The template's messages for a decoder_pb2.ChatMessages.
 
-    Raises InvalidArgument (param messages): tool_calls on a role other than assistant, tool_call_id on a role
-    other than tool, call arguments that are not a JSON object. Roles and content are the template's to judge.
+    Raises InvalidArgument (param messages): what the rulebook's check_messages refuses (roles, tool calls;
+    services/decoder/server/validation.py), call arguments that are not a JSON object.
     """
+    check_messages(chat)
     out = []
     for i, m in enumerate(chat.messages):
         where = f"messages[{i}]"
-        if m.tool_calls and m.role != "assistant":
-            raise InvalidArgument(f"{where}: only assistant messages carry tool_calls", param="messages")
-        if m.tool_call_id and m.role != "tool":
-            raise InvalidArgument(f"{where}: only tool messages carry tool_call_id", param="messages")
         message = {"role": m.role,
                    "content": None if m.tool_calls and not m.content else [_part(p) for p in m.content]}
         if m.name:

@@ -18,7 +18,6 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.common import compute
 from services.common.errors import (
     AdapterNotFound,
-    ContextLengthExceeded,
     Internal,
     InvalidArgument,
     ModelNotFound,
@@ -44,8 +43,8 @@ from services.decoder.server.adapters import Adapters, adapter_info
 from services.decoder.server.async_engine import AsyncEngine
 from services.decoder.server.config import DecoderConfig, DecoderServerConfig
 from services.decoder.server.messages import template_messages, template_tools
-from services.decoder.server.sampling import sampling_params
 from services.decoder.server.structured_output import grammar_spec
+from services.decoder.server.validation import Limits, check_images, check_prompt, sampling_params
 from services.decoder.text.chat_template import ChatTemplate
 from services.decoder.text.choice import Choice
 from services.decoder.text.tokenizer import Tokenizer
@@ -189,11 +188,13 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         if st.template is None:
             raise InvalidArgument(f"model {st.name!r} has no chat template; send a prompt instead",
                                   param="messages")
-        if not chat.messages:
-            raise InvalidArgument("messages must not be empty", param="messages")
         text = st.template.render(template_messages(chat), add_generation_prompt=chat.add_generation_prompt,
                                   tools=template_tools(chat))
         return st.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _limits(self, st: Loaded) -> Limits:
+        """The rulebook's numbers for this server, as GetModelInfo publishes them."""
+        return Limits.of(self.cfg, st.engine_config.max_model_len)
 
     @staticmethod
     def _check_model(st: Loaded, model: str) -> None:
@@ -209,18 +210,15 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         # The adapter's content digest salts the request's block hashes; the slot is leased at admission.
         lora_features, lora_keys = self._adapter_request(st, request.adapter) if request.adapter else ({}, ())
         # Images are checked before rendering and expanded after it, before any length check (invariant 1).
-        images = request_images(request, st.runner.config, max_images=self.cfg.max_images, model=st.name)
+        # Every semantic rule is the rulebook's (services/decoder/server/validation.py).
+        limits = self._limits(st)
+        check_images(len(request.images), limits)
+        images = request_images(request, st.runner.config, max_images=limits.max_images, model=st.name)
         placed = place_images(self._prompt(st, request), images, st.runner.config)
         prompt = placed.token_ids
-        if not prompt:
-            raise InvalidArgument("the prompt is empty", param="prompt")
-        limit = st.engine_config.max_model_len
-        if len(prompt) >= limit:
-            raise ContextLengthExceeded(
-                f"the prompt has {len(prompt)} tokens; the maximum context length is {limit}", param="prompt")
-        params, include_stop = sampling_params(
-            request.sampling, prompt_len=len(prompt), max_model_len=limit, vocab_size=st.runner.vocab_size,
-            max_n=self.cfg.max_n, max_logprobs=self.cfg.max_logprobs)
+        check_prompt(prompt, limits)
+        params, include_stop = sampling_params(request.sampling, prompt_len=len(prompt),
+                                               vocab_size=st.runner.vocab_size, limits=limits)
         spec = grammar_spec(request.sampling)
         start = last = time.monotonic()        # time to first token includes the grammar's compile
         # Compiled here, on the grammar pool, before the engine sees the request: a slow schema delays
@@ -288,6 +286,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             speculative=st.engine_config.speculative.to_json() if st.engine_config.speculative else "",
             tool_call_parser=self.cfg.tool_call_parser, quantization=st.runner.quantization,
             max_loras=self.cfg.max_loras if st.adapters else 0, max_lora_rank=self.cfg.max_lora_rank,
+            limits=self._limits(st).to_proto(),
             stats=decoder_pb2.EngineStats(
                 free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, running=s.num_running,
                 waiting=s.num_waiting, preemptions=s.num_preemptions, prefix_queries=s.prefix_queries,

@@ -1,0 +1,110 @@
+"""The decoder's rulebook (services/decoder/server/validation.py), without a server: each rule refuses with its
+field named, and the limits it publishes are the config's numbers."""
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import ContextLengthExceeded, InvalidArgument, TooLarge
+from services.common.pb import decoder_pb2
+from services.decoder.server.validation import Limits, check_images, check_messages, check_prompt, sampling_params
+
+LIMITS = Limits(max_images=2, max_image_bytes=1000, max_n=4, max_logprobs=5, max_model_len=64)
+
+
+def test_limits_come_from_the_config_and_travel_as_request_limits():
+    from services.decoder.server.config import DecoderConfig
+    cfg = DecoderConfig(model="m", max_images=3, max_image_bytes=1234, max_n=7, max_logprobs=9)
+    limits = Limits.of(cfg, max_model_len=256)
+    assert limits.to_proto() == decoder_pb2.RequestLimits(
+        max_images=3, max_image_bytes=1234, max_n=7, max_logprobs=9, max_model_len=256, max_stop_strings=16,
+        max_stop_string_chars=256)
+    with pytest.raises(ValueError, match="max_image_bytes must be at least 1"):
+        DecoderConfig(model="m", max_image_bytes=0)
+
+
+def test_image_count_past_the_limit_is_too_large():
+    check_images(2, LIMITS)
+    with pytest.raises(TooLarge, match="3 images in one request; at most 2 per request") as exc:
+        check_images(3, LIMITS)
+    assert exc.value.param == "images"
+
+
+def test_prompt_must_be_non_empty_and_leave_room_for_output():
+    check_prompt([1] * 63, LIMITS)
+    with pytest.raises(InvalidArgument, match="empty") as exc:
+        check_prompt([], LIMITS)
+    assert exc.value.param == "prompt"
+    with pytest.raises(ContextLengthExceeded, match="64 tokens; the maximum context length is 64"):
+        check_prompt([1] * 64, LIMITS)
+
+
+def _chat(*messages: decoder_pb2.ChatMessage) -> decoder_pb2.ChatMessages:
+    return decoder_pb2.ChatMessages(messages=messages)
+
+
+def _text(text: str) -> list[decoder_pb2.ContentPart]:
+    return [decoder_pb2.ContentPart(text=text)]
+
+
+CALL = decoder_pb2.ToolCall(id="a", name="f", arguments="{}")
+
+
+@pytest.mark.parametrize("messages, says", [
+    ([], "must not be empty"),
+    ([decoder_pb2.ChatMessage(role="user", content=_text("x"), tool_calls=[CALL])], "only assistant"),
+    ([decoder_pb2.ChatMessage(role="tool", content=_text("x"))], "need a tool_call_id"),
+    ([decoder_pb2.ChatMessage(role="user", content=_text("x"), tool_call_id="a")], "only tool messages"),
+    ([decoder_pb2.ChatMessage(role="assistant")], "content is required"),
+    ([decoder_pb2.ChatMessage(role="user", content=_text("x")),
+      decoder_pb2.ChatMessage(role="tool", content=_text("21"), tool_call_id="a")], "answers no tool call"),
+    ([decoder_pb2.ChatMessage(role="tool", content=_text("21"), tool_call_id="a"),
+      decoder_pb2.ChatMessage(role="assistant", tool_calls=[CALL])], "answers no tool call of an earlier"),
+])
+def test_role_rules_name_the_message(messages, says):
+    with pytest.raises(InvalidArgument, match=says) as exc:
+        check_messages(_chat(*messages))
+    assert exc.value.param == "messages"
+
+
+def test_a_call_and_its_answer_pass():
+    check_messages(_chat(decoder_pb2.ChatMessage(role="user", content=_text("weather?")),
+                         decoder_pb2.ChatMessage(role="assistant", tool_calls=[CALL]),
+                         decoder_pb2.ChatMessage(role="tool", content=_text("21"), tool_call_id="a")))
+
+
+def _sampling(**fields) -> decoder_pb2.SamplingParams:
+    return decoder_pb2.SamplingParams(**fields)
+
+
+@pytest.mark.parametrize("fields, param, says", [
+    (dict(temperature=-0.1), "temperature", r"\[0, 100\]"),
+    (dict(temperature=float("nan")), "temperature", "finite"),
+    (dict(top_p=0.0), "top_p", r"\(0, 1\]"),
+    (dict(top_k=-2), "top_k", "-1, 0"),
+    (dict(min_p=1.5), "min_p", r"\[0, 1\]"),
+    (dict(repetition_penalty=0.0), "repetition_penalty", "> 0"),
+    (dict(n=5), "n", "between 1 and 4"),
+    (dict(n=0), "n", "between 1 and 4"),
+    (dict(max_tokens=0), "max_tokens", "at least 1"),
+    (dict(logprobs=6), "logprobs", "between 0 and 5"),
+    (dict(presence_penalty=2.5), "presence_penalty", r"\[-2, 2\]"),
+    (dict(stop_token_ids=[100]), "stop_token_ids", r"\[0, 100\)"),
+    (dict(max_tokens=3, min_tokens=4), "min_tokens", r"max_tokens \(3\)"),
+    (dict(logit_bias={100: 1.0}), "logit_bias", "outside the vocabulary"),
+    (dict(logit_bias={5: 101.0}), "logit_bias", r"\[-100, 100\]"),
+    (dict(stop=["x"] * 17), "stop", "at most 16"),
+])
+def test_sampling_ranges_are_refused_naming_the_field(fields, param, says):
+    with pytest.raises(InvalidArgument, match=says) as exc:
+        sampling_params(_sampling(**fields), prompt_len=10, vocab_size=100, limits=LIMITS)
+    assert exc.value.param == param
+
+
+def test_sampling_defaults_fill_the_context():
+    params, include_stop = sampling_params(_sampling(), prompt_len=10, vocab_size=100, limits=LIMITS)
+    assert (params.temperature, params.top_p, params.n, params.max_tokens, params.logprobs) == (1.0, 1.0, 1, 54, None)
+    assert include_stop is False
+    params, _ = sampling_params(_sampling(n=4, logprobs=5, top_k=-1, logit_bias={7: -100.0, 3: 2.0}),
+                                prompt_len=63, vocab_size=100, limits=LIMITS)
+    assert (params.n, params.logprobs, params.top_k, params.max_tokens) == (4, 5, 0, 1)
+    assert params.logit_bias == ((3, 2.0), (7, -100.0))
