@@ -4,7 +4,7 @@
     spec.key   # ("json_schema", canonical text): the compile cache's key
 
 A JSON schema is refused when it uses an assertion xgrammar 0.2.8 does not enforce: a request that
-names one would otherwise get output that may not validate, silently (invariant 8). Each refusal was
+names one would otherwise get output that may not validate, silently (docs/design.md, invariant 8). Each refusal was
 found by compiling the keyword and validating random grammar-following outputs with `jsonschema`
 (tests/decoder/grammar/test_enforcement.py keeps the allowed ones honest). Keywords no validator
 checks (title, description, unknown ones) cannot make an output invalid and pass through.

@@ -174,7 +174,7 @@ class AdapterRegistry:
 
     def _fill(self, slot: int, weights: LoraWeights) -> None:
         if self.slot_refs[slot]:
-            raise RuntimeError(f"slot {slot} is leased; it must not be rewritten")  # invariant 5
+            raise RuntimeError(f"slot {slot} is leased; it must not be rewritten")  # docs/design.md, invariant 5
         self.bank.write(slot, weights)
         self.slot_digest[slot] = weights.digest
         self.resident[weights.digest] = slot

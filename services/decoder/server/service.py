@@ -27,7 +27,8 @@ from services.common.errors import (
 )
 from services.common.metrics import LATENCY_BUCKETS
 from services.common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
-from services.common.server import Server
+from services.common.dtypes import to_torch
+from services.common.server import Server, Started
 from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.output import EngineStats, RequestOutput
@@ -72,8 +73,6 @@ _ACCEPTED_LENGTH = Gauge("tessera_decoder_spec_mean_accepted_length",
 _GRAMMAR_WAIT = Histogram("tessera_decoder_grammar_wait_seconds", "time a request waited for its grammar "
                           "(compile, or a cache hit)", buckets=LATENCY_BUCKETS)
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def _export(stats: EngineStats, _outputs: list[RequestOutput]) -> None:
     _RUNNING.set(stats.num_running)
@@ -93,7 +92,7 @@ def kv_blocks(model_cfg: ModelConfig, cfg: DecoderConfig) -> int:
     """Blocks that fit --kv-cache-gb, unless --num-blocks is given."""
     if cfg.num_blocks:
         return cfg.num_blocks
-    itemsize = torch.empty((), dtype=_DTYPES[cfg.dtype]).element_size()
+    itemsize = torch.empty((), dtype=to_torch(cfg.dtype)).element_size()
     per_block = 2 * model_cfg.num_layers * cfg.block_size * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
     return max(1, int(cfg.kv_cache_gb * 2**30) // per_block)
 
@@ -117,8 +116,6 @@ def load(cfg: DecoderConfig) -> Loaded:
     folder = Path(cfg.model)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: no config.json (is --model an HF model folder?)")
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     model_cfg = ModelConfig.from_folder(folder)
     num_blocks = kv_blocks(model_cfg, cfg)
     runner = Runner.from_folder(folder, cfg.dtype, cfg.block_size, num_blocks, cfg.device, seed=cfg.seed,
@@ -209,7 +206,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self._check_model(st, request.model)
         # The adapter's content digest salts the request's block hashes; the slot is leased at admission.
         lora_features, lora_keys = self._adapter_request(st, request.adapter) if request.adapter else ({}, ())
-        # Images are checked before rendering and expanded after it, before any length check (invariant 1).
+        # Images are checked before rendering and expanded after it, before any length check
+        # (docs/design.md, invariant 1).
         # Every semantic rule is the rulebook's (services/decoder/server/validation.py).
         limits = self._limits(st)
         check_images(len(request.images), limits)

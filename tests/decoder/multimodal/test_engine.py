@@ -1,4 +1,5 @@
-"""Images through the engine: chunk boundaries inside an image, prefix-cache salts, preemption (invariants 3, 4).
+"""Images through the engine: chunk boundaries inside an image, prefix-cache salts, preemption
+(docs/design.md, invariants 3, 4).
 
 Every expected output here comes from the same engine run without the constraint under test; the
 unconstrained engine itself equals transformers' generate (test_model.py).

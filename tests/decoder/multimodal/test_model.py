@@ -1,5 +1,5 @@
 """Our vision encoder + our decoder vs transformers' Qwen2VLForConditionalGeneration on one random checkpoint:
-the same prompt ids, the same logits at every position, the same greedy tokens (invariants 1-3)."""
+the same prompt ids, the same logits at every position, the same greedy tokens (docs/design.md, invariants 1-3)."""
 from __future__ import annotations
 
 import pytest

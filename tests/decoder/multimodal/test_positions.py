@@ -1,4 +1,5 @@
-"""M-RoPE positions and the decode delta vs transformers' Qwen2VLModel.get_rope_index (invariants 1, 2)."""
+"""M-RoPE positions and the decode delta vs transformers' Qwen2VLModel.get_rope_index
+(docs/design.md, invariants 1, 2)."""
 from __future__ import annotations
 
 import pytest
