@@ -1,4 +1,4 @@
-"""glibc malloc set to keep the pages a forward frees for the next forward (TESSERA_MALLOC).
+"""glibc malloc set to keep the pages a forward frees for the next forward (--fast-paths malloc=keep).
 
 Why: a forward's activations are large and short-lived (a 2,048-token prefill chunk's gate|up output
 is 2,048 x 3,072 fp32, 24 MiB; a pooling batch's FFN input 1,654 x 1,536) and each lives for one op.
@@ -15,7 +15,7 @@ faulting by itself: its thresholds had risen).
 
 Memory: the process keeps its peak heap instead of returning it between forwards. The pooling
 service still returns fragmented free pages whenever its resident size has grown by a bound
-(services/pooling/heap.py). TESSERA_MALLOC=default keeps glibc's own behaviour; without glibc
+(services/pooling/heap.py). Mode "default" (--fast-paths malloc=default) keeps glibc's own behaviour; without glibc
 (musl, macOS) nothing is set and the log says so.
 """
 from __future__ import annotations
@@ -24,11 +24,9 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import os
 
 log = logging.getLogger("tessera.allocator")
 
-ENV = "TESSERA_MALLOC"
 MODES = ("keep", "default")
 # mallopt parameters (malloc.h) and values: glibc refuses an mmap threshold above 32 MiB on 64-bit.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -44,16 +42,18 @@ def libc() -> ctypes.CDLL | None:
         return None
 
 
-def keep_freed_memory(mode: str | None = None) -> str:
-    """Apply mode (default $TESSERA_MALLOC, else keep) to this process's malloc; returns the log line's
-    summary. ValueError names a bad mode. Call it once at start, before the model loads."""
-    mode = (mode or os.environ.get(ENV) or "keep").strip().lower()
+def keep_freed_memory(mode: str = "keep") -> str:
+    """Apply mode (keep, or default; "auto" is keep: this choice is not timed) to this process's malloc;
+    returns the log line's summary. ValueError names a bad mode. Call it once at start, before the model
+    loads."""
+    mode = (mode or "keep").strip().lower()
+    mode = "keep" if mode == "auto" else mode
     if mode not in MODES:
-        raise ValueError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}")
+        raise ValueError(f"malloc mode {mode!r}: expected one of {', '.join(MODES)}")
     mallopt = getattr(libc(), "mallopt", None)
     level = logging.INFO
     if mode == "default":
-        summary = f"glibc defaults ({ENV}=default)"
+        summary = "glibc defaults (malloc=default)"
     elif mallopt is None:
         summary = "the C library's defaults (no glibc mallopt here)"
     else:

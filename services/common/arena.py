@@ -15,33 +15,23 @@ wrote all of it at start); a 64-row step at 320 keys, compute-bound, ran the sam
 swaps them in; parameters by `.data`, so tied weights stay tied). `zeros(specs)` gives zero tensors
 (the kernel's zero pages, touched only as they are written). Each summary says how much the kernel
 actually backed with huge pages (/proc/self/smaps): "never", fragmented memory or a kernel without
-THP quietly give 4 KiB pages. TESSERA_HUGE_PAGES=off keeps torch's own allocations (A/B benchmarks).
+THP quietly give 4 KiB pages. huge_pages=False (--fast-paths huge_pages=off, services/common/plan.py)
+keeps torch's own allocations (A/B benchmarks).
 """
 from __future__ import annotations
 
 import math
 import mmap
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-ENV = "TESSERA_HUGE_PAGES"
-MODES = ("on", "off")
 HUGE = 2 << 20        # the x86-64 transparent huge page
 ALIGN = 64            # each tensor starts on a cache line (the kernels' vector loads)
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 Spec = tuple[Sequence[int], torch.dtype]
-
-
-def enabled() -> bool:
-    """$TESSERA_HUGE_PAGES (default on); ValueError names a bad value."""
-    value = (os.environ.get(ENV) or "on").strip().lower()
-    if value not in MODES:
-        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
-    return value == "on"
 
 
 class Arena:
@@ -105,20 +95,20 @@ def thp_setting() -> str:
     return next((w[1:-1] for w in words if w.startswith("[")), "unknown")
 
 
-def _refused(devices: Sequence[torch.device]) -> str:
+def _refused(devices: Sequence[torch.device], huge_pages: bool) -> str:
     """Why tensors on these devices stay in torch's allocations, or "" when they go to an arena."""
-    if not enabled():
-        return f"torch's allocations ({ENV}=off)"
+    if not huge_pages:
+        return "torch's allocations (huge pages off)"
     if any(d.type != "cpu" for d in devices):
         return "torch's allocations (not on CPU)"
     return ""
 
 
-def place(tensors: Sequence[torch.Tensor]) -> tuple[Arena | None, list[torch.Tensor], str]:
+def place(tensors: Sequence[torch.Tensor], huge_pages: bool = True) -> tuple[Arena | None, list[torch.Tensor], str]:
     """(the arena or None, copies of tensors in it in the same order, a summary); the tensors as they
-    are when huge pages are off or any is not on CPU."""
+    are when huge_pages is False or any is not on CPU."""
     tensors = list(tensors)
-    refused = _refused([t.device for t in tensors])
+    refused = _refused([t.device for t in tensors], huge_pages)
     if refused or not tensors:
         return None, tensors, refused or "nothing to place"
     arena = Arena([(t.shape, t.dtype) for t in tensors])
@@ -127,10 +117,11 @@ def place(tensors: Sequence[torch.Tensor]) -> tuple[Arena | None, list[torch.Ten
     return arena, arena.tensors, arena.summary()
 
 
-def zeros(specs: Sequence[Spec], device: torch.device | str = "cpu") -> tuple[Arena | None, list[torch.Tensor], str]:
-    """(the arena or None, zero tensors of specs, a summary); torch.zeros when huge pages are off or
+def zeros(specs: Sequence[Spec], device: torch.device | str = "cpu",
+          huge_pages: bool = True) -> tuple[Arena | None, list[torch.Tensor], str]:
+    """(the arena or None, zero tensors of specs, a summary); torch.zeros when huge_pages is False or
     the device is not the CPU."""
-    refused = _refused([torch.device(device)])
+    refused = _refused([torch.device(device)], huge_pages)
     if refused or not specs:
         return None, [torch.zeros(tuple(s), dtype=d, device=device) for s, d in specs], refused or "nothing to place"
     arena = Arena(specs)

@@ -15,15 +15,15 @@ the real weight with the configured threads, and each shape gets a `Rule`: which
 for a given number of rows. Both the dense weight and the
 packed copy stay resident while any row count uses the packed one.
 
-TESSERA_LINEAR_PATH (or the `mode` argument) = auto | packed | plain; packed and plain
-force one path (tests, debugging), auto measures.
+The `mode` argument (the `linear` entry of --fast-paths, services/common/plan.py) = auto | packed |
+plain; packed and plain force one path (tests, debugging), auto measures, with the plan's timer and
+tie rule.
 """
 from __future__ import annotations
 
 import bisect
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -31,13 +31,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from services.common import plan as execution
+
 log = logging.getLogger("tessera.linear_path")
 
 MODES = ("auto", "packed", "plain")
-ENV = "TESSERA_LINEAR_PATH"
-# The --linear-path flag's help, shared by the decoder and pooling configs.
-HELP = ("CPU matmul path per weight shape: auto times oneDNN-packed against plain matmuls at load and keeps "
-        "the faster per row count; packed or plain forces one")
 # Decode batch 1, small and large decode batches, a prefill chunk.
 ROWS = (1, 4, 16, 64, 256)
 # Buckets above the first cost at most this many multiply-adds per call (about 10-20 ms in
@@ -45,11 +43,9 @@ ROWS = (1, 4, 16, 64, 256)
 # (it only sees sampled rows), a 151936x1536 one at 1 and 4 only; larger row counts keep the
 # last measured verdict.
 MAX_MACS = 1 << 31
-# Every (shape, rows) is timed in PASSES passes (see measure_rules); each pass runs call
-# pairs for about PASS_S, at least one and at most MAX_REPS.
+# Every (shape, rows) is timed in PASSES passes (see measure_rules); each pass runs interleaved
+# rounds for about PASS_S, at least one and at most MAX_REPS (the first pass is the warm-up).
 PASSES, PASS_S, MAX_REPS = 3, 1e-3, 16
-# Paths within this fraction of each other tie (see Rule.from_verdicts).
-TIE = 0.1
 # Rows at which a bf16 weight's two packed copies (its own, and widened to fp32) are timed against
 # each other where oneDNN packs both (their totals count): a large decode batch and a prefill chunk.
 # On an Intel Emerald Rapids without AMX, oneDNN's bf16 GEMM ran 1.3-1.7x slower than its fp32 one
@@ -88,7 +84,7 @@ class Rule:
 
     @classmethod
     def from_verdicts(cls, verdicts: Iterable[tuple[int, bool | None]]) -> Rule:
-        """[(rows, packed wins, or None for a tie)] in ascending rows -> a Rule.
+        """[(rows, packed wins, or None for a tie under plan.tied)] in ascending rows -> a Rule.
 
         A tie takes the verdict of the bucket below it (the first decisive one above it
         for leading ties; plain, which needs no packed copy, when all tie), so noise
@@ -209,10 +205,10 @@ def pack_dtype(dtype: torch.dtype) -> torch.dtype | None:
 
 
 def resolve_mode(mode: str | None = None) -> str:
-    """mode, else $TESSERA_LINEAR_PATH, else "auto"; ValueError names the bad value."""
-    value = (mode or os.environ.get(ENV) or "auto").strip().lower()
+    """mode, else "auto"; ValueError names the bad value."""
+    value = (mode or "auto").strip().lower()
     if value not in MODES:
-        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
+        raise ValueError(f"linear path {value!r}: expected one of {', '.join(MODES)}")
     return value
 
 
@@ -225,9 +221,8 @@ def buckets(shape: Shape) -> tuple[int, ...]:
 @torch.inference_mode()
 def time_both(weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
               rows: int) -> tuple[float, float]:
-    """Seconds per call (plain, packed) for x [rows, in]: the fastest of the call pairs
-    that fit in PASS_S (at least one). Other processes only ever add time, hence the
-    minimum; the paths alternate so both see the same clocks and caches."""
+    """Seconds per call (plain, packed) for x [rows, in]: plan.fastest over the rounds that fit in
+    PASS_S (at least one)."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
     return _fastest_pair(lambda: F.linear(x, weight, bias), lambda: packed_linear(x, packed, bias))
 
@@ -240,23 +235,16 @@ def time_copies(weight: torch.Tensor, own: torch.Tensor, wide: torch.Tensor, bia
     return _fastest_pair(lambda: packed_linear(x, own, bias), lambda: packed_linear(x, wide, bias))
 
 
-def _fastest_pair(*calls: Callable[[], object]) -> tuple[float, float]:
-    best = [math.inf, math.inf]
-    deadline = time.perf_counter() + PASS_S
-    for _ in range(MAX_REPS):
-        for i, call in enumerate(calls):
-            t0 = time.perf_counter()
-            call()
-            best[i] = min(best[i], time.perf_counter() - t0)
-        if time.perf_counter() >= deadline:
-            break
-    return best[0], best[1]
+def _fastest_pair(first: Callable[[], object], second: Callable[[], object]) -> tuple[float, float]:
+    # No warm-up call here: measure_rules' first pass is the warm-up of each (shape, rows).
+    best = execution.fastest({"a": first, "b": second}, MAX_REPS, warm=False, budget_s=PASS_S)
+    return best["a"], best["b"]
 
 
 def choose_copies(entries: dict[Shape, tuple[torch.Tensor, torch.Tensor | None]],
                   timer: CopyTimer | None = None) -> dict[Shape, torch.Tensor]:
     """{bf16 shape: (weight, bias)} -> {shape: its packed copy}: widened to fp32 where that took less
-    time than its own, by more than TIE, over COPY_ROWS (each the fastest of COPY_PASSES passes), else
+    time than its own by plan.beats, over COPY_ROWS (each the fastest of COPY_PASSES passes), else
     its own. The rule is then timed on that very copy."""
     timer = timer or time_copies
     copies = {shape: (pack(w, shape.dtype), pack(w, torch.float32)) for shape, (w, _) in entries.items()}
@@ -270,7 +258,7 @@ def choose_copies(entries: dict[Shape, tuple[torch.Tensor, torch.Tensor | None]]
     total = {shape: [0.0, 0.0] for shape in entries}
     for (shape, _), times in best.items():
         total[shape] = [total[shape][i] + times[i] for i in (0, 1)]
-    return {shape: copies[shape][1] if wide * (1 + TIE) < own else copies[shape][0]
+    return {shape: copies[shape][1] if execution.beats(wide, own) else copies[shape][0]
             for shape, (own, wide) in total.items()}
 
 
@@ -282,7 +270,7 @@ def measure_rules(entries: dict[Shape, tuple[torch.Tensor, torch.Tensor, torch.T
     the fastest of each: a burst of load from another process (on a busy 2-core VM every
     threaded call then waits out 4-8 ms scheduler ticks) spoils one pass, not the choice. The first
     pass doubles as warm-up (oneDNN builds its primitive on the first call). Packed runs
-    where it was faster by more than TIE.
+    where it was faster by plan.beats; where the two tie (plan.tied) the verdict is the bucket's below.
     """
     timer = timer or time_both   # looked up per call, so tests can swap the module's timer
     best = {(shape, rows): (math.inf, math.inf) for shape in entries for rows in buckets(shape)}
@@ -293,20 +281,24 @@ def measure_rules(entries: dict[Shape, tuple[torch.Tensor, torch.Tensor, torch.T
     out = {}
     for shape in entries:
         timings = [(rows, *best[shape, rows]) for rows in buckets(shape)]
-        verdicts = ((rows, None if abs(q - p) <= TIE * min(q, p) else p < q) for rows, q, p in timings)
+        verdicts = ((rows, None if execution.tied(q, p) else p < q) for rows, q, p in timings)
         out[shape] = (Rule.from_verdicts(verdicts), timings)
     return out
 
 
 def plan(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]], mode: str | None = None,
-         timer: Timer | None = None, copy_timer: CopyTimer | None = None) -> Plan:
+         timer: Timer | None = None, copy_timer: CopyTimer | None = None,
+         record: execution.ExecutionPlan | None = None) -> Plan:
     """Choose a rule per distinct shape of weights [(weight [out, in], bias [out] | None)].
 
-    Each shape is timed on its first weight; the plan is logged in one line (the timings
-    at DEBUG). Under auto, a bf16 shape that oneDNN packs in bf16 and in fp32 first gets the
-    faster of the two packed copies (choose_copies); the packed-vs-plain rule is then timed on it.
+    mode: auto | packed | plain, default the `linear` pin of `record` (else auto). Each shape is timed
+    on its first weight; the plan is logged in one line (the timings at DEBUG), and with `record` each
+    shape's rule is one choice of that execution plan ("linear 576x576", with its timings). Under auto,
+    a bf16 shape that oneDNN packs in bf16 and in fp32 first gets the faster of the two packed copies
+    (choose_copies); the packed-vs-plain rule is then timed on it.
     """
-    mode = resolve_mode(mode)
+    pinned = record.pinned("linear") if record is not None else execution.AUTO
+    mode = resolve_mode(mode or pinned)
     first: dict[Shape, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for w, b in weights:
         if w.device.type == "cpu":   # elsewhere F.linear is the only path
@@ -343,6 +335,15 @@ def plan(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]], mode: str 
         notes.append(f"bfloat16 packed widened to float32 on {','.join(map(str, kept))}: faster at "
                      f"{'/'.join(map(str, COPY_ROWS))} rows")
     result = Plan(mode, rules, "; ".join(notes), kept)
+    if record is not None:
+        for shape, rule in rules.items():
+            timings = [execution.Timing(path, t, rows) for rows, q, p in measured[shape][1]
+                       for path, t in (("plain", q), ("packed", p))] if shape in measured else []
+            err = errors.get(shape.dtype)
+            why = err or ("" if mode == "auto" else f"linear path {mode}")
+            if shape in kept:
+                why = f"packed copy widened to float32 (faster at {'/'.join(map(str, COPY_ROWS))} rows)"
+            record.record(f"linear {shape}", str(rule), timings, why, level=logging.DEBUG)
     log.info("linear path %s [%.0f ms]", result.summary, (time.perf_counter() - start) * 1e3)
     if details:
         log.debug("linear path timings, rows:plain_us/packed_us: %s", "  ".join(details))

@@ -135,13 +135,17 @@ class Choice:
         return text
 
 
-def fastest(calls: Mapping[str, Callable[[], object]], reps: int = REPS,
-            sync: Callable[[], object] | None = None) -> dict[str, float]:
-    """{candidate: call} -> {candidate: seconds}, the minimum over `reps` interleaved rounds after one
-    warm-up call of each. sync (e.g. torch.cuda.synchronize) runs before and after every timed call."""
-    for call in calls.values():
-        call()
+def fastest(calls: Mapping[str, Callable[[], object]], reps: int = REPS, sync: Callable[[], object] | None = None,
+            warm: bool = True, budget_s: float | None = None) -> dict[str, float]:
+    """{candidate: call} -> {candidate: seconds}, the minimum over `reps` interleaved rounds, after one
+    warm-up call of each (warm=False: the caller has warmed them). budget_s: stop after the round that
+    passes it (at least one round), for callers that time many shapes. sync (e.g. torch.cuda.synchronize)
+    runs before and after every timed call."""
+    if warm:
+        for call in calls.values():
+            call()
     best = dict.fromkeys(calls, math.inf)
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
     for _ in range(reps):
         for name, call in calls.items():
             if sync is not None:
@@ -151,6 +155,8 @@ def fastest(calls: Mapping[str, Callable[[], object]], reps: int = REPS,
             if sync is not None:
                 sync()
             best[name] = min(best[name], time.perf_counter() - start)
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
     return best
 
 

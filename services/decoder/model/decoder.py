@@ -43,13 +43,14 @@ class CausalLM(nn.Module):
             layer.mlp.fuse()
 
     @torch.no_grad()
-    def place_weights(self) -> str:
+    def place_weights(self, huge_pages: bool = True) -> str:
         """Move every weight a step reads (dense, int8 and scales; a tied one once) into one arena of
-        huge pages (services/common/arena.py); returns its summary for the log."""
+        huge pages (services/common/arena.py; huge_pages=False keeps them where they are); returns its
+        summary for the log."""
         params = [p for p in self.parameters() if p.numel()]
         quantized = [m for m in self.modules() if isinstance(m, Linear) and m.qweight is not None]
         tensors = [p.data for p in params] + [t for m in quantized for t in (m.qweight, m.qscale)]
-        self.arena, views, summary = arena.place(tensors)
+        self.arena, views, summary = arena.place(tensors, huge_pages)
         n = len(params)
         for p, v in zip(params, views[:n], strict=True):
             p.data = v

@@ -9,45 +9,59 @@ single instructions there). So each op is timed both ways at the model's widths,
 runs the faster. Few-row decode steps run the decode stack instead (runner/fused_decode.py), which
 uses the same C++ row functions; this serves prefill chunks and the steps the stack does not take.
 
-TESSERA_GLUE=off keeps torch's ops (A/B benchmarks).
+The `glue` entry of --fast-paths pins both ops to cpp or torch (services/common/plan.py).
 """
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 import torch
 
-from services.common import native, stopwatch
+from services.common import native
+from services.common import plan as execution
 from services.decoder.kernels import glue_cpu
 from services.decoder.model.decoder import CausalLM
 
 log = logging.getLogger("tessera.glue")
 
-ENV = "TESSERA_GLUE"
-ROWS, REPS = 512, 5       # a prefill chunk's worth of rows; best of REPS calls after a warm-up
-WIN = 0.05                # the C++ op must be this much faster to be used
+ROWS = 512                # a prefill chunk's worth of rows
 
-# (op: "norm" or "act", path: "cpp" or "torch", a call of that op on that path) -> seconds it takes.
-Timer = Callable[[str, str, Callable[[], object]], float]
+# {path: call} of one op -> {path: seconds}; plan.fastest unless a test swaps it.
+Timer = Callable[[str, dict[str, Callable[[], object]]], dict[str, float]]
 
 
-def best_of(op: str, path: str, fn: Callable[[], object]) -> float:
-    return stopwatch.fastest(fn, REPS)
+def best_of(op: str, calls: dict[str, Callable[[], object]]) -> dict[str, float]:
+    return execution.fastest(calls)
 
 
-def choose(model: CausalLM, timer: Timer | None = None) -> str:
-    """Time each op both ways and set the modules' `native` flags; one line for the log and
-    GetModelInfo.glue, e.g. "norm cpp (0.18 vs 0.62 ms), silu*up torch (1.90 vs 1.35 ms) at 512 rows"."""
-    reason = ineligible(model, ENV)
+def choose(model: CausalLM, record: execution.ExecutionPlan, timer: Timer | None = None) -> str:
+    """Set the modules' `native` flags per op (choices "glue.norm" and "glue.act" of record): the
+    pinned path, else the faster by the plan's tie rule (torch kept on a tie). One line, e.g.
+    "norm cpp (0.18 vs 0.62 ms), silu*up torch (1.90 vs 1.35 ms) at 512 rows"."""
+    pin = record.pinned("glue")
+    reason = "--fast-paths glue=torch" if pin == "torch" else ineligible(model)
     if reason:
+        if pin == "cpp":
+            raise ValueError(f"--fast-paths glue=cpp: the C++ glue cannot run this model ({reason})")
+        for op in ("norm", "act"):
+            record.record(f"glue.{op}", "torch", reason=reason)
+        model.use_native_glue(norm=False, act=False)
         return f"torch ({reason})"
     try:
         glue_cpu.load()
     except native.BuildError as e:
+        if pin == "cpp":
+            raise
         log.warning("C++ glue unavailable, the model runs torch's elementwise ops: %s", e)
+        for op in ("norm", "act"):
+            record.record(f"glue.{op}", "torch", reason=f"unavailable: {str(e).splitlines()[0]}")
         return f"torch (unavailable: {str(e).splitlines()[0]})"
+    if pin == "cpp":
+        for op in ("norm", "act"):
+            record.record(f"glue.{op}", "cpp")
+        model.use_native_glue(norm=True, act=True)
+        return "cpp (--fast-paths glue=cpp)"
     timer = timer or best_of
     cfg, dtype = model.config, model.model.norm.weight.dtype
     gen = torch.Generator().manual_seed(0)
@@ -56,28 +70,26 @@ def choose(model: CausalLM, timer: Timer | None = None) -> str:
     gate, up = torch.randn(ROWS, 2 * cfg.intermediate_size, generator=gen).to(dtype).chunk(2, dim=1)
     norm = model.model.norm
     ops = {
-        "norm": (lambda: glue_cpu.rms_norm(x, norm.weight, norm.eps, y),
-                 lambda: glue_cpu.rms_norm_ref(x, norm.weight, norm.eps, y)),
-        "act": (lambda: glue_cpu.silu_mul(gate, up), lambda: glue_cpu.silu_mul_ref(gate, up)),
+        "norm": {"cpp": lambda: glue_cpu.rms_norm(x, norm.weight, norm.eps, y),
+                 "torch": lambda: glue_cpu.rms_norm_ref(x, norm.weight, norm.eps, y)},
+        "act": {"cpp": lambda: glue_cpu.silu_mul(gate, up), "torch": lambda: glue_cpu.silu_mul_ref(gate, up)},
     }
     wins, parts = {}, []
     with torch.inference_mode():
-        for op, (cpp, ref) in ops.items():
-            ours, theirs = timer(op, "cpp", cpp), timer(op, "torch", ref)
-            wins[op] = ours * (1 + WIN) < theirs
-            parts.append(f"{'norm' if op == 'norm' else 'silu*up'} {'cpp' if wins[op] else 'torch'} "
-                         f"({ours * 1e3:.2f} vs {theirs * 1e3:.2f} ms)")
+        for op, calls in ops.items():
+            took = timer(op, calls)
+            chosen = execution.pick(took, "torch")
+            wins[op] = chosen == "cpp"
+            record.record(f"glue.{op}", chosen, [execution.Timing(p, t, ROWS) for p, t in took.items()])
+            parts.append(f"{'norm' if op == 'norm' else 'silu*up'} {chosen} "
+                         f"({took['cpp'] * 1e3:.2f} vs {took['torch'] * 1e3:.2f} ms)")
     model.use_native_glue(norm=wins["norm"], act=wins["act"])
-    summary = ", ".join(parts) + f" at {ROWS} rows"
-    log.info("glue: %s", summary)
-    return summary
+    return ", ".join(parts) + f" at {ROWS} rows"
 
 
-def ineligible(model: CausalLM, env: str) -> str:
-    """Why C++ row ops (this glue, the decode stack) cannot run model here, or "": the switch `env`
-    is off, the model is not on CPU, or its activations are neither float32 nor bfloat16."""
-    if os.environ.get(env, "auto").strip().lower() == "off":
-        return f"{env}=off"
+def ineligible(model: CausalLM) -> str:
+    """Why C++ row ops (this glue, the decode stack) cannot run model here, or "": the model is not on
+    CPU, or its activations are neither float32 nor bfloat16."""
     weight = model.model.norm.weight
     if weight.device.type != "cpu":
         return "not on CPU"

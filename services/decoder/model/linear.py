@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
 
 import torch
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common import linear_path, native
+from services.common import plan as execution
 from services.decoder.kernels import gemv_cpu
 from services.decoder.model import quantization
 
@@ -125,13 +125,14 @@ def quantize_linears(model: nn.Module, mode: str) -> str:
     return f"{mode}: {len(chosen)} of {len(linears)} linears{left}"
 
 
-def pack_linears(model: nn.Module, mode: str | None = None) -> str:
-    """Choose the matmul path per weight shape of every dense Linear of model (auto: by timing;
-    see linear_path.MODES) and pack where used. Returns the plan's one-line summary."""
+def pack_linears(model: nn.Module, record: execution.ExecutionPlan) -> str:
+    """Choose the matmul path per weight shape of every dense Linear of model (the `linear` path of
+    record: auto times them; see linear_path.MODES) and pack where used. Returns the one-line summary."""
     linears = [m for m in model.modules() if isinstance(m, Linear) and not m.released and m.qweight is None]
     if not linears:
+        record.record("linear", "none", reason="every linear is int8")
         return "none: every linear is int8"
-    plan = linear_path.plan(((m.weight, m.bias) for m in linears), mode)
+    plan = linear_path.plan(((m.weight, m.bias) for m in linears), record=record)
     for m in linears:
         m.adopt(plan)
     return plan.summary
@@ -140,41 +141,59 @@ def pack_linears(model: nn.Module, mode: str | None = None) -> str:
 # (modules of one shape, rows) -> (seconds on their own path, seconds on gemv_cpu) for one pass over all of them.
 GemvTimer = Callable[[list[Linear], int], tuple[float, float]]
 GEMV_PASSES = 3
-GEMV_TIE = 0.05       # gemv_cpu must be this much faster to be used
 
 
 @torch.inference_mode()
 def time_gemv(group: list[Linear], rows: int) -> tuple[float, float]:
-    """One pass of each path over every module in group at `rows` rows: (own path s, gemv s)."""
+    """One pass of each path over every module in group at `rows` rows: (own path s, gemv s); the
+    passes of choose_gemv are the plan timer's rounds (the first, discarded, its warm-up)."""
     x = torch.randn(rows, group[0].in_features, dtype=group[0].weight.dtype)
-    own = gemv = 0.0
     for m in group:
-        t0 = time.perf_counter()
         m.gemv_rows = 0
-        m(x)
-        t1 = time.perf_counter()
-        m.gemv(x)
-        t2 = time.perf_counter()
-        own, gemv = own + t1 - t0, gemv + t2 - t1
-    return own, gemv
+
+    def own():
+        for m in group:
+            m(x)
+
+    def kernel():
+        for m in group:
+            m.gemv(x)
+    best = execution.fastest({"own": own, "gemv": kernel}, reps=1, warm=False)
+    return best["own"], best["gemv"]
 
 
-def choose_gemv(model: nn.Module, timer: GemvTimer | None = None) -> str:
-    """Set gemv_rows on every CPU Linear of model from timings (fastest of GEMV_PASSES passes per
-    shape and row count): the largest r such that gemv_cpu wins by GEMV_TIE at every row count
-    <= r. A summary such as "gemv rows<=4 on 960x576,576x576; rows<=1 on 49152x576", or why not."""
+def choose_gemv(model: nn.Module, record: execution.ExecutionPlan, timer: GemvTimer | None = None) -> str:
+    """Set gemv_rows on every CPU Linear of model (the `gemv` path of record): pinned on, MAX_ROWS; off,
+    0; auto, from timings (fastest of GEMV_PASSES passes per shape and row count): the largest r such
+    that gemv_cpu beats the library path (plan.beats) at every row count <= r, one choice per shape.
+    A summary such as "gemv rows<=4 on 960x576,576x576; rows<=1 on 49152x576", or why not."""
+    pin = record.pinned("gemv")
     linears = [m for m in model.modules() if isinstance(m, Linear) and (m.qweight is not None or not m.released)]
     for m in linears:
         m.gemv_rows = 0
     linears = [m for m in linears if m.weight.device.type == "cpu"
                and (m.qweight is not None or m.weight.dtype in gemv_cpu.WEIGHT_DTYPES)]
+    if pin == "off":
+        record.record("gemv", "off")
+        return "gemv: off (--fast-paths gemv=off)"
     if not linears:
+        if pin == "on":
+            raise ValueError("--fast-paths gemv=on: the model has no CPU weights the few-row kernel takes")
+        record.record("gemv", "off", reason="no CPU weights")
         return "gemv: none (no CPU weights)"
     try:
         gemv_cpu.load()
     except native.BuildError as e:
+        if pin == "on":
+            raise
         log.warning("gemv_cpu unavailable, few-row matmuls use the library path: %s", e)
+        record.record("gemv", "off", reason=f"unavailable: {str(e).splitlines()[0]}", level=logging.WARNING)
         return f"gemv: unavailable ({str(e).splitlines()[0]})"
+    if pin == "on":
+        for m in linears:
+            m.gemv_rows = gemv_cpu.MAX_ROWS
+        record.record("gemv", f"on rows<={gemv_cpu.MAX_ROWS}")
+        return f"gemv rows<={gemv_cpu.MAX_ROWS} on every shape (--fast-paths gemv=on)"
     timer = timer or time_gemv
     groups: dict[tuple, list[Linear]] = {}
     for m in linears:
@@ -193,12 +212,13 @@ def choose_gemv(model: nn.Module, timer: GemvTimer | None = None) -> str:
                 own, kernel = timer(group, r)
                 best[r] = [min(best[r][0], own), min(best[r][1], kernel)]
         rows = 0
-        while rows < gemv_cpu.MAX_ROWS and best[rows + 1][1] * (1 + GEMV_TIE) < best[rows + 1][0]:
+        while rows < gemv_cpu.MAX_ROWS and execution.beats(best[rows + 1][1], best[rows + 1][0]):
             rows += 1
         for m in group:
             m.gemv_rows = rows
         chosen.setdefault(rows, []).append(f"{out}x{inp}")
-        log.debug("gemv %dx%d: %s", out, inp, " ".join(f"{r}:{o * 1e6:.0f}/{k * 1e6:.0f}"
-                                                        for r, (o, k) in best.items()))
+        record.record(f"gemv {out}x{inp}", f"on rows<={rows}" if rows else "off",
+                      [execution.Timing(path, t, r) for r, (o, k) in best.items() for path, t in (("off", o), ("on", k))],
+                      level=logging.DEBUG)
     body = "; ".join(f"rows<={r} on {','.join(shapes)}" for r, shapes in sorted(chosen.items(), reverse=True) if r)
     return f"gemv {body}" if body else "gemv: none (the library path was as fast at every shape)"

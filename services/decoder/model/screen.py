@@ -26,22 +26,18 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import time
 
 import torch
 import torch.nn.functional as F
 
 from services.common import arena, native
+from services.common import plan as execution
 from services.decoder.kernels import gemv_cpu, screen_cpu, tile_gemm_cpu
 
 log = logging.getLogger("tessera.decoder.screen")
 
-ENV = "TESSERA_ARGMAX_SCREEN"          # auto (timed at load) | on | off
 BF16_UNIT = 2.0 ** -8
 TIMING_ROWS = (1, 4, 16, 64)
-TIMING_PASSES = 5
-SCREEN_TIE = 0.05                      # the screen must be this much faster at a row count to be used
 
 
 def error_scale(k: int, rounded_rows: bool, rounded_scores: bool = False) -> float:
@@ -58,7 +54,7 @@ def error_scale(k: int, rounded_rows: bool, rounded_scores: bool = False) -> flo
 class ArgmaxScreen:
     """The bf16 copy of an fp32 head [V, H], its row norms [V], and the rows it runs for (`max_rows`)."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, huge_pages: bool = True):
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             raise ValueError("the argmax screen is for an fp32 head on CPU")
         self.weight = weight
@@ -68,7 +64,7 @@ class ArgmaxScreen:
         # Both layouts of the copy, in 2 MiB pages like the weights: the few-row kernel reads the rows,
         # the panel kernel the 64-column panels.
         tensors = [low, norms] + ([tile_gemm_cpu.pack(low)] if _tiles(low) else [])
-        self.arena, placed, _ = arena.place(tensors)
+        self.arena, placed, _ = arena.place(tensors, huge_pages)
         self.low, self.norms = placed[:2]
         self.panels = placed[2] if len(placed) > 2 else None
         k = weight.shape[1]
@@ -112,63 +108,58 @@ def _tiles(low: torch.Tensor) -> bool:
     return tile_gemm_cpu.available(torch.bfloat16) and tile_gemm_cpu.fits(low)
 
 
-def mode() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower()
-    if value not in ("auto", "on", "off"):
-        raise ValueError(f"{ENV} must be auto, on or off; got {value!r}")
-    return value
-
-
-def build(head: torch.nn.Module, head_fn, hidden_norm: float) -> tuple[ArgmaxScreen | None, str]:
-    """(the screen or None, a one-line summary for the log and GetModelInfo.argmax_screen). head_fn(h)
-    -> fp32 logits is the full head it replaces for greedy rows; hidden_norm, the typical norm of a final
-    hidden state (for timing). auto keeps the screen for the row counts up to where it beat head_fn at
-    every timed count."""
-    want = mode()
+def build(head: torch.nn.Module, head_fn, hidden_norm: float, record: execution.ExecutionPlan,
+          huge_pages: bool = True) -> tuple[ArgmaxScreen | None, str]:
+    """(the screen or None, a one-line summary) for the `screen` path of record. head_fn(h) -> fp32 logits
+    is the full head it replaces for greedy rows; hidden_norm, the typical norm of a final hidden state
+    (for timing). Pinned on, the screen serves every row count; auto keeps it for the row counts up to
+    where it beat head_fn (plan.beats) at every timed count."""
+    want = record.pinned("screen")
     weight = head.weight
     if want == "off":
-        return None, f"off ({ENV}=off)"
+        record.record("screen", "off")
+        return None, "off (--fast-paths screen=off)"
     if getattr(head, "qweight", None) is not None or weight.dtype != torch.float32 or weight.device.type != "cpu" \
             or head.bias is not None:
+        if want == "on":
+            raise ValueError("--fast-paths screen=on: the argmax screen is only for an fp32 head without bias on CPU")
+        record.record("screen", "off", reason="only for an fp32 head without bias on CPU")
         return None, "off (only for an fp32 head without bias on CPU)"
     try:
         screen_cpu.load()
     except native.BuildError as e:
+        if want == "on":
+            raise
         log.warning("argmax screen unavailable, greedy rows use the full head: %s", e)
+        record.record("screen", "off", reason=f"unavailable: {str(e).splitlines()[0]}")
         return None, f"off (unavailable: {str(e).splitlines()[0]})"
-    screen = ArgmaxScreen(weight)
+    screen = ArgmaxScreen(weight, huge_pages)
     if want == "on":
         screen.max_rows = 1 << 30
-        return screen, f"bf16, every row count ({ENV}=on)"
-    timed = []
+        record.record("screen", "on")
+        return screen, "bf16, every row count (--fast-paths screen=on)"
+    timings, timed = [], []
     for rows in TIMING_ROWS:
-        full, screened = time_rows(screen, head_fn, rows, hidden_norm)
-        timed.append(f"{rows} row{'s' * (rows > 1)} {1e3 * full:.2f} vs {1e3 * screened:.2f} ms")
-        if screened > full * (1 - SCREEN_TIE):
+        took = time_rows(screen, head_fn, rows, hidden_norm)
+        timings += [execution.Timing(p, t, rows) for p, t in took.items()]
+        timed.append(f"{rows} row{'s' * (rows > 1)} {1e3 * took['off']:.2f} vs {1e3 * took['on']:.2f} ms")
+        if execution.pick(took, "off") != "on":
             break
         screen.max_rows = rows
     summary = "; ".join(timed)
+    record.record("screen", f"on rows<={screen.max_rows}" if screen.max_rows else "off", timings)
     if not screen.max_rows:
         return None, f"off (timed full head vs screen: {summary})"
     return screen, f"bf16 rows<={screen.max_rows} (timed full head vs screen: {summary})"
 
 
 @torch.inference_mode()
-def time_rows(screen: ArgmaxScreen, head_fn, rows: int, hidden_norm: float) -> tuple[float, float]:
-    """(full head + argmax s, screen s) at `rows` rows, median of TIMING_PASSES. Each row is a hidden
+def time_rows(screen: ArgmaxScreen, head_fn, rows: int, hidden_norm: float) -> dict[str, float]:
+    """{"off": full head + argmax s, "on": screen s} at `rows` rows (plan.fastest). Each row is a hidden
     state that predicts one token clearly (a head row scaled to hidden_norm), as a trained model's rows
     do; random rows would give flat logits and far more candidates than real decoding."""
     w = screen.weight
     picks = torch.randint(0, w.shape[0], (rows,), generator=torch.Generator().manual_seed(rows))
     h = w.index_select(0, picks)
     h = (h * (hidden_norm / h.norm(dim=1, keepdim=True))).contiguous()
-    full, screened = [], []
-    for _ in range(TIMING_PASSES):
-        t0 = time.perf_counter()
-        head_fn(h).max(dim=1)
-        t1 = time.perf_counter()
-        screen.argmax(h)
-        t2 = time.perf_counter()
-        full.append(t1 - t0)
-        screened.append(t2 - t1)
-    return sorted(full)[TIMING_PASSES // 2], sorted(screened)[TIMING_PASSES // 2]
+    return execution.fastest({"off": lambda: head_fn(h).max(dim=1), "on": lambda: screen.argmax(h)})

@@ -6,7 +6,8 @@ Then each request's new queries attend to its context [0, start + len):
   causal mask when it starts at 0 (nothing to read back), else over its context gathered
   from the cache with a bottom-right causal mask (query i sees keys <= start + i); on
   cpp-paged, a short chunk after 0 (PREFILL_IN_PLACE_MAX) runs as decode rows instead;
-- 1-token rows (decode) run on one of two backends, chosen once per process (decode_backend()):
+- 1-token rows (decode) run on one of two backends, chosen once per runner at load
+  (choose_decode_backend) and passed to every AttentionPlan.build:
   - "cpp-paged": one call of the C++ operator over all of them (kernels/paged_attention_cpu),
     which reads each row's blocks in place through its block table: no gather, no padding;
   - "torch-gather", the reference and the fallback when the operator cannot be built: rows of
@@ -15,10 +16,9 @@ Then each request's new queries attend to its context [0, start + len):
     and get probability exactly 0; grouping bounds that padding to a quarter of the group's
     longest context (MAX_DECODE_PADDING), so the masked work stays small without one call per
     distinct length.
-  TESSERA_ATTENTION = auto (default: the operator when it loads, else a WARNING and the torch
-  path) | cpp (the operator or an error) | torch (forces the torch path: tests, A/B benchmarks).
-  Under auto, choose_decode_backend (called by the runner at load) also times both at the
-  model's shapes and keeps the faster, as for every per-machine choice (docs/design.md, invariant 12).
+  The `attention` entry of --fast-paths (services/common/plan.py) = auto (default: both timed at the
+  model's shapes with the plan's timer, the operator kept on a tie; the torch path with a WARNING when
+  the operator cannot be built) | cpp (the operator or an error) | torch (tests, A/B benchmarks).
 
 Slot indices and masks are built once per step (AttentionPlan) and reused by every layer,
 and the gathers write into a reused workspace so steady-state decode allocates no new
@@ -28,23 +28,21 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from services.common import native
+from services.common import plan as execution
 from services.decoder.kernels import paged_attention_cpu
 from services.decoder.runner.kv_cache import KVCache
 
 log = logging.getLogger("tessera.attention")
 
 CPP, TORCH = "cpp-paged", "torch-gather"
-ENV = "TESSERA_ATTENTION"
-MODES = ("auto", "cpp", "torch")
-_backend: str | None = None
+# The --fast-paths names of the two backends.
+NAMES = {"cpp": CPP, "torch": TORCH}
 
 # A decode row joins a group when it has at least (1 - this) of the group's longest block count.
 MAX_DECODE_PADDING = 0.25
@@ -63,34 +61,19 @@ PREFILL_IN_PLACE_MAX = 16
 FIRST_CHUNK_IN_PLACE_MAX = 192
 
 
-def decode_backend() -> str:
-    """The decode-attention backend of this process, "cpp-paged" or "torch-gather".
-
-    Resolved on first use from TESSERA_ATTENTION (see the module docstring) and logged once:
-    INFO with the backend, or a WARNING with the reason when auto falls back to torch.
-    """
-    global _backend
-    if _backend is None:
-        _backend = _resolve_backend(os.environ.get(ENV, "auto").strip().lower() or "auto")
-    return _backend
-
-
-def _resolve_backend(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}")
-    if mode == "torch":
-        log.info("decode attention: %s (%s=torch)", TORCH, ENV)
-        return TORCH
+def resolve_backend(pin: str) -> tuple[str, str]:
+    """(the backend a pin allows, why when it is not the one asked for): torch when pinned so or when the
+    operator cannot be built under auto (logged as a WARNING); pinned cpp, the operator or BuildError."""
+    if pin == "torch":
+        return TORCH, ""
     try:
         paged_attention_cpu.load()
     except native.BuildError as e:
-        if mode == "cpp":
+        if pin == "cpp":
             raise
         log.warning("decode attention: %s; the C++ paged operator is unavailable: %s", TORCH, e)
-        return TORCH
-    log.info("decode attention: %s (C++ operator reading the paged cache in place, from %s)", CPP,
-             native.build_dir())
-    return CPP
+        return TORCH, f"unavailable: {str(e).splitlines()[0]}"
+    return CPP, ""
 
 
 def slots_of(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -138,12 +121,14 @@ class AttentionPlan:
 
     @staticmethod
     def build(spans: list[tuple[int, int, list[int]]], block_size: int,
-              device: torch.device, backend: str | None = None) -> AttentionPlan:
-        """spans: per chunk (start, length, block_table), in step order. backend: decode_backend()
-        by default; off CPU the torch path runs whatever it says."""
+              device: torch.device, backend: str) -> AttentionPlan:
+        """spans: per chunk (start, length, block_table), in step order. backend: the runner's decode
+        backend (CPP or TORCH); off CPU the torch path runs whatever it says."""
         device = torch.device(device)
-        if backend is None:
-            backend = decode_backend() if device.type == "cpu" else TORCH
+        if backend not in (CPP, TORCH):
+            raise ValueError(f"decode attention backend {backend!r}: expected {CPP} or {TORCH}")
+        if device.type != "cpu":
+            backend = TORCH
         slots = _SlotMapping(device)
         prefills, decode_rows, decode_starts, decode_tables = [], [], [], []
         offset = 0
@@ -306,54 +291,54 @@ class PagedAttention:
         return out.reshape(b, -1, d)                                          # [B, H, D]
 
 
-# Decode rows and context length at which choose_decode_backend times the two paths, and the
-# calls per measurement (the median counts).
-TIMING_ROWS, TIMING_CONTEXT, TIMING_REPS = (1, 64), 256, 5
+# Decode rows and context length at which choose_decode_backend times the two paths.
+TIMING_ROWS, TIMING_CONTEXT = (1, 64), 256
 
 
-def choose_decode_backend(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                          dtype: torch.dtype) -> str:
-    """The backend for this model on this machine; sets the process's decode_backend().
+def choose_decode_backend(record: execution.ExecutionPlan, num_heads: int, num_kv_heads: int, head_dim: int,
+                          block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
+    """The decode backend for this model on this machine (the choice "attention" of record).
 
-    Under TESSERA_ATTENTION=auto with the operator loaded, both paths run one layer's decode
-    attention over a scratch cache at TIMING_ROWS rows of TIMING_CONTEXT keys, and the one with
-    the smaller total time is kept and logged with the timings (about 0.1 s at load). A forced
-    or unavailable backend is returned as decode_backend() resolved it.
+    Pinned, or with the operator unavailable, that backend. Under auto both paths run one layer's
+    decode attention over a scratch cache at TIMING_ROWS rows of TIMING_CONTEXT keys (plan.fastest),
+    and the smaller total wins by the plan's tie rule, the operator kept on a tie (about 0.1 s at
+    load). Off CPU, the torch path.
     """
-    global _backend
-    backend = decode_backend()
-    if backend != CPP or os.environ.get(ENV, "auto").strip().lower() not in ("", "auto"):
+    if torch.device(device).type != "cpu":
+        record.record("attention", "torch", reason="not on CPU")
+        return TORCH
+    pin = record.pinned("attention")
+    backend, why = resolve_backend(pin)
+    if pin != execution.AUTO or backend != CPP:
+        record.record("attention", "cpp" if backend == CPP else "torch", reason=why)
         return backend
-    times = {b: 0.0 for b in (CPP, TORCH)}
-    detail = []
+    totals, timings = {"cpp": 0.0, "torch": 0.0}, []
     for rows in TIMING_ROWS:
-        t = {b: _time_decode(b, rows, num_heads, num_kv_heads, head_dim, block_size, dtype) for b in times}
-        detail.append(f"{rows} rows {t[CPP] * 1e6:.0f} vs {t[TORCH] * 1e6:.0f} us")
-        for b in times:
-            times[b] += t[b]
-    _backend = min(times, key=times.get)
-    log.info("decode attention: %s, timed at %d/%d heads x %d, block %d, %s, %d keys: %s (%s vs %s)",
-             _backend, num_heads, num_kv_heads, head_dim, block_size, str(dtype).removeprefix("torch."),
-             TIMING_CONTEXT, "; ".join(detail), CPP, TORCH)
-    return _backend
+        took = _time_decode(rows, num_heads, num_kv_heads, head_dim, block_size, dtype)
+        timings += [execution.Timing(name, t, rows) for name, t in took.items()]
+        for name in totals:
+            totals[name] += took[name]
+    chosen = execution.pick(totals, "cpp")
+    record.record("attention", chosen, timings,
+                  f"timed at {num_heads}/{num_kv_heads} heads x {head_dim}, block {block_size}, "
+                  f"{str(dtype).removeprefix('torch.')}, {TIMING_CONTEXT} keys")
+    return NAMES[chosen]
 
 
-def _time_decode(backend: str, rows: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 block_size: int, dtype: torch.dtype) -> float:
-    """Median seconds of one layer's attention for `rows` decode rows on `backend`."""
+def _time_decode(rows: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 block_size: int, dtype: torch.dtype) -> dict[str, float]:
+    """{"cpp": s, "torch": s}: one layer's attention for `rows` decode rows on each backend."""
     per_row = -(-TIMING_CONTEXT // block_size)
     cache = KVCache(1, rows * per_row, block_size, num_kv_heads, head_dim, dtype)
     cache.k[0].normal_()
     cache.v[0].normal_()
     # Rows own interleaved blocks, as a long-running cache ends up: no row reads a contiguous run.
     spans = [(TIMING_CONTEXT - 1, 1, list(range(r, rows * per_row, rows))) for r in range(rows)]
-    attend = PagedAttention(cache, AttentionPlan.build(spans, block_size, torch.device("cpu"), backend), Workspace())
     q = torch.randn(rows, num_heads, head_dim).to(dtype)
     k, v = (torch.randn(rows, num_kv_heads, head_dim).to(dtype) for _ in range(2))
-    attend(0, q, k, v)
-    samples = []
-    for _ in range(TIMING_REPS):
-        start = time.perf_counter()
-        attend(0, q, k, v)
-        samples.append(time.perf_counter() - start)
-    return sorted(samples)[len(samples) // 2]
+    calls = {}
+    for name, backend in NAMES.items():
+        attend = PagedAttention(cache, AttentionPlan.build(spans, block_size, torch.device("cpu"), backend),
+                                Workspace())
+        calls[name] = lambda attend=attend: attend(0, q, k, v)
+    return execution.fastest(calls)

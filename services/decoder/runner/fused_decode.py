@@ -13,13 +13,14 @@ Any other step runs the model's own layers, which stay the reference (tests comp
 `FusedDecode.build` makes it at load, when the model is on CPU in float32 or bfloat16 (int8 weights
 included, up to 4 rows), the decode attention is the C++ operator, the matmul path is chosen by
 timing, and the operator builds. It then times one step both ways at each of TIMING_ROWS and keeps
-the largest count up to which the stack won at every one (`max_rows`, 0: never), as every
-per-machine choice (docs/design.md, invariant 12). TESSERA_DECODE_STACK=off keeps it out (A/B benchmarks).
+the largest count up to which the stack beat the layers (plan.beats) at every one (`max_rows`, 0: never).
+The `decode_stack` entry of --fast-paths (services/common/plan.py) pins it: off keeps it out (A/B
+benchmarks), on takes it up to the largest timing row count without timing.
 
 Where tile_gemm_cpu runs for the model's dtype (AVX-512; for bf16 the bf16 dot product), a second
 stack runs the projections that fit (tile_gemm_cpu.fits) through it above the few-row kernel's rows.
 It is timed too, at those of TIMING_ROWS above KERNEL_ROWS, and replaces the first only if it was
-faster at every one and by WIN over their sum (then its panel copy of the weights stays resident;
+faster at every one and by the plan's tie rule over their sum (then its panel copy of the weights stays resident;
 otherwise it is dropped).
 Over 30 layers of weights read from memory (a 64-row step), the panels ran 1.16-1.19x oneDNN's packed
 GEMM in bf16 and 1.05-1.07x in fp32 on a Zen 4.
@@ -32,7 +33,8 @@ from collections.abc import Callable
 
 import torch
 
-from services.common import native, stopwatch
+from services.common import native
+from services.common import plan as execution
 from services.decoder.kernels import decode_stack_cpu, tile_gemm_cpu
 from services.decoder.model import glue
 from services.decoder.model.decoder import CausalLM
@@ -43,13 +45,9 @@ from services.decoder.runner.kv_cache import KVCache
 
 log = logging.getLogger("tessera.decode_stack")
 
-ENV = "TESSERA_DECODE_STACK"
-TIMING_ROWS, TIMING_CONTEXT, TIMING_REPS = (1, 2, 3, 4, 16, 64), 64, 3
-# Each path is timed in TIMING_ROUNDS alternating rounds and keeps its best, so a burst of load on a
-# shared 2-core instance during one path's calls cannot decide alone: one profile run on a Zen 4 came
-# up with 64-row steps on the layers path, 12% slower there than the stack.
-TIMING_ROUNDS = 2
-WIN = 0.05        # the stack must be this much faster to be used (and the panels than the stack)
+# The paths are timed in interleaved rounds (plan.fastest), so a burst of load on a shared 2-core
+# instance during one path's calls cannot decide alone.
+TIMING_ROWS, TIMING_CONTEXT = (1, 2, 3, 4, 16, 64), 64
 
 
 class FusedDecode:
@@ -57,34 +55,48 @@ class FusedDecode:
         self.model, self.stack = model, stack
         self.tiled = tiled          # the stack with tile_gemm_cpu projections, until choose() decides
         self.tiles = False          # whether self.stack is that one
+        self.tiled_timed = False    # whether the tiled stack was timed at all
         self.max_rows = 0
         # int8 projections run in gemv_cpu only (the library path above it takes bf16 activations).
         int8 = any(m.qweight is not None for m in model.modules() if isinstance(m, Linear))
         self.timing_rows = tuple(r for r in TIMING_ROWS if not int8 or r <= decode_stack_cpu.KERNEL_ROWS)
 
     @classmethod
-    def build(cls, model: CausalLM, cache: KVCache, attention_backend: str, linear_auto: bool,
+    def build(cls, model: CausalLM, cache: KVCache, attention_backend: str, record: execution.ExecutionPlan,
               timer: Timer | None = None) -> tuple[FusedDecode | None, str]:
-        """(the stack or None, a one-line summary for the log and GetModelInfo.decode_stack); timer
-        (tests) replaces the clock in choose."""
-        reason = _ineligible(model, attention_backend, linear_auto)
+        """(the stack or None, a one-line summary), the choice "decode_stack" of record; timer (tests)
+        replaces the clock in choose."""
+        pin = record.pinned("decode_stack")
+        reason = "--fast-paths decode_stack=off" if pin == "off" else _ineligible(model, attention_backend, record)
         if reason:
+            if pin == "on":
+                raise ValueError(f"--fast-paths decode_stack=on: the decode stack cannot run here ({reason})")
+            record.record("decode_stack", "off", reason=reason)
             return None, f"off ({reason})"
         try:
             stack = decode_stack_cpu.make_stack(_shape(model), _layers(model, cache), model.model.norm.weight)
         except native.BuildError as e:
+            if pin == "on":
+                raise
             log.warning("decode stack unavailable, decode steps run the model's layers: %s", e)
+            record.record("decode_stack", "off", reason=f"unavailable: {str(e).splitlines()[0]}")
             return None, f"off (unavailable: {str(e).splitlines()[0]})"
+        if pin == "on":
+            fused = cls(model, stack)
+            fused.max_rows = fused.timing_rows[-1]
+            record.record("decode_stack", f"on rows<={fused.max_rows}")
+            return fused, f"cpp rows<={fused.max_rows} (--fast-paths decode_stack=on)"
         tiled = None
         if tile_gemm_cpu.available(model.model.norm.weight.dtype):
             layers = _layers(model, cache, tiles=True)
             if any(p.tiles is not None for w in layers for p in (w.qkv, w.o, w.gate_up, w.down)):
                 tiled = decode_stack_cpu.make_stack(_shape(model), layers, model.model.norm.weight)
         fused = cls(model, stack, tiled)
-        timings = fused.choose(cache, timer or best_of)
+        timings, measured = fused.choose(cache, timer)
         summary = (f"cpp rows<={fused.max_rows}" if fused.max_rows else "off (the layers were as fast)") + \
             f"; timed {timings}"
-        log.info("decode stack: %s", summary)
+        record.record("decode_stack", f"on rows<={fused.max_rows}" if fused.max_rows else "off", measured,
+                      f"panels {'on' if fused.tiles else 'off'}" if fused.tiled_timed else "")
         return (fused if fused.max_rows else None), summary
 
     def applies(self, batch: StepBatch) -> bool:
@@ -103,11 +115,12 @@ class FusedDecode:
                                              plan.slot_mapping, d.block_tables, d.context_lens)
 
     @torch.inference_mode()
-    def choose(self, cache: KVCache, timer: Timer) -> str:
+    def choose(self, cache: KVCache, timer: Timer | None = None) -> tuple[str, list[execution.Timing]]:
         """Time a decode step of r rows both ways (and on the tiled stack, above KERNEL_ROWS) for each r in
         timing_rows, in order, over blocks of the runner's own cache (zeroed again afterwards: no request
         owns a block at load), at TIMING_CONTEXT keys or what the cache holds. Sets max_rows and which
-        stack runs; returns the timings, e.g. "1 row 9.1 vs 14.0 ms; ...; 64 rows 60.1 (tiles 51.0) vs ..."."""
+        stack runs; returns the timings in words, e.g. "1 row 9.1 vs 14.0 ms; ...; 64 rows 60.1 (tiles 51.0) vs
+        ...", and as the plan's records. timer (tests): (path, rows, call) -> seconds, else plan.fastest."""
         bs, largest = cache.block_size, self.timing_rows[-1]
         per_row = max(1, min(-(-TIMING_CONTEXT // bs), cache.num_blocks // largest))
         context = min(TIMING_CONTEXT, per_row * bs)
@@ -115,22 +128,22 @@ class FusedDecode:
         for rows in self.timing_rows:
             if rows * per_row > cache.num_blocks:
                 break
-            steps, best = self._steps(cache, rows, context, per_row), {}
-            for _ in range(TIMING_ROUNDS):
-                for name, fn in steps.items():
-                    best[name] = min(best.get(name, math.inf), timer(name, rows, fn))
+            steps = self._steps(cache, rows, context, per_row)
+            best = execution.fastest(steps) if timer is None else \
+                {name: timer(name, rows, fn) for name, fn in steps.items()}
             timed.append((rows, best))
-            if min(best["stack"], best.get("tiles", math.inf)) * (1 + WIN) >= best["layers"]:
+            if not execution.beats(min(best["stack"], best.get("tiles", math.inf)), best["layers"]):
                 break
         for k, v in zip(cache.k, cache.v, strict=True):
             k[:largest * per_row].zero_()
             v[:largest * per_row].zero_()
         tiled = [best for _, best in timed if "tiles" in best]
         # Kept, the panels are one more copy of the weights: so they must be faster at every timed row
-        # count and by WIN over all of them. By WIN at each count, the choice at 64 rows (where they
+        # count and by the tie rule over all of them. By the tie rule at each count, the choice at 64 rows (where they
         # gain least, 6-9% at load on a Zen 4) flipped with the machine's noise from run to run.
+        self.tiled_timed = bool(tiled)
         self.tiles = bool(tiled) and all(best["tiles"] < best["stack"] for best in tiled) and \
-            sum(best["tiles"] for best in tiled) * (1 + WIN) < sum(best["stack"] for best in tiled)
+            execution.beats(sum(best["tiles"] for best in tiled), sum(best["stack"] for best in tiled))
         if self.tiles:
             self.stack = self.tiled
         self.tiled = None           # the losing stack (and its panels, if they lost) is freed
@@ -140,10 +153,13 @@ class FusedDecode:
             detail.append(f"{rows} row{'s' if rows > 1 else ''} {best['stack'] * 1e3:.1f}{tiles} vs "
                           f"{best['layers'] * 1e3:.1f} ms")
             ours = best["tiles"] if self.tiles and "tiles" in best else best["stack"]
-            if ours * (1 + WIN) >= best["layers"]:
+            if not execution.beats(ours, best["layers"]):
                 break
             self.max_rows = rows
-        return "; ".join(detail) + f" (stack vs layers; tiles {'on' if self.tiles else 'off' if tiled else 'n/a'})"
+        names = {"stack": "on", "tiles": "on (panels)", "layers": "off"}
+        measured = [execution.Timing(names[name], t, rows) for rows, best in timed for name, t in best.items()]
+        return "; ".join(detail) + f" (stack vs layers; tiles {'on' if self.tiles else 'off' if tiled else 'n/a'})", \
+            measured
 
     def _steps(self, cache: KVCache, rows: int, context: int, per_row: int) -> dict[str, Callable[[], object]]:
         """One step of `rows` decode rows at `context` keys, row r on blocks [r * per_row, (r + 1) * per_row),
@@ -163,20 +179,15 @@ class FusedDecode:
 Timer = Callable[[str, int, Callable[[], object]], float]
 
 
-def best_of(path: str, rows: int, fn: Callable[[], object]) -> float:
-    """The fastest of TIMING_REPS calls of fn, after one warm-up call."""
-    return stopwatch.fastest(fn, TIMING_REPS)
-
-
-def _ineligible(model: CausalLM, attention_backend: str, linear_auto: bool) -> str:
+def _ineligible(model: CausalLM, attention_backend: str, record: execution.ExecutionPlan) -> str:
     """Why the stack cannot run this model here, or "" when it can."""
-    reason = glue.ineligible(model, ENV)
+    reason = glue.ineligible(model)
     if reason:
         return reason
     if attention_backend != CPP:
         return f"decode attention is {attention_backend}"
-    if not linear_auto:
-        return "the matmul path is forced (--linear-path)"
+    if record.pinned("linear") != execution.AUTO:
+        return f"the matmul path is pinned (--fast-paths linear={record.pinned('linear')})"
     for layer in model.model.layers:
         if layer.self_attn.qkv is None or layer.mlp.gate_up is None:
             return "projections not fused"

@@ -13,13 +13,14 @@ from services.common import arena
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu", huge_pages: bool = True):
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: a slot that is never written must not hold NaN bit patterns that a
         # masked-out read could still propagate through 0 * NaN. In huge pages on CPU: a step's
         # attention reads blocks scattered over all of it (services/common/arena.py).
-        self.arena, tensors, self.pages = arena.zeros([(shape, dtype)] * (2 * num_layers), device)
+        self.arena, tensors, self.pages = arena.zeros([(shape, dtype)] * (2 * num_layers), device,
+                                                    huge_pages)
         self.k, self.v = tensors[:num_layers], tensors[num_layers:]
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
