@@ -17,10 +17,11 @@ from deploy import cluster as cluster_mod
 def cluster(request) -> cluster_mod.Engine:
     # Minutes of set-up on a fresh machine: its progress lines go to the terminal as they come, not captured.
     live = request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled
-    keep = bool(os.environ.get("TESSERA_CLUSTER_KEEP"))
+    chosen = cluster_mod.settings()
+    keep = chosen.keep
     with live():
         try:
-            engine = cluster_mod.up(install=not os.environ.get("TESSERA_CLUSTER_NO_INSTALL"))
+            engine = cluster_mod.up(install=not chosen.no_install)
         except cluster_mod.EngineUnavailable as exc:
             pytest.skip(f"cluster test NOT RUN: {exc}")
         except BaseException:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 import re
 import time
 
@@ -25,7 +24,7 @@ from deploy.models import MINILM, QWEN2_VL_RANDOM, SMOLLM2
 
 # No engine, and none may be installed here: the whole module is skipped, one line saying why (never passed).
 try:
-    cluster_mod.find_engine(install=not os.environ.get("TESSERA_CLUSTER_NO_INSTALL"))
+    cluster_mod.find_engine(install=not cluster_mod.settings().no_install)
 except cluster_mod.EngineUnavailable as exc:
     pytest.skip(f"cluster test NOT RUN: {exc}", allow_module_level=True)
 
