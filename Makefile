@@ -85,7 +85,7 @@ up: $(STAMP) $(GEN_STAMP) $(MODELS_STAMP) $(KERNELS_STAMP)
 down:
 	$(PY) -m deploy.launcher down
 
-# The compose cluster in real containers (deploy/cluster.py): docker compose where a Docker daemon runs,
+# The compose cluster in real containers (deploy/cluster/): docker compose where a Docker daemon runs,
 # else podman + podman-compose, installed and configured where the machine allows (root + apt-get). It
 # prepares the base image, the wheelhouse (build/wheels) and the images itself; not in make test.
 cluster-up: $(STAMP) $(MODELS_STAMP)
