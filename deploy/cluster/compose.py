@@ -53,9 +53,13 @@ class Service:
 
     @classmethod
     def parse(cls, name: str, svc: dict) -> Service:
-        test = svc.get("healthcheck", {}).get("test")
-        if not test or test[0] != "CMD":
-            raise ClusterError(f"{name}: health check {test[0] if test else None} is not CMD")
+        if not isinstance(svc, dict) or not isinstance(svc.get("image"), str):
+            raise ClusterError(f"{name}: no image (the harness builds or starts every service by its image)")
+        test = (svc.get("healthcheck") or {}).get("test")
+        if not test:
+            raise ClusterError(f"{name}: no health check (the harness waits for every service by its own)")
+        if test[0] != "CMD":
+            raise ClusterError(f"{name}: health check {test[0]} is not CMD")
         build = svc.get("build")
         return cls(name=name, image=svc["image"], build_target=build["target"] if build else None,
                    health_check=tuple(test[1:]), ports=tuple(Port.parse(name, p) for p in svc.get("ports", [])))

@@ -62,6 +62,19 @@ def test_a_health_check_not_in_cmd_form_is_refused(tmp_path):
         ComposeFile.load(path)
 
 
+@pytest.mark.parametrize("service, why", [
+    ("web: {healthcheck: {test: [CMD, 'true']}}", "web: no image"),
+    ("web: {image: x}", "web: no health check"),
+    ("web: plain", "web: no image"),
+])
+def test_a_service_the_harness_cannot_drive_is_one_line(tmp_path, service, why):
+    path = tmp_path / "compose.yml"
+    path.write_text(f"services:\n  {service}\n")
+    with pytest.raises(ClusterError) as bad:
+        ComposeFile.load(path)
+    assert str(bad.value).startswith(why) and "\n" not in str(bad.value)
+
+
 @pytest.mark.parametrize("text", ["services: [", "just a string\n", "volumes: {}\n"])
 def test_a_file_that_is_not_compose_is_one_line(tmp_path, text):
     path = tmp_path / "compose.yml"
