@@ -2,10 +2,10 @@
 
 `Backend` wraps one HOST:PORT (a channel, its stubs, grpc.health.v1, and a count
 of calls in flight). `Catalog` asks every model-serving backend's GetModelInfo
-which models it serves, caches the answer for `model_refresh_s`, and resolves a
-request's `model` to a backend. A name may be served by several replicas; the
-replica with the fewest calls in flight (a generation stream counts until it
-ends) is picked.
+which models it serves (and, for a decoder, the request limits it judges by),
+caches the answer for `model_refresh_s`, and resolves a request's `model` to
+what that name is. A name may be served by several replicas; which of them a
+call goes to is chosen once, by gateway/routing.py.
 """
 from __future__ import annotations
 
@@ -158,12 +158,13 @@ class Backend:
                 # n-gram speculative decoding's settings; None: off.
                 "speculative": json.loads(info.speculative) if info.speculative else None,
                 # Weight-only quantization, e.g. "int8: 211 of 211 linears"; None: the --dtype weights.
-                "quantization": None if info.quantization in ("", "none") else info.quantization})
+                "quantization": None if info.quantization in ("", "none") else info.quantization},
+                limits=info.limits)
             # Each registered LoRA adapter is a model of its own name (vLLM's convention), run on this base.
             listed = await self.call(self.decoder.ListAdapters, decoder_pb2.ListAdaptersRequest(), "model-discovery")
             return [base, *(Model(a.name, GENERATION, self, {**base.extra, "rank": a.rank,
                                                               "target_modules": list(a.target_modules)},
-                                  parent=info.name) for a in listed.adapters)]
+                                  parent=info.name, limits=info.limits) for a in listed.adapters)]
         if self.role != "pooling":
             return []
         reply = await self.call(self.pooling.GetModelInfo, pooling_pb2.GetModelInfoRequest(), "model-discovery")
@@ -192,6 +193,9 @@ class Model:
     backend: Backend = field(compare=False)
     extra: dict = field(default_factory=dict, compare=False)
     parent: str | None = field(default=None, compare=False)  # a LoRA adapter: the base model it runs on
+    # A generation model's request limits as its decoder publishes them (the decoder's rulebook); None for
+    # the pooling service's models. The gateway checks images against these, never numbers of its own.
+    limits: decoder_pb2.RequestLimits | None = field(default=None, compare=False)
 
     def target(self) -> dict[str, str]:
         """GenerateRequest's model and adapter fields: an adapter runs as its base model plus the adapter."""
@@ -274,7 +278,8 @@ class Catalog:
         return [replicas[0] for replicas in self.by_name.values()]
 
     async def resolve(self, name: str | None, kind: str) -> Model:
-        """The replica to call for a request's `model` (None: the first model of that kind)."""
+        """What a request's `model` names (None: the first model of that kind). Every replica of a name
+        describes it alike; which replica a generation call goes to is gateway/routing.py's choice."""
         await self.refresh(self.refresh_s)
         if name is not None and name not in self.by_name:
             await self.refresh(self.MISS_REFRESH_S)
@@ -297,4 +302,4 @@ class Catalog:
             if replicas[0].kind != kind:
                 raise InvalidArgument(f"model {name!r} is a {replicas[0].kind} model; use "
                                       f"{ENDPOINTS[replicas[0].kind]} for it", param="model")
-        return min(replicas, key=lambda m: m.backend.in_flight)
+        return replicas[0]

@@ -41,9 +41,6 @@ class GatewayConfig:
     # A large image's rows travel vision -> gateway -> decoder: a full-size Qwen2-VL image is ~96 MiB.
     max_message_mb: int = option(256, "largest gRPC message sent to or accepted from a backend, in MiB (image"
                                       " rows pass through: the decoder's --max-message-mb must be as large)")
-    max_images_per_request: int = option(8, "most image_url parts in one chat request; more get 400")
-    max_image_bytes: int = option(10 * 2**20, "largest decoded image in an image_url data URI, in bytes; larger"
-                                              " ones get 413 (the body is bounded by --max-body-bytes too)")
     model_note: tuple[str, ...] = option((), "NAME=TEXT: shown as `note` on model NAME in /v1/models (repeatable;"
                                             " env is comma-separated), e.g. that its weights are random",
                                          metavar="NAME=TEXT")
@@ -100,5 +97,3 @@ class GatewayConfig:
         if self.tls_server_name is not None and self.tls_ca is None:
             raise ValueError("tls_server_name needs tls_ca")
         check_client_files(self.tls_ca, self.tls_client_cert, self.tls_client_key)
-        if self.max_images_per_request < 1 or self.max_image_bytes < 1:
-            raise ValueError("max_images_per_request and max_image_bytes must be at least 1")

@@ -190,17 +190,16 @@ class Collected:
 class Generation:
     """The Generate calls of one HTTP request, merged. Use: `await start()`, iterate, always `aclose()`."""
 
-    def __init__(self, target: Backend | Route, requests: list[decoder_pb2.GenerateRequest], request_id: str,
+    def __init__(self, route: Route, requests: list[decoder_pb2.GenerateRequest], request_id: str,
                  n: int, fields: dict[str, str] | None = None):
-        """target: one replica, or a Route (gateway/routing.py) whose candidates are tried in order while
-        they answer UNAVAILABLE before their first message."""
+        """route (gateway/routing.py): its candidates are tried in order while they answer UNAVAILABLE before
+        their first message."""
         self.n = n
         self.usage = Usage()
         for request in requests:
             request.request_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
         self._requests = requests
-        self._route = target if isinstance(target, Route) else None
-        self._backend = target if isinstance(target, Backend) else None
+        self._route = route
         self._request_id = request_id
         self._fields = fields
         self._streams: list = []   # every stream opened, so aclose cancels each
@@ -219,23 +218,20 @@ class Generation:
     async def _first(self, request: decoder_pb2.GenerateRequest):
         """(first message or None, its stream): each candidate at most once while it answers UNAVAILABLE
         before its first message, which is when a retry cannot duplicate or lose any output."""
-        if self._route is None:
-            stream = self._open(self._backend, request)
-            return await anext(stream, None), stream
-        candidates = await self._route.candidates(request)
+        candidates = await self._route.candidates()
         for i, backend in enumerate(candidates):
             stream = self._open(backend, request)
             try:
                 first = await anext(stream, None)
             except Unavailable as err:
                 await stream.aclose()
-                self._route.router.failed(backend)
+                self._route.failed(backend)
                 if i + 1 == len(candidates):
                     raise
                 log.warning("%s before the first token (request_id=%s); retrying on %s", err.message,
                             request.request_id, candidates[i + 1].label)
                 continue
-            self._route.router.answered(backend)
+            self._route.answered(backend)
             return first, stream
         raise Internal("no decoder replica to call")  # unreachable: candidates is never empty
 

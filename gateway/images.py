@@ -2,10 +2,12 @@
 
 Order of the checks, cheapest and most certain first, so a refused request costs no vision work:
 every URL must be an inline data: URI (http(s) is refused: nothing is ever fetched), the count must be
-within --max-images-per-request, the model must take images (its decoder's GetModelInfo said
-supports_images), a vision service must be configured, and each URI must parse within
---max-image-bytes (413 past it). Only then do the bytes go to the vision service, which decodes them
-(a truncated PNG, SVG, a 20000x20000 header are its refusals, mapped through the one error table).
+within the model's limits.max_images (413 past it), the model must take images (its decoder's
+GetModelInfo said supports_images), a vision service must be configured, and each URI must parse within
+limits.max_image_bytes (413 past it). The limits are the decoder's, read from its GetModelInfo
+(RequestLimits): the gateway keeps no numbers of its own for a rule the decoder owns. Only then do the
+bytes go to the vision service, which decodes them (a truncated PNG, SVG, a 20000x20000 header are its
+refusals, mapped through the one error table).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from services.common.errors import (
     Internal,
     InvalidArgument,
     TesseraError,
+    TooLarge,
     Unavailable,
     Unsupported,
     error_for,
@@ -42,8 +45,9 @@ class ImageRef:
     url: str
 
 
-def check_urls(refs: list[ImageRef], max_images: int, model: Model, vision: Backend | None) -> None:
-    """Everything decidable without reading an image: remote URLs, count, model, vision configured."""
+def check_urls(refs: list[ImageRef], model: Model, vision: Backend | None) -> None:
+    """Everything decidable without reading an image: remote URLs, count (model.limits), model, vision
+    configured."""
     for ref in refs:
         scheme = ref.url[:16].partition(":")[0].strip().lower()
         if scheme in ("http", "https"):
@@ -52,8 +56,11 @@ def check_urls(refs: list[ImageRef], max_images: int, model: Model, vision: Back
         if scheme != "data":
             raise InvalidArgument(f"{ref.where}: image_url.url must be a data: URI"
                                   " (data:image/png;base64,...)", param="messages")
+    max_images = model.limits.max_images
     if len(refs) > max_images:
-        raise InvalidArgument(f"{len(refs)} images in one request; the limit is {max_images}", param="messages")
+        # The decoder's rule and wording (services/decoder/server/validation.py), checked here before any
+        # vision work is spent.
+        raise TooLarge(f"{len(refs)} images in one request; at most {max_images} per request", param="messages")
     if not model.extra.get("supports_images"):
         raise Unsupported(f"{refs[0].where}: model {model.name!r} is text-only and refuses image inputs",
                           param="messages")

@@ -1,7 +1,8 @@
 """Which decoder replica gets a generation call, in which order the others are tried, and adapter affinity.
 
-Several `--decoder` replicas may serve one base model. Each call's candidates are every replica that
-serves the call's base model (GenerateRequest.model), ordered by:
+Several `--decoder` replicas may serve one base model. The catalog resolves a request's `model` to what it
+names; `Router.route` turns that into a `Route`, the one place a replica is chosen. A call's candidates are
+every replica that serves the model's base model (an adapter's parent), ordered by:
 
 1. replicas that answered UNAVAILABLE in the last FAILED_AVOID_S seconds go last (a dead or draining
    replica should not be everyone's first try while the others are fine);
@@ -13,6 +14,7 @@ serves the call's base model (GenerateRequest.model), ordered by:
 
 Generation tries them in that order while a replica answers UNAVAILABLE before its first message
 (each replica at most once); after the first message nothing is retried (gateway/generation.py).
+A unary call (tokenize, detokenize) goes to the first candidate.
 
 Residency comes from each decoder's ListAdapters (slot >= 0 is resident), cached for RESIDENCY_MAX_AGE_S
 and fetched only when an adapter request needs it; the admin adapter endpoints call
@@ -86,18 +88,21 @@ class Router:
         self.residency = Residency()
         self.failed_at: dict[str, float] = {}  # backend label -> when it last answered UNAVAILABLE
 
-    def replicas(self, model_name: str, fallback: Backend) -> list[Backend]:
-        """Every decoder replica serving model_name (the base model), per the catalog."""
-        found = [m.backend for m in self.catalog.by_name.get(model_name, ()) if m.kind == GENERATION]
-        return found or [fallback]
+    def route(self, model: Model) -> Route:
+        """The routing of calls for model (as the catalog resolved it): every decoder replica serving its base
+        model, or, for a name the catalog has no base entry for, the replicas serving the name itself."""
+        base = model.parent or model.name
+        replicas = [m.backend for m in self.catalog.by_name.get(base, ()) if m.kind == GENERATION]
+        if not replicas:
+            replicas = [m.backend for m in self.catalog.by_name.get(model.name, ()) if m.kind == GENERATION]
+        return Route(self, model, replicas or [model.backend])
 
-    async def candidates(self, request: decoder_pb2.GenerateRequest, fallback: Backend) -> list[Backend]:
-        """The replicas to try for one Generate call, best first (see the module docstring)."""
-        replicas = self.replicas(request.model, fallback)
+    async def order(self, replicas: list[Backend], adapter: str) -> list[Backend]:
+        """replicas, best first (see the module docstring); adapter "" for a base-model call."""
         tiers = {}
-        if request.adapter and len(replicas) > 1:
+        if adapter and len(replicas) > 1:
             await self.residency.refresh(replicas)
-            tiers = {b.label: self.residency.tier(b, request.adapter) for b in replicas}
+            tiers = {b.label: self.residency.tier(b, adapter) for b in replicas}
         now = time.monotonic()
         position = {b.label: i for i, b in enumerate(replicas)}
         return sorted(replicas, key=lambda b: (now - self.failed_at.get(b.label, float("-inf")) < FAILED_AVOID_S,
@@ -113,15 +118,27 @@ class Router:
 
 
 class Route:
-    """One request's routing: the app's router and the replica the catalog picked (used when the catalog
-    knows no replica list for the model, e.g. a name it has not discovered yet)."""
+    """One request's routing, the only place a replica is chosen: the model it calls and the replicas that
+    can serve it. Generation (gateway/generation.py) and the unary decoder routes work with this alone."""
 
-    def __init__(self, router: Router, fallback: Backend):
+    def __init__(self, router: Router, model: Model, replicas: list[Backend]):
         self.router = router
-        self.fallback = fallback
+        self.model = model
+        self.replicas = replicas
 
-    async def candidates(self, request: decoder_pb2.GenerateRequest) -> list[Backend]:
-        return await self.router.candidates(request, self.fallback)
+    async def candidates(self) -> list[Backend]:
+        """The replicas to try, best first, as of now (loads and failures change between calls)."""
+        return await self.router.order(self.replicas, self.model.target()["adapter"])
+
+    async def best(self) -> Backend:
+        """The one replica for a unary call (no retry: its answer, or its error, is the answer)."""
+        return (await self.candidates())[0]
+
+    def failed(self, backend: Backend) -> None:
+        self.router.failed(backend)
+
+    def answered(self, backend: Backend) -> None:
+        self.router.answered(backend)
 
 
 def router(request: Request) -> Router:
@@ -134,5 +151,5 @@ def router(request: Request) -> Router:
 
 
 def route(request: Request, model: Model) -> Route:
-    """The routing of a generation request for model (as resolved by the catalog)."""
-    return Route(router(request), model.backend)
+    """The routing of a generation or token request for model (as resolved by the catalog)."""
+    return router(request).route(model)

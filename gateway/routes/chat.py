@@ -2,9 +2,12 @@
 
 Messages travel as role + content parts (plus an assistant's tool_calls and a tool message's
 tool_call_id); the decoder renders its own template (with the generation prompt and the tools) and
-validates roles and content again. Tool calling (tools, tool_choice, parallel_tool_calls) is planned by
+judges roles and content: which role may carry tool_calls or tool_call_id, that content is present, that a
+tool message answers an earlier call are its rulebook's (services/decoder/server/validation.py), so
+this module checks JSON shape only. Tool calling (tools, tool_choice, parallel_tool_calls) is planned by
 gateway/tools.py and each choice's text is read back into calls by gateway/tool_calls.py.
-`image_url` parts must be inline data: URIs (nothing is ever fetched): gateway/images.py checks them,
+`image_url` parts must be inline data: URIs (nothing is ever fetched): gateway/images.py checks them
+against the decoder's published limits,
 sends the bytes to the vision service in one Encode call, and the decoder gets the rows, grids and hashes
 as GenerateRequest.images, each part naming its image by ContentPart.image_index in message order.
 """
@@ -17,7 +20,6 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 
-from services.common.errors import InvalidArgument
 from services.common.pb import decoder_pb2
 
 from .. import images as image_inputs
@@ -62,34 +64,14 @@ class ToolCall(StrictBody):
 
 
 class Message(StrictBody):
+    """One message's JSON shape; which fields its role may carry is the decoder's rule (module docstring)."""
+
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = Field(
         None, description="required, except on an assistant message with tool_calls")
     name: str | None = Field(None, description="the author's name, passed to the chat template")
     tool_calls: list[ToolCall] | None = Field(None, description="assistant only: the calls it made")
     tool_call_id: str | None = Field(None, description="tool only (and required there): the call it answers")
-
-    @model_validator(mode="after")
-    def _fields_fit_role(self):
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        if (self.tool_call_id is None) != (self.role != "tool"):
-            raise ValueError("tool messages need a tool_call_id (the id of the call they answer)"
-                             if self.role == "tool" else "only tool messages carry tool_call_id")
-        if self.content is None and not self.tool_calls:
-            raise ValueError("content is required (it may be omitted only on an assistant message with"
-                             " tool_calls)")
-        return self
-
-
-def check_tool_messages(messages: list[Message]) -> None:
-    """Each tool message answers a call an earlier assistant message made (OpenAI's rule)."""
-    made: set[str] = set()
-    for i, message in enumerate(messages):
-        made.update(call.id for call in message.tool_calls or ())
-        if message.role == "tool" and message.tool_call_id not in made:
-            raise InvalidArgument(f"messages[{i}]: tool_call_id {message.tool_call_id!r} answers no tool call of"
-                                  f" an earlier assistant message", param="messages")
 
 
 class ChatRequest(ToolFields, SamplingFields):
@@ -145,9 +127,7 @@ def _to_proto(message: Message, first_image: int) -> decoder_pb2.ChatMessage:
 
 def chat_messages(messages: list[Message], add_generation_prompt: bool = True,
                   tools: list[Tool] | None = None) -> decoder_pb2.ChatMessages:
-    """The decoder's ChatMessages (a chat completion always asks for the generation prompt). Raises
-    InvalidArgument for a tool message that answers no earlier call."""
-    check_tool_messages(messages)
+    """The decoder's ChatMessages (a chat completion always asks for the generation prompt)."""
     out, images = [], 0
     for message in messages:
         out.append(_to_proto(message, images))
@@ -162,10 +142,9 @@ async def _images(request: Request, refs: list[image_inputs.ImageRef], model, ri
     vision work is wasted."""
     if not refs:
         return [], 0
-    cfg = request.app.state.config
     vision = next((b for b in request.app.state.backends if b.role == "vision"), None)
-    image_inputs.check_urls(refs, cfg.max_images_per_request, model, vision)
-    data = image_inputs.decode_uris(refs, cfg.max_image_bytes)
+    image_inputs.check_urls(refs, model, vision)
+    data = image_inputs.decode_uris(refs, model.limits.max_image_bytes)
     return await image_inputs.encode(vision, refs, data, rid)
 
 
@@ -191,7 +170,7 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     plan.apply(sampling)
     generate = decoder_pb2.GenerateRequest(**model.target(), chat=chat, images=images, sampling=sampling)
     # The decoder names its own fields; the caller should read the ones it sent.
-    fields = body.error_fields({"prompt": "messages", "logprobs": "top_logprobs",
+    fields = body.error_fields({"prompt": "messages", "images": "messages", "logprobs": "top_logprobs",
                                 "max_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens"})
     if plan.schema is not None:
         fields[DECODER_PARAM] = "tools"    # a forced call's schema is the tools' parameters

@@ -26,6 +26,7 @@ from pydantic import Field
 from services.common.errors import InvalidArgument
 from services.common.pb import decoder_pb2
 
+from .. import routing
 from ..backends import GENERATION
 from ..errors import request_id
 from ..tools import Tool
@@ -85,7 +86,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     """Token ids of a prompt or of a conversation rendered with the model's chat template."""
     _check(body)
     model = await catalog(request).resolve(body.model, GENERATION)
-    backend = model.backend
+    backend = await routing.route(request, model).best()
     reply = await backend.call(backend.decoder.Tokenize, _tokenize_request(body, model.target()), request_id(request))
     return {"count": len(reply.token_ids), "max_model_len": reply.max_model_len, "tokens": list(reply.token_ids),
             "token_strs": list(reply.token_strs) if body.return_token_strs else None}
@@ -95,7 +96,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     """The text of token ids, special tokens kept."""
     model = await catalog(request).resolve(body.model, GENERATION)
-    backend = model.backend
+    backend = await routing.route(request, model).best()
     reply = await backend.call(backend.decoder.Detokenize,
                                decoder_pb2.DetokenizeRequest(**model.target(), token_ids=body.tokens),
                                request_id(request), {"token_ids": "tokens"})

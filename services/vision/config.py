@@ -28,10 +28,12 @@ class VisionConfig:
                         choices=("fp32", "bf16", "fp16"))
     device: str = option("cpu", "torch device: cpu or cuda")
     threads: int = option(0, "torch intra-op threads; 0 keeps torch's default (all cores)")
-    max_image_bytes: int = option(20 * 2**20, "largest compressed image accepted, in bytes")
+    # This service's own bound, for any caller; behind the gateway the decoder's published limits
+    # (GetModelInfo.limits, lower by default) are checked first, so the decoder's number is the one users meet.
+    max_image_bytes: int = option(20 * 2**20, "largest compressed image accepted, in bytes (413 past it)")
     max_pixels: int = option(40_000_000, "largest decoded image (width*height) accepted; checked from the "
                                          "header before any pixel is decoded")
-    max_images: int = option(16, "most images in one Encode call")
+    max_images: int = option(16, "most images in one Encode call (413 past it)")
     max_pending: int = option(64, "Encode calls allowed to wait for the encoder before RESOURCE_EXHAUSTED")
     redis_url: str = option("", "Redis URL of the feature cache (redis://host:port/db); empty disables it")
     cache_bytes: int = option(256 * 2**20, "byte budget of cached rows in Redis; least recently used "

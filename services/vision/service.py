@@ -76,8 +76,9 @@ class VisionServicer(vision_pb2_grpc.VisionServiceServicer):
         if not images:
             raise InvalidArgument("at least one image is required", param="images")
         if len(images) > self.cfg.max_images:
-            raise InvalidArgument(f"{len(images)} images in one request; the limit is {self.cfg.max_images}",
-                                  param="images")
+            # The decoder's wording and kind for the same rule (services/decoder/server/validation.py).
+            raise TooLarge(f"{len(images)} images in one request; at most {self.cfg.max_images} per request",
+                           param="images")
         for i, im in enumerate(images):
             if not im.data:
                 raise InvalidArgument(f"image {i} is empty", param=f"images[{i}]")

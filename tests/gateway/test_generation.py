@@ -243,6 +243,15 @@ TOO_LONG = "word " * (MAX_LEN + 10)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": TOO_LONG}]}, 400, "messages"),
+    # Role rules are the decoder's (services/decoder/server/validation.py), reached through the gateway.
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "21"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_call_id": "a"}]}, 400,
+     "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [*HELLO, {"role": "tool", "content": "21", "tool_call_id": "a"}]}, 400,
+     "messages"),
     ("/v1/chat/completions", {"messages": HELLO, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": HELLO, "max_completion_tokens": MAX_LEN}, 400,
      "max_completion_tokens"),

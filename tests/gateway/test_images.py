@@ -5,7 +5,8 @@ client and httpx.
 The Qwen2-VL checkpoint is random, so the checks are about agreement: greedy text equals transformers'
 Qwen2VLForConditionalGeneration.generate on the same checkpoint, prompt and photo; the same image twice is a
 vision feature-cache hit and a decoder prefix-cache hit; a stream equals the whole answer. Every bad input is a
-clear 4xx in OpenAI's error shape, refusals the gateway can make itself never reach the vision service, and
+clear 4xx in OpenAI's error shape, refusals the gateway can make itself never reach the vision service (the
+image limits it checks are the VL decoder's, read from its GetModelInfo: the gateway has none of its own), and
 every service is still up afterwards (docs/design.md, invariants 8 and 9)."""
 from __future__ import annotations
 
@@ -71,8 +72,9 @@ def fleet(tmp_path_factory, vl_checkpoint, tiny_chat_model):  # noqa: F811 - pyt
             "--model", str(vl_checkpoint), "--host", "127.0.0.1", "--port", str(ports["vision"]), "--threads", "1",
             "--redis-url", f"redis://127.0.0.1:{ports['redis']}/0"], logs / "vision.log"))
         procs.append(python_module("services.decoder", [
-            "--model", str(vl_checkpoint), "--served-model-name", VL, "--port", str(ports["vl"]), "--max-images", "4",
-            *decoder_flags], logs / "decoder-vl.log"))
+            "--model", str(vl_checkpoint), "--served-model-name", VL, "--port", str(ports["vl"]),
+            "--max-images", str(MAX_IMAGES), "--max-image-bytes", str(MAX_IMAGE_BYTES), *decoder_flags],
+            logs / "decoder-vl.log"))
         procs.append(python_module("services.decoder", [
             "--model", str(tiny_chat_model), "--served-model-name", TEXT_ONLY, "--port", str(ports["text"]),
             *decoder_flags], logs / "decoder-text.log"))
@@ -81,8 +83,7 @@ def fleet(tmp_path_factory, vl_checkpoint, tiny_chat_model):  # noqa: F811 - pyt
         wait_serving(addresses["vl"], "tessera.decoder.v1.DecoderService", procs[2])
         wait_serving(addresses["text"], "tessera.decoder.v1.DecoderService", procs[3])
         cfg = GatewayConfig(host="127.0.0.1", port=free_port(), decoder=(addresses["vl"], addresses["text"]),
-                            vision=addresses["vision"], api_key=KEY, max_images_per_request=MAX_IMAGES,
-                            max_image_bytes=MAX_IMAGE_BYTES, model_note=(f"{VL}=random weights",))
+                            vision=addresses["vision"], api_key=KEY, model_note=(f"{VL}=random weights",))
         # The same decoders without a vision service: image parts must be refused, not dropped.
         blind = GatewayConfig(host="127.0.0.1", port=free_port(), decoder=(addresses["vl"],), api_key=KEY)
         with GatewayThread(cfg) as gw, GatewayThread(blind) as gw_blind:
@@ -243,7 +244,7 @@ def bad_inputs() -> dict[str, tuple[list[dict], str, int, str, bool]]:
         "20000x20000": (one(data_uri(png_header(20000, 20000))), VL, 413, "pixels", True),
         "over_the_byte_limit": (one(data_uri(b"\x89PNG" + bytes(MAX_IMAGE_BYTES))), VL, 413, "limit", False),
         "too_many_images": ([{"role": "user", "content": [image_part(data_uri(cat))] * (MAX_IMAGES + 1)}], VL,
-                            400, f"limit is {MAX_IMAGES}", False),
+                            413, f"at most {MAX_IMAGES} per request", False),
         "text_only_model": (one(data_uri(cat)), TEXT_ONLY, 400, "text-only", False),
         "remote_url": (one("https://example.com/cat.png"), VL, 400, "nothing is fetched", False),
         "remote_url_on_text_model": (one("http://10.0.0.1/x.png"), TEXT_ONLY, 400, "nothing is fetched", False),

@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 
-from gateway.backends import Backend, Catalog
+from gateway.backends import GENERATION, Backend, Catalog
 from gateway.config import GatewayConfig
 from gateway.routing import Router
 from services.common.pb import decoder_pb2, decoder_pb2_grpc
@@ -105,17 +105,20 @@ def test_adapter_affinity_prefers_the_resident_replica(replicas):
             catalog = Catalog(backends, 60)
             await catalog.refresh(0)
             router = Router(catalog)
-            plain = decoder_pb2.GenerateRequest(model=MODEL)
-            lora = decoder_pb2.GenerateRequest(model=MODEL, adapter="a1")
+            plain = router.route(await catalog.resolve(MODEL, GENERATION))
+            lora = router.route(await catalog.resolve("a1", GENERATION))
+            # Chosen once, by the router: both routes hold every replica of the base model.
+            assert [b.address for b in plain.replicas] == [b.address for b in lora.replicas] == replicas["addresses"]
             # Load the adapter's replica with a real outstanding stream: plain calls avoid it, a1 still wants it.
             stream = backends[1].stream(backends[1].decoder.Generate, decoder_pb2.GenerateRequest(
                 model=MODEL, text="go on", sampling=decoder_pb2.SamplingParams(max_tokens=3000, ignore_eos=True)),
                 "affinity")
             await anext(stream)
             try:
-                got = ([b.address for b in await router.candidates(plain, backends[0])],
-                       [b.address for b in await router.candidates(lora, backends[0])],
+                got = ([b.address for b in await plain.candidates()],
+                       [b.address for b in await lora.candidates()],
                        router.residency.slots)
+                assert (await plain.best()).address == got[0][0] and (await lora.best()).address == got[1][0]
             finally:
                 await stream.aclose()
             return got

@@ -97,7 +97,7 @@ def test_contract(served, photos):
     png = png.getvalue()
     invalid, inv = grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"
     fails(stub, vision_pb2.EncodeRequest(), invalid, inv)
-    fails(stub, request(png, png, png, png), invalid, inv)
+    fails(stub, request(png, png, png, png), invalid, "TOO_LARGE")
     fails(stub, request(b""), invalid, inv)
     fails(stub, request(png[: len(png) // 2]), invalid, inv)
     fails(stub, request(b"GIF89a but not really"), invalid, inv)
