@@ -61,9 +61,15 @@ PATHS: dict[str, tuple[str, ...]] = {
     "encoder_attention": ("torch", "cpp"),
 }
 
-HELP = ("pin fast paths instead of timing them at load, e.g. 'linear=plain,attention=torch,screen=off'; "
-        "each is auto (timed, the default) or one of its candidates: "
-        + "; ".join(f"{name}: {'|'.join(values)}" for name, values in PATHS.items()))
+# The paths each service runs.
+DECODER = ("linear", "gemv", "glue", "attention", "decode_stack", "screen", "grammar_mask", "huge_pages", "malloc")
+POOLING = ("linear", "encoder_attention", "malloc")
+
+
+def help_for(paths: tuple[str, ...]) -> str:
+    """The --fast-paths help of a service that runs `paths`."""
+    return ("pin fast paths instead of timing them at load, e.g. 'linear=plain,attention=torch'; each is auto "
+            "(timed, the default) or one of: " + "; ".join(f"{name} {'|'.join(PATHS[name])}" for name in paths))
 
 
 @dataclass(frozen=True)
@@ -73,8 +79,9 @@ class Pins:
     values: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, text: str | Pins | Mapping[str, str] | None) -> Pins:
-        """'linear=plain, screen=off' (or a mapping) -> Pins; ValueError in one line names what is wrong."""
+    def parse(cls, text: str | Pins | Mapping[str, str] | None, paths: tuple[str, ...] = tuple(PATHS)) -> Pins:
+        """'linear=plain, screen=off' (or a mapping) -> Pins; ValueError in one line names what is wrong.
+        paths: the ones this service runs."""
         if isinstance(text, Pins):
             return text
         if text is None:
@@ -84,8 +91,8 @@ class Pins:
         values: dict[str, str] = {}
         for name, value in items:
             name, value = name.strip().lower(), value.strip().lower()
-            if name not in PATHS:
-                raise ValueError(f"--fast-paths: unknown path {name!r}; choose from {', '.join(PATHS)}")
+            if name not in paths:
+                raise ValueError(f"--fast-paths: unknown path {name!r}; choose from {', '.join(paths)}")
             if value != AUTO and value not in PATHS[name]:
                 raise ValueError(f"--fast-paths {name}={value!r}: expected auto or one of {', '.join(PATHS[name])}")
             if name in values:
@@ -216,3 +223,11 @@ class ExecutionPlan:
     def summary(self) -> str:
         """All choices in one line (benchmarks print it): "linear 576x576: packed; attention: cpp; ..."."""
         return "; ".join(f"{c.name}: {c.chosen}" for c in self.choices)
+
+    def to_proto(self):
+        """This plan as tessera.common.v1.ExecutionPlan (GetModelInfo of the decoder and pooling)."""
+        from services.common.pb import common_pb2   # generated code; the configs import this module without it
+        return common_pb2.ExecutionPlan(pins=str(self.pins), choices=[
+            common_pb2.FastPathChoice(name=c.name, chosen=c.chosen, reason=c.reason, timings=[
+                common_pb2.FastPathTiming(candidate=t.candidate, seconds=t.seconds, rows=t.rows) for t in c.timings])
+            for c in self.choices])

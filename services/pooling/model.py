@@ -12,16 +12,15 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Tokenizer
 
+from services.common import dtypes
 from services.common.errors import ContextLengthExceeded, InvalidArgument
+from services.common.plan import ExecutionPlan, Pins
 
 from . import packed
 from .folder import ModelSpec
 from .pooling import pool_hidden
 
 log = logging.getLogger("tessera.pooling.model")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 @dataclass(frozen=True)
 class Sequence:
@@ -61,14 +60,13 @@ def _check_missing(spec: ModelSpec, info: dict, allowed: tuple[str, ...] = ()) -
 class _Base:
     """Shared loading, tokenisation, validation and padding."""
 
-    # The matmul path (services/common/linear_path.py); transformers' own forward unless a
-    # subclass runs a faster one.
-    linear_backend = "transformers"
-    attention_backend = "transformers"
+    # The fast paths chosen at load (services/common/plan.py): none for transformers' own forward,
+    # unless a subclass runs a faster one.
+    plan = ExecutionPlan()
 
     def __init__(self, spec: ModelSpec, module: torch.nn.Module, dtype: str):
         self.spec = spec
-        self.module = module.to(_DTYPES[dtype]).eval()
+        self.module = module.to(dtypes.to_torch(dtype, ('fp32', 'bf16'))).eval()
         self.full, self.cut = _load_tokenizers(spec)
         params = inspect.signature(self.module.forward).parameters
         self.takes_type_ids = "token_type_ids" in params
@@ -104,8 +102,8 @@ class _Base:
 class Embedder(_Base):
     """An encoder or decoder backbone (AutoModel) plus our pooling."""
 
-    def __init__(self, spec: ModelSpec, *, dtype: str = "float32", fast: bool = True,
-                 linear_path: str | None = None):
+    def __init__(self, spec: ModelSpec, *, dtype: str = "fp32", fast: bool = True,
+                 fast_paths: str | Pins | None = None):
         from transformers import AutoModel
         module, info = AutoModel.from_pretrained(spec.path, dtype=torch.float32,
                                                  output_loading_info=True)
@@ -115,12 +113,12 @@ class Embedder(_Base):
         # bf16 too: its matmuls run ~2x fp32's where the CPU has AVX-512 bf16 (linear_path times them), and the
         # packed forward's bf16 result is as close to fp32 as transformers' own bf16 forward is
         # (tests/pooling/test_reference.py), at ~0.6x its CPU time on MiniLM.
-        self.packed = packed.PackedBert.wrap(self.module, linear_path) if fast else None
-        if self.packed is not None:
-            self.linear_backend, self.attention_backend = self.packed.linear_path, self.packed.attention
-        log.info("embedding model %s: %s pooling=%s normalize=%s max_len=%d fast=%s linear=%s attention=%s",
+        # Its fast paths, chosen at load under what --fast-paths pins (services/common/plan.py).
+        self.plan = ExecutionPlan(fast_paths)
+        self.packed = packed.PackedBert.wrap(self.module, self.plan) if fast else None
+        log.info("embedding model %s: %s pooling=%s normalize=%s max_len=%d fast=%s fast paths: %s",
                  spec.name, type(self.module).__name__, spec.pooling, spec.normalize, spec.max_model_len,
-                 self.packed is not None, self.linear_backend, self.attention_backend)
+                 self.packed is not None, self.plan.summary() or "transformers' forward")
 
     def tokenize(self, inputs: list[str | list[int]], truncate: bool) -> list[Sequence]:
         """Validate and tokenise request inputs (text, or token ids) in order."""
@@ -164,7 +162,7 @@ class Embedder(_Base):
 class Reranker(_Base):
     """A one-label *ForSequenceClassification cross-encoder."""
 
-    def __init__(self, spec: ModelSpec, *, dtype: str = "float32"):
+    def __init__(self, spec: ModelSpec, *, dtype: str = "fp32"):
         from transformers import AutoModelForSequenceClassification
         module, info = AutoModelForSequenceClassification.from_pretrained(
             spec.path, dtype=torch.float32, output_loading_info=True)

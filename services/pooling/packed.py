@@ -5,7 +5,7 @@ Why: on CPU the linear layers dominate a small encoder's forward. transformers'
 BertModel runs them over the padded [B, L] grid and splits Q/K/V into three GEMMs.
 Here tokens of all rows are concatenated into one [T, H] matrix (T = real tokens),
 Q/K/V is one fused GEMM. Attention runs per sequence on the packed rows in a C++ operator
-(attention_cpu.py) where it builds and is faster at load; otherwise it is padded only within groups of
+(attention_cpu.py) where it builds and is faster at load (services/common/plan.py); otherwise it is padded only within groups of
 rows of similar length (`attention_groups`): padding every row to the batch's longest made attention
 cost B * longest^2, which took a fifth of MiniLM's forward on real sentences; grouped, the forward is
 ~0.75x as long, and the operator takes attention from ~4-6 ms to ~1.7 ms per layer of 52 sentences.
@@ -20,7 +20,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from services.common import linear_path, native, stopwatch
+from services.common import linear_path, native
+from services.common import plan as execution
 
 from . import attention_cpu
 
@@ -51,21 +52,31 @@ def attention_groups(lengths: list[int], call_cost: int = CALL_COST) -> list[tup
     return groups[::-1]
 
 
-def best_of(name: str, fn: Callable[[], object]) -> float:
-    """The fastest of 3 calls of fn after one warm-up call, in seconds (name: which path, for tests)."""
-    return stopwatch.fastest(fn, 3)
+# {path: call} -> {path: seconds}; plan.fastest unless a test swaps it.
+Timer = Callable[[dict[str, Callable[[], object]]], dict[str, float]]
 
 
-def choose_attention(heads: int, head_dim: int, dtype: torch.dtype,
-                     timer: Callable[[str, Callable[[], object]], float] = best_of) -> tuple[bool, str]:
-    """(whether the C++ operator runs attention, a one-line summary): the faster of it and the grouped
-    SDPA, timed at load on 16 sentence-like sequences (8 to 68 tokens), or the grouped SDPA when the
+def choose_attention(heads: int, head_dim: int, dtype: torch.dtype, record: execution.ExecutionPlan,
+                     timer: Timer | None = None) -> tuple[bool, str]:
+    """(whether the C++ operator runs attention, a one-line summary), the choice "encoder_attention" of
+    record: the pinned path, else the faster of it and the grouped SDPA by the plan's tie rule (SDPA kept
+    on a tie), timed at load on 16 sentence-like sequences (8 to 68 tokens); the grouped SDPA when the
     operator cannot be had here (the reason is logged). timer (tests) replaces the clock."""
+    pin = record.pinned("encoder_attention")
+    if pin == "torch":
+        record.record("encoder_attention", "torch")
+        return False, "torch-grouped (--fast-paths encoder_attention=torch)"
     try:
         attention_cpu.load()
     except native.BuildError as e:
+        if pin == "cpp":
+            raise
         log.warning("encoder attention operator unavailable, attention runs grouped SDPA: %s", e)
+        record.record("encoder_attention", "torch", reason=f"cpp unavailable: {str(e).splitlines()[0]}")
         return False, f"torch-grouped (cpp unavailable: {str(e).splitlines()[0]})"
+    if pin == "cpp":
+        record.record("encoder_attention", "cpp")
+        return True, "cpp (--fast-paths encoder_attention=cpp)"
     lengths = sorted(random.Random(0).randint(8, 68) for _ in range(16))
     qkv = torch.randn(sum(lengths), 3 * heads * head_dim).to(dtype)
     offsets = torch.tensor([0] + lengths).cumsum(0)
@@ -76,11 +87,13 @@ def choose_attention(heads: int, head_dim: int, dtype: torch.dtype,
         for group in groups:
             group.attend(qkv, out, heads)
     with torch.inference_mode():
-        cpp = timer("cpp", lambda: attention_cpu.attention(qkv, offsets, heads))
-        torch_grouped = timer("grouped", grouped)
-    use = cpp < torch_grouped
-    timed = f"timed cpp {cpp * 1e3:.2f} vs grouped {torch_grouped * 1e3:.2f} ms"
-    return use, f"{'cpp' if use else 'torch-grouped'} ({timed})"
+        took = (timer or execution.fastest)({"cpp": lambda: attention_cpu.attention(qkv, offsets, heads),
+                                             "torch": grouped})
+    chosen = execution.pick(took, "torch")
+    record.record("encoder_attention", chosen, [execution.Timing(k, v) for k, v in took.items()],
+                  "16 sequences of 8-68 tokens")
+    timed = f"timed cpp {took['cpp'] * 1e3:.2f} vs grouped {took['torch'] * 1e3:.2f} ms"
+    return chosen == "cpp", f"{'cpp' if chosen == 'cpp' else 'torch-grouped'} ({timed})"
 
 
 def _groups(lengths: list[int]) -> list[_Group]:
@@ -124,18 +137,18 @@ class PackedBert:
     """Callable: list of Sequence -> (hidden [B, L, H] right-padded, mask [B, L])."""
 
     @classmethod
-    def wrap(cls, model: torch.nn.Module, mode: str | None = None) -> PackedBert | None:
+    def wrap(cls, model: torch.nn.Module, record: execution.ExecutionPlan) -> PackedBert | None:
         """A PackedBert over model's weights, or None when model is not a plain BertModel.
 
-        mode: the matmul path (services/common/linear_path.py): auto (timed), packed or plain."""
+        record: the execution plan its paths are chosen in (linear, encoder_attention)."""
         cfg = model.config
         if (type(model).__name__ != "BertModel" or getattr(cfg, "is_decoder", False)
                 or getattr(cfg, "position_embedding_type", "absolute") != "absolute"
                 or not isinstance(cfg.hidden_act, str) or cfg.hidden_act not in _GELU):
             return None
-        return cls(model, mode)
+        return cls(model, record)
 
-    def __init__(self, model: torch.nn.Module, mode: str | None = None):
+    def __init__(self, model: torch.nn.Module, record: execution.ExecutionPlan):
         cfg = model.config
         self.heads = cfg.num_attention_heads
         self.approximate = _GELU[cfg.hidden_act]
@@ -154,10 +167,10 @@ class PackedBert:
                    torch.cat([att.query.bias, att.key.bias, att.value.bias]))
             dense = (layer.attention.output.dense, layer.intermediate.dense, layer.output.dense)
             weights.append([qkv] + [(m.weight, m.bias) for m in dense])
-        plan = linear_path.plan((wb for layer in weights for wb in layer), mode)
+        plan = linear_path.plan((wb for layer in weights for wb in layer), record=record)
         self.linear_path = plan.summary   # reported by the Embedder's load log
         self.cpp_attention, self.attention = choose_attention(self.heads, cfg.hidden_size // self.heads,
-                                                              self.word.dtype)
+                                                              self.word.dtype, record)
         self.layers = []
         for layer, projections in zip(model.encoder.layer, weights, strict=True):
             qkv, out, up, down = (linear_path.Projection(w, b, plan) for w, b in projections)

@@ -141,6 +141,5 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServiceServicer):
                 pooling=s.spec.pooling if s.spec.kind == "embedding" else "",
                 normalize=s.spec.normalize, matryoshka_dimensions=list(s.spec.matryoshka),
                 max_batch_size=self.max_request_inputs, activation=s.spec.activation,
-                linear_backend=s.runner.linear_backend,
-                attention_backend=s.runner.attention_backend)
+                execution_plan=s.runner.plan.to_proto())
             for s in self.models.values()])
