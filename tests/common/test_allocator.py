@@ -1,4 +1,5 @@
-"""services/common/allocator.py: glibc keeps the pages a forward frees, unless TESSERA_MALLOC=default."""
+"""services/common/allocator.py: glibc keeps the pages a forward frees, unless its mode is "default"
+(--fast-paths malloc=default)."""
 from __future__ import annotations
 
 import logging
@@ -56,7 +57,6 @@ class FakeLibc:
 def test_keep_sets_both_thresholds(monkeypatch, caplog):
     fake = FakeLibc()
     monkeypatch.setattr(allocator, "libc", lambda: fake)
-    monkeypatch.delenv(allocator.ENV, raising=False)
     with caplog.at_level(logging.INFO, "tessera.allocator"):
         summary = allocator.keep_freed_memory()
     # The mmap threshold first: fixing the trim threshold alone stops the mmap threshold's growth (slower).
@@ -67,8 +67,7 @@ def test_keep_sets_both_thresholds(monkeypatch, caplog):
 def test_default_mode_leaves_malloc_alone(monkeypatch):
     fake = FakeLibc()
     monkeypatch.setattr(allocator, "libc", lambda: fake)
-    monkeypatch.setenv(allocator.ENV, " Default ")
-    assert "defaults" in allocator.keep_freed_memory()
+    assert "defaults" in allocator.keep_freed_memory(" Default ")
     assert fake.calls == []
 
 
@@ -81,7 +80,15 @@ def test_refusal_and_missing_glibc_are_said(monkeypatch, caplog):
     assert "no glibc" in allocator.keep_freed_memory("keep")
 
 
-def test_bad_mode_names_the_variable(monkeypatch):
-    monkeypatch.setenv(allocator.ENV, "jemalloc")
-    with pytest.raises(ValueError, match="TESSERA_MALLOC='jemalloc': expected one of keep, default"):
-        allocator.keep_freed_memory()
+def test_bad_mode_names_the_value():
+    with pytest.raises(ValueError, match="malloc mode 'jemalloc': expected one of keep, default"):
+        allocator.keep_freed_memory("jemalloc")
+
+
+def test_the_pin_reaches_malloc_at_start(monkeypatch):
+    """services/common/process.py applies the service's `malloc` pin; auto (the default) is keep."""
+    from services.common.plan import Pins
+    fake = FakeLibc()
+    monkeypatch.setattr(allocator, "libc", lambda: fake)
+    assert "defaults" in allocator.keep_freed_memory(Pins.parse("malloc=default").get("malloc")) and not fake.calls
+    assert allocator.keep_freed_memory(Pins.parse("").get("malloc")).startswith("freed memory kept")

@@ -1,5 +1,5 @@
 """services/common/arena.py: tensors in one mapping of 2 MiB pages, copied exactly, zeroed, or left to
-torch when TESSERA_HUGE_PAGES=off."""
+torch when huge pages are off (--fast-paths huge_pages=off)."""
 from __future__ import annotations
 
 import errno
@@ -12,7 +12,6 @@ from services.common import arena
 
 
 def test_place_copies_every_tensor_exactly_aligned(monkeypatch):
-    monkeypatch.delenv(arena.ENV, raising=False)
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(3, 5, generator=g), torch.randn(7, generator=g).to(torch.bfloat16),
                torch.randint(-128, 127, (2, 9), generator=g, dtype=torch.int8), torch.randn(33, 4, generator=g)]
@@ -26,7 +25,6 @@ def test_place_copies_every_tensor_exactly_aligned(monkeypatch):
 
 
 def test_zeros_are_zero_and_writable(monkeypatch):
-    monkeypatch.delenv(arena.ENV, raising=False)
     held, (k, v), _ = arena.zeros([((4, 2, 3), torch.bfloat16), ((4, 2, 3), torch.bfloat16)])
     assert held is not None and not k.any() and not v.any()
     k[1] = 2.5
@@ -37,7 +35,6 @@ def test_zeros_are_zero_and_writable(monkeypatch):
                     reason="this kernel gives no transparent huge pages to a madvised mapping")
 def test_a_large_arena_gets_huge_pages(monkeypatch):
     """What the kernel granted, read back from /proc/self/smaps: the point of the arena."""
-    monkeypatch.delenv(arena.ENV, raising=False)
     held, (t,), summary = arena.place([torch.ones(4 << 20)])      # 16 MiB of fp32
     assert held.huge_bytes() >= 8 << 20, summary
     assert "MiB in 2 MiB pages (" in summary
@@ -45,7 +42,6 @@ def test_a_large_arena_gets_huge_pages(monkeypatch):
 
 def test_a_kernel_without_huge_pages_still_gets_an_arena(monkeypatch):
     """madvise(MADV_HUGEPAGE) fails with EINVAL on a kernel built without THP: plain pages, said so."""
-    monkeypatch.delenv(arena.ENV, raising=False)
 
     class NoAdvice(mmap.mmap):
         def madvise(self, *args):
@@ -57,13 +53,9 @@ def test_a_kernel_without_huge_pages_still_gets_an_arena(monkeypatch):
     assert "4 KiB pages (madvise(MADV_HUGEPAGE) refused: Invalid argument)" in summary
 
 
-def test_off_leaves_torch_allocations(monkeypatch):
-    monkeypatch.setenv(arena.ENV, "off")
+def test_off_leaves_torch_allocations():
     t = torch.ones(3)
-    held, placed, summary = arena.place([t])
-    assert held is None and placed[0] is t and "TESSERA_HUGE_PAGES=off" in summary
-    held, (z,), _ = arena.zeros([((2, 2), torch.float32)])
+    held, placed, summary = arena.place([t], huge_pages=False)
+    assert held is None and placed[0] is t and "huge pages off" in summary
+    held, (z,), _ = arena.zeros([((2, 2), torch.float32)], huge_pages=False)
     assert held is None and not z.any()
-    monkeypatch.setenv(arena.ENV, "maybe")
-    with pytest.raises(ValueError, match="TESSERA_HUGE_PAGES='maybe': expected one of on, off"):
-        arena.place([t])

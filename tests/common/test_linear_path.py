@@ -16,6 +16,7 @@ from torch import nn
 
 from services.common import linear_path
 from services.common.linear_path import Plan, Projection, Rule, Shape
+from services.common.plan import ExecutionPlan
 from services.decoder.model.linear import Linear, pack_linears
 from tests.tolerance import assert_close
 
@@ -61,7 +62,7 @@ def test_forward_takes_the_path_its_rule_picks(monkeypatch):
     """Linear (decoder) and Projection (pooling) call the packed op exactly for the rows the timings favour."""
     model = tiny_model()
     monkeypatch.setattr(linear_path, "time_both", fake_timer(lambda r: r >= 16))
-    summary = pack_linears(model, "auto")
+    summary = pack_linears(model, ExecutionPlan())
     assert summary == "auto float32: packed rows>=16 on 48x32,32x48"
     weight = torch.randn(48, 32)
     proj = Projection(weight, None, linear_path.plan([(weight, None)], "auto", fake_timer(lambda r: r < 4)))
@@ -114,7 +115,7 @@ needs_bf16_packing = pytest.mark.skipif(linear_path.pack_error(torch.bfloat16) i
 
 @needs_bf16_packing
 def test_bf16_shapes_get_the_packed_copy_that_timed_faster(monkeypatch):
-    """Per bf16 shape, the widened fp32 copy is kept only where it beat the bf16 one by more than TIE
+    """Per bf16 shape, the widened fp32 copy is kept only where it beat the bf16 one (plan.beats)
     (summed over COPY_ROWS); the packed-vs-plain rule is then timed on the kept copy, and a shape whose
     rule is not timed at COPY_ROWS[0] (MAX_MACS) is never offered the choice."""
     faster = {64: "wide", 48: "own", 40: "tie"}          # by out_features
@@ -123,7 +124,7 @@ def test_bf16_shapes_get_the_packed_copy_that_timed_faster(monkeypatch):
     def copy_timer(weight, own, wide, bias, rows):
         assert own.dtype == torch.bfloat16 and wide.dtype == torch.float32 and rows in linear_path.COPY_ROWS
         copy_calls.append((weight.shape[0], rows))
-        return {"wide": (2.0, 1.0), "own": (1.0, 2.0), "tie": (1.0, 0.95)}[faster[weight.shape[0]]]
+        return {"wide": (2.0, 1.0), "own": (1.0, 2.0), "tie": (1.0, 0.97)}[faster[weight.shape[0]]]
 
     def timer(weight, packed, bias, rows):
         rule_copies[weight.shape[0]] = packed.dtype
@@ -145,7 +146,7 @@ def test_bf16_shapes_get_the_packed_copy_that_timed_faster(monkeypatch):
     monkeypatch.setattr(linear_path, "time_both", timer)
     monkeypatch.setattr(linear_path, "time_copies", lambda w, own, wide, b, rows: (2.0, 1.0) if w.shape[0] == 48
                         else (1.0, 2.0))
-    pack_linears(model, "auto")
+    pack_linears(model, ExecutionPlan())
     assert [m.packed.dtype for m in model] == [torch.float32, torch.bfloat16, torch.float32]
 
 
@@ -170,11 +171,13 @@ def test_forced_modes_do_not_time(monkeypatch):
     w = torch.randn(16, 8)
     assert linear_path.plan([(w, None)], "plain", refuse).summary == "plain float32: plain on 16x8"
     if linear_path.pack_error(torch.float32) is None:
-        monkeypatch.setenv(linear_path.ENV, "packed")
-        assert linear_path.plan([(w, torch.zeros(16))], timer=refuse).summary == "packed float32: packed on 16x8+b"
-    monkeypatch.setenv(linear_path.ENV, "fastest")
-    with pytest.raises(ValueError, match="TESSERA_LINEAR_PATH='fastest'"):
-        linear_path.resolve_mode()
+        pinned = ExecutionPlan("linear=packed")
+        assert linear_path.plan([(w, torch.zeros(16))], timer=refuse, record=pinned).summary == \
+            "packed float32: packed on 16x8+b"
+        assert pinned.chosen("linear 16x8+b") == "packed"
+        assert pinned.get("linear 16x8+b").reason == "linear path packed"
+    with pytest.raises(ValueError, match="linear path 'fastest'"):
+        linear_path.resolve_mode("fastest")
 
 
 def test_unknown_shapes_and_other_devices_run_plain():
@@ -196,8 +199,8 @@ def test_packed_and_plain_agree(dtype, bias):
     if linear_path.pack_error(dtype):
         pytest.skip(linear_path.pack_error(dtype))
     packed, plain = tiny_model(dtype, bias), tiny_model(dtype, bias)
-    assert pack_linears(packed, "packed").startswith("packed")
-    assert pack_linears(plain, "plain").startswith("plain")
+    assert pack_linears(packed, ExecutionPlan("linear=packed")).startswith("packed")
+    assert pack_linears(plain, ExecutionPlan("linear=plain")).startswith("plain")
     assert all(m.packed is not None for m in packed) and all(m.packed is None for m in plain)
     with torch.inference_mode():
         for rows in (1, 5, 64):
@@ -216,6 +219,7 @@ _AVX2_CHILD = r"""
 import json, logging, torch
 import torch.nn.functional as F
 from services.common import linear_path
+from services.common.plan import ExecutionPlan
 from services.decoder.model.linear import Linear, pack_linears
 
 
@@ -230,7 +234,7 @@ logging.getLogger("tessera.linear_path").addHandler(Keep())
 error = linear_path.pack_error(torch.bfloat16)
 torch.manual_seed(0)
 model = torch.nn.Sequential(Linear(64, 96), Linear(96, 64)).to(torch.bfloat16)
-summary = pack_linears(model, "packed")
+summary = pack_linears(model, ExecutionPlan("linear=packed"))
 x = torch.randn(17, 64, dtype=torch.bfloat16)
 with torch.inference_mode():
     y = model(x)
@@ -246,7 +250,6 @@ print(json.dumps({"error": error, "summary": summary, "y": y.float().tolist(), "
 @pytest.mark.numerics
 def test_bf16_is_packed_widened_where_onednn_cannot_pack_it():
     env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2", PYTHONPATH=str(ROOT))
-    env.pop(linear_path.ENV, None)
     out = subprocess.run([sys.executable, "-c", _AVX2_CHILD], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
