@@ -10,6 +10,8 @@
 - Each service is its own: a service imports or #includes nothing of another service but
   services/common, and no C++ source #includes a .cpp (shared code lives in headers).
 - Modules stay small enough to read in one go: under MAX_LINES lines in services/, gateway/, deploy/.
+- Only config modules read TESSERA_* environment variables, and no request state travels as a
+  string-keyed `features` dict: each concern has one owner, and a reader finds it by its type.
 - Comments point inside the tree: none cites a design file outside the repository, an issue
   number or a commit; the project's own record is docs/design.md.
 
@@ -189,6 +191,47 @@ def oversized_modules(root: Path = ROOT) -> list[tuple[str, int]]:
     return [(path, n) for path, n in sizes if n >= MAX_LINES]
 
 
+def is_config_module(path: Path) -> bool:
+    return path.name == "config.py" or "config" in path.parent.parts
+
+
+def _env_name(node: ast.AST) -> ast.AST | None:
+    """The name an environment read looks up: os.environ[x], os.environ.get(x), os.getenv(x), x in os.environ."""
+    if isinstance(node, ast.Call) and node.args and \
+            ast.unparse(node.func).endswith(("environ.get", "getenv", "environ.setdefault", "environ.pop")):
+        return node.args[0]
+    if isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("environ"):
+        return node.slice
+    if isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)) and \
+            ast.unparse(node.comparators[0]).endswith("environ"):
+        return node.left
+    return None
+
+
+def env_reads_outside_config(root: Path = ROOT) -> list[str]:
+    """'path:line: name' for each read of a TESSERA_* variable (by its literal name) outside a config module."""
+    bad = []
+    for path in sorted(p for d in SIZED_DIRS if (root / d).is_dir() for p in (root / d).rglob("*.py")):
+        if is_config_module(path):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = _env_name(node)
+            if isinstance(name, (ast.Constant, ast.JoinedStr)) and "TESSERA_" in ast.unparse(name):
+                bad.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(name)}")
+    return bad
+
+
+def string_keyed_features(root: Path = ROOT) -> list[str]:
+    """'path:line: expr' for each `...features["key"]` in services/ and gateway/."""
+    bad = []
+    for path in sorted(p for d in ("services", "gateway") if (root / d).is_dir() for p in (root / d).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Subscript) and ast.unparse(node.value).split(".")[-1].endswith("features") \
+                    and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+                bad.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    return bad
+
+
 def citations_outside_the_tree(root: Path = ROOT) -> list[str]:
     """'path:line: text' for every line that cites DESIGN.md, ../shared, an issue number or a commit."""
     files = [root / name for name in CITATION_FILES if (root / name).is_file()]
@@ -217,6 +260,17 @@ def test_decoder_dependencies_point_one_way():
 def test_no_import_cycles():
     cycles = import_cycles()
     assert not cycles, f"import circles: {cycles}"
+
+
+def test_only_config_modules_read_the_environment():
+    bad = env_reads_outside_config()
+    assert not bad, "read TESSERA_* variables in the service's config module and pass the value down:\n" + \
+        "\n".join(bad)
+
+
+def test_no_string_keyed_request_state():
+    bad = string_keyed_features()
+    assert not bad, "give the state a typed field instead of a string key:\n" + "\n".join(bad)
 
 
 def test_the_rules_read_the_real_tree():
@@ -322,3 +376,29 @@ def test_an_oversized_module_is_seen(tmp_path):
     })
     assert oversized_modules(root) == [("services/decoder/kernels/gemv.cpp", MAX_LINES + 3),
                                        ("deploy/cluster.py", MAX_LINES)]
+
+
+def test_an_environment_read_outside_config_is_seen(tmp_path):
+    root = write(tmp_path, {
+        "services/decoder/server/config.py": 'import os\nX = os.environ.get("TESSERA_DECODER_PORT")\n',
+        "deploy/cluster/config.py": 'import os\nKEEP = "TESSERA_CLUSTER_KEEP" in os.environ\n',
+        "services/decoder/runner/attention.py": 'import os\nmode = os.environ.get("TESSERA_ATTENTION", "auto")\n',
+        "services/common/arena.py": 'from os import environ\nhuge = environ["TESSERA_HUGE_PAGES"]\n',
+        "gateway/app.py": 'import os\nif "TESSERA_API_KEY" in os.environ:\n    pass\n',
+        "deploy/launcher.py": 'import os\nsvc = "DECODER"\nx = os.getenv(f"TESSERA_{svc}_PORT")\n'
+                              'home = os.environ.get("HOME")\n',
+    })
+    assert [line.rsplit(":", 1)[0] for line in env_reads_outside_config(root)] == [
+        "deploy/launcher.py:3", "gateway/app.py:2", "services/common/arena.py:2",
+        "services/decoder/runner/attention.py:2"]
+
+
+def test_string_keyed_request_state_is_seen(tmp_path):
+    root = write(tmp_path, {
+        "services/decoder/runner/batch.py": 'def f(c):\n    return c.features["lora_slot"]\n',
+        "services/decoder/server/service.py": 'features = {}\nfeatures["grammar"] = 1\nrows = {}\nrows["a"] = 2\n',
+        "services/decoder/engine/step.py": 'def g(c, LORA):\n    return c.features[LORA], c.image.slot\n',
+    })
+    assert string_keyed_features(root) == [
+        "services/decoder/runner/batch.py:2: c.features['lora_slot']",
+        "services/decoder/server/service.py:2: features['grammar']"]
