@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from services.decoder.model import load_model
-from services.decoder.model.glue import ENV, choose
+from services.common.plan import ExecutionPlan
+from services.decoder.model.glue import choose
 from services.decoder.model.layers import MLP, RMSNorm
 from tests.decoder.model.checkpoints import CASES, TINY_SHAPE, build, load_reference
 from tests.decoder.model.test_model import causal_attention
@@ -35,31 +36,42 @@ def test_each_op_takes_the_path_that_timed_faster(folders):
     model = fused(folders["llama_mha_untied"])
     calls = []
 
-    def timer(op, path, fn):
-        fn()                      # both paths still run: the timing calls must work
-        calls.append((op, path))
-        return {("norm", "cpp"): 1e-3, ("norm", "torch"): 2e-3, ("act", "cpp"): 3e-3, ("act", "torch"): 2e-3}[op, path]
+    times = {("norm", "cpp"): 1e-3, ("norm", "torch"): 2e-3, ("act", "cpp"): 3e-3, ("act", "torch"): 2e-3}
 
-    summary = choose(model, timer)
+    def timer(op, paths):
+        took = {}
+        for path, fn in paths.items():
+            fn()                      # both paths still run: the timing calls must work
+            calls.append((op, path))
+            took[path] = times[op, path]
+        return took
+
+    record = ExecutionPlan()
+    summary = choose(model, record, timer)
     assert sorted(calls) == [("act", "cpp"), ("act", "torch"), ("norm", "cpp"), ("norm", "torch")]
     assert summary == "norm cpp (1.00 vs 2.00 ms), silu*up torch (3.00 vs 2.00 ms) at 512 rows"
     assert flags(model) == ({True}, {False})
-    # Within the 5% margin the torch op stays.
-    choose(model, lambda op, path, fn: 1.0 if path == "cpp" else 1.04)
+    assert record.chosen("glue.norm") == "cpp" and record.chosen("glue.act") == "torch"
+    assert {(t.candidate, t.seconds) for t in record.get("glue.act").timings} == {("cpp", 3e-3), ("torch", 2e-3)}
+    # Within the plan's tie margin the torch op stays.
+    choose(model, ExecutionPlan(), lambda op, paths: {"cpp": 1.0, "torch": 1.04})
     assert flags(model) == ({False}, {False})
 
 
-def test_off_keeps_torch(folders, monkeypatch):
-    monkeypatch.setenv(ENV, "off")
+@pytest.mark.parametrize("pin", ["torch", "cpp"])
+def test_a_pin_is_not_timed(folders, pin):
     model = fused(folders["llama_mha_untied"])
-    assert choose(model, lambda *a: pytest.fail("nothing is timed when off")) == f"torch ({ENV}=off)"
-    assert flags(model) == ({False}, {False})
+    record = ExecutionPlan(f"glue={pin}")
+    summary = choose(model, record, lambda *a: pytest.fail("nothing is timed when pinned"))
+    assert summary.startswith(pin) and flags(model) == ({pin == "cpp"}, {pin == "cpp"})
+    assert record.chosen("glue.norm") == record.chosen("glue.act") == pin
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["cpp", "torch"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_logits_on_the_row_ops_match_transformers(folders, name):
+def test_logits_on_either_glue_match_transformers(folders, name, native):
     ours, ref = fused(folders[name]), load_reference(folders[name])
-    ours.use_native_glue(norm=True, act=True)
+    ours.use_native_glue(norm=native, act=native)
     ids = torch.randint(0, ours.config.vocab_size, (19,), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         expected = ref(ids[None]).logits[0]

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from services.common import native
+from services.common.plan import ExecutionPlan
 from services.decoder.kernels import gemv_cpu
 from services.decoder.model.linear import Linear, choose_gemv, quantize_linears
 from tests.tolerance import assert_close
@@ -34,7 +35,7 @@ def test_the_first_pass_does_not_count():
         return (1e-7, 1e-6) if first else (2e-6, 1e-6)
 
     model = nn.Sequential(Linear(64, 96), Linear(96, 32))
-    assert choose_gemv(model, timer) == "gemv rows<=4 on 96x64,32x96"
+    assert choose_gemv(model, ExecutionPlan(), timer) == "gemv rows<=4 on 96x64,32x96"
     assert [m.gemv_rows for m in model] == [4, 4]
 
 
@@ -43,9 +44,12 @@ def test_gemv_rows_follow_the_measurements(quantized):
     model = nn.Sequential(Linear(64, 96), Linear(64, 96), Linear(96, 32, bias=True), Linear(32, 160))
     if quantized:
         quantize_linears(model, "int8")
-    summary = choose_gemv(model, fake_timer({96: 3, 32: 1}))
+    record = ExecutionPlan()
+    summary = choose_gemv(model, record, fake_timer({96: 3, 32: 1}))
     assert [m.gemv_rows for m in model] == [3, 3, 1, 0]
     assert summary == "gemv rows<=3 on 96x64; rows<=1 on 32x96"
+    assert [(c.name, c.chosen) for c in record.choices] == [
+        ("gemv 96x64", "on rows<=3"), ("gemv 32x96", "on rows<=1"), ("gemv 160x32", "off")]
     # Both paths give the same results within the shared bound, at every row count either runs.
     for rows in range(1, 6):
         x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
@@ -55,7 +59,7 @@ def test_gemv_rows_follow_the_measurements(quantized):
         model[0].gemv_rows = 3
         # int8's own path meets bf16 activations; gemv_cpu keeps them fp32
         assert_close(fast, own, dtype=torch.bfloat16 if quantized else torch.float32, k=64)
-    assert choose_gemv(model, fake_timer({})) == "gemv: none (the library path was as fast at every shape)"
+    assert choose_gemv(model, ExecutionPlan(), fake_timer({})) == "gemv: none (the library path was as fast at every shape)"
     assert all(m.gemv_rows == 0 for m in model)
 
 
@@ -66,5 +70,15 @@ def test_an_unavailable_kernel_is_reported_and_never_used(monkeypatch, caplog):
     monkeypatch.setattr(gemv_cpu, "load", broken)
     model = nn.Sequential(Linear(64, 96))
     with caplog.at_level(logging.WARNING, logger="tessera.linear"):
-        assert choose_gemv(model) == "gemv: unavailable (compiling gemv_cpu.cpp failed: boom)"
+        assert choose_gemv(model, ExecutionPlan()) == "gemv: unavailable (compiling gemv_cpu.cpp failed: boom)"
     assert model[0].gemv_rows == 0 and "boom" in caplog.text
+    with pytest.raises(native.BuildError, match="boom"):
+        choose_gemv(model, ExecutionPlan("gemv=on"))       # pinned on: no silent fallback
+
+
+@pytest.mark.parametrize("pin, rows", [("on", gemv_cpu.MAX_ROWS), ("off", 0)])
+def test_a_pin_sets_every_linear_without_timing(pin, rows):
+    model = nn.Sequential(Linear(64, 96), Linear(96, 32))
+    record = ExecutionPlan(f"gemv={pin}")
+    choose_gemv(model, record, lambda *a: pytest.fail("nothing is timed when pinned"))
+    assert [m.gemv_rows for m in model] == [rows, rows] and record.chosen("gemv").startswith(pin)

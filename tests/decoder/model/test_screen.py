@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from services.decoder.kernels import tile_gemm_cpu
 from services.decoder.model import screen as screen_mod
 from services.decoder.model.linear import Linear
+from services.common.plan import ExecutionPlan
 from services.decoder.model.screen import ArgmaxScreen, build
 
 pytestmark = pytest.mark.numerics
@@ -100,37 +101,41 @@ def linear(weight: torch.Tensor, bias: bool = False) -> Linear:
     return m
 
 
-def test_built_only_for_an_fp32_head_without_bias(monkeypatch):
+def test_built_only_for_an_fp32_head_without_bias():
     w = head_weight(4)
-    monkeypatch.setenv(screen_mod.ENV, "on")
-    assert build(linear(w.bfloat16()), None, 48.0) == (None, "off (only for an fp32 head without bias on CPU)")
-    assert build(linear(w, bias=True), None, 48.0)[0] is None
+    on = ExecutionPlan("screen=on")
+    with pytest.raises(ValueError, match="only for an fp32 head without bias on CPU"):
+        build(linear(w.bfloat16()), None, 48.0, on)     # pinned on where it cannot run: said, not ignored
+    auto = ExecutionPlan()
+    assert build(linear(w.bfloat16()), None, 48.0, auto) == (None, "off (only for an fp32 head without bias on CPU)")
+    assert auto.chosen("screen") == "off"
+    assert build(linear(w, bias=True), None, 48.0, auto)[0] is None
     quantized = linear(w)
     quantized.quantize(release=False)
-    assert build(quantized, None, 48.0)[0] is None
-    monkeypatch.setenv(screen_mod.ENV, "off")
-    assert build(linear(w), None, 48.0) == (None, "off (TESSERA_ARGMAX_SCREEN=off)")
-    monkeypatch.setenv(screen_mod.ENV, "sometimes")
-    with pytest.raises(ValueError, match="auto, on or off"):
-        build(linear(w), None, 48.0)
+    assert build(quantized, None, 48.0, auto)[0] is None
+    off = ExecutionPlan("screen=off")
+    assert build(linear(w), None, 48.0, off) == (None, "off (--fast-paths screen=off)")
+    assert off.get("screen").reason == "pinned by --fast-paths screen=off"
+    screen, _ = build(linear(w), None, 48.0, on)
+    assert screen.max_rows == 1 << 30 and on.chosen("screen") == "on"
 
 
 def test_auto_keeps_the_row_counts_up_to_where_the_timing_says_it_won(monkeypatch):
     """The choice comes from measurement: fake timings decide, and the summary reports them."""
-    monkeypatch.setenv(screen_mod.ENV, "auto")
     times = {1: (2.0, 1.0), 4: (3.0, 2.0), 16: (4.0, 3.9), 64: (9.0, 4.0)}    # 16 rows: within the tie
-    monkeypatch.setattr(screen_mod, "time_rows", lambda screen, fn, rows, norm: (1e-3 * times[rows][0],
-                                                                                 1e-3 * times[rows][1]))
-    screen, summary = build(linear(head_weight(5)), None, 48.0)
+    monkeypatch.setattr(screen_mod, "time_rows", lambda screen, fn, rows, norm: {"off": 1e-3 * times[rows][0],
+                                                                                 "on": 1e-3 * times[rows][1]})
+    record = ExecutionPlan()
+    screen, summary = build(linear(head_weight(5)), None, 48.0, record)
     assert screen.max_rows == 4
     assert summary == ("bf16 rows<=4 (timed full head vs screen: 1 row 2.00 vs 1.00 ms; 4 rows 3.00 vs 2.00 ms; "
                        "16 rows 4.00 vs 3.90 ms)")
+    assert record.chosen("screen") == "on rows<=4" and len(record.get("screen").timings) == 6
     times[1] = (1.0, 1.0)
-    assert build(linear(head_weight(5)), None, 48.0)[0] is None
+    assert build(linear(head_weight(5)), None, 48.0, record)[0] is None and record.chosen("screen") == "off"
 
 
-def test_real_timing_runs_and_reports_both_sides(monkeypatch):
-    monkeypatch.setenv(screen_mod.ENV, "auto")
+def test_real_timing_runs_and_reports_both_sides():
     head = linear(head_weight(6))
-    full, screened = screen_mod.time_rows(ArgmaxScreen(head.weight), lambda h: head(h).float(), 4, 48.0)
-    assert full > 0 and screened > 0
+    took = screen_mod.time_rows(ArgmaxScreen(head.weight), lambda h: head(h).float(), 4, 48.0)
+    assert took["off"] > 0 and took["on"] > 0
