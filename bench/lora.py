@@ -32,7 +32,7 @@ from bench.workload import SMOLLM2, run_vllm_peer  # noqa: E402
 from services.decoder.engine.config import EngineConfig  # noqa: E402
 from services.decoder.engine.engine_core import EngineCore  # noqa: E402
 from services.decoder.engine.step import SamplingParams  # noqa: E402
-from services.decoder.lora import AdapterBank, AdapterLeases, AdapterRegistry, adapter_features, load_peft  # noqa: E402
+from services.decoder.lora import AdapterBank, AdapterLeases, AdapterRegistry, adapter_request, load_peft  # noqa: E402
 from services.decoder.runner.runner import Runner  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -96,8 +96,8 @@ class Engine:
         out = {rid: [] for rid in rids}
         start = time.perf_counter()
         for rid, prompt, name in zip(rids, batch, adapters, strict=True):
-            features, keys = adapter_features(name, self.registry.status(name).digest) if name else ({}, ())
-            self.core.add_request(rid, prompt, sp, features=features, extra_keys=keys)
+            adapter, keys = adapter_request(name, self.registry.status(name).digest) if name else (None, ())
+            self.core.add_request(rid, prompt, sp, adapter=adapter, extra_keys=keys)
         decode_start, decode_tokens = None, 0
         while self.core.has_unfinished():
             step_tokens = 0

@@ -34,9 +34,9 @@ from bench.workload import SMOLLM2  # noqa: E402
 from services.decoder.engine.config import EngineConfig  # noqa: E402
 from services.decoder.engine.engine_core import EngineCore  # noqa: E402
 from services.decoder.engine.step import SamplingParams  # noqa: E402
+from services.decoder.grammar.compiled import Grammar  # noqa: E402
 from services.decoder.grammar.compiler import GrammarCompiler  # noqa: E402
 from services.decoder.grammar.spec import GrammarSpec  # noqa: E402
-from services.decoder.grammar.state import FEATURE  # noqa: E402
 from services.decoder.runner.runner import Runner  # noqa: E402
 from services.decoder.text.chat_template import ChatTemplate  # noqa: E402
 from services.decoder.text.tokenizer import Tokenizer  # noqa: E402
@@ -79,14 +79,14 @@ class Bench:
         messages = [{"role": "user", "content": f"Write a JSON profile of {who}: name, age, skills, role, address."}]
         return self.template.encode(self.tok, messages, add_generation_prompt=True)
 
-    def run(self, jobs: list[tuple[list[int], SamplingParams, dict | None]]) -> tuple[list[list[int]], float]:
+    def run(self, jobs: list[tuple[list[int], SamplingParams, Grammar | None]]) -> tuple[list[list[int]], float]:
         """All jobs at once; (outputs without the stop token, seconds)."""
         tag = f"r{self._ids}-"
         self._ids += 1
         out = {f"{tag}{i}": [] for i in range(len(jobs))}
         start = time.perf_counter()
-        for i, (prompt, params, features) in enumerate(jobs):
-            self.core.add_request(f"{tag}{i}", prompt, params, features=features)
+        for i, (prompt, params, grammar) in enumerate(jobs):
+            self.core.add_request(f"{tag}{i}", prompt, params, grammar=grammar)
         while self.core.has_unfinished():
             for o in self.core.step():
                 out[o.request_id].extend(t for t in o.new_token_ids if o.stop_token_id is None or t != o.stop_token_id)
@@ -97,8 +97,8 @@ class Bench:
         rid = f"t{self._ids}"
         self._ids += 1
         start = time.perf_counter()
-        features = {FEATURE: self.compiler.compile_now(spec)} if spec is not None else None
-        self.cold.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1), features=features)
+        grammar = self.compiler.compile_now(spec) if spec is not None else None
+        self.cold.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1), grammar=grammar)
         while self.cold.has_unfinished():
             self.cold.step()
         return time.perf_counter() - start
@@ -142,7 +142,7 @@ def main() -> None:
 
     # (a)
     grammar = b.compiler.compile_now(GrammarSpec.json_schema(json.dumps(schema())))
-    constrained_jobs = [(p, SamplingParams(temperature=0.0, max_tokens=args.max_tokens), {FEATURE: grammar})
+    constrained_jobs = [(p, SamplingParams(temperature=0.0, max_tokens=args.max_tokens), grammar)
                         for p in prompts]
     outs, _ = b.run(constrained_jobs)
     lengths = [max(1, len(o)) for o in outs]

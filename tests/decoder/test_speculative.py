@@ -80,7 +80,7 @@ def test_two_choices_each_verify_their_own_drafts(checkpoint, expected):
 
 def test_mixed_adapter_batch_with_speculation_equals_peft(tmp_path):
     """Two adapters and base rows in one batch: each row's drafts are verified with its own adapter."""
-    from services.decoder.lora import adapter_features
+    from services.decoder.lora import adapter_request
     from tests.decoder.lora.adapters import SPECS, lora_engine, peft_mixed, register, write_adapter
 
     base = build(tmp_path, "qwen2_gqa2_odd_tied")
@@ -98,8 +98,8 @@ def test_mixed_adapter_batch_with_speculation_equals_peft(tmp_path):
     digests = {n: register(registry, n, f).digest for n, f in folders.items()}
     got = {str(i): [] for i in range(len(workload))}
     for i, (p, a) in enumerate(workload):
-        feats, keys = adapter_features(a, digests[a]) if a else ({}, ())
-        core.add_request(str(i), PROMPTS[p], GREEDY, extra_keys=keys, features=feats)
+        adapter, keys = adapter_request(a, digests[a]) if a else (None, ())
+        core.add_request(str(i), PROMPTS[p], GREEDY, extra_keys=keys, adapter=adapter)
     while core.has_unfinished():
         for out in core.step():
             assert out.finish_reason in (None, "length"), out

@@ -76,6 +76,8 @@ class EngineConfig:
     max_num_seqs: requests running at once. max_model_len: the most positions a
     request may have (prompt + generated). eos_token_ids end generation unless a
     request sets ignore_eos. speculative: None, or n-gram drafting (SpeculativeConfig).
+    vocab_size: the model's vocabulary; a prompt id at or past it is refused when the
+    request is added (0: unknown, then only the runner refuses it, failing that request).
     """
 
     block_size: int = 16
@@ -86,6 +88,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     eos_token_ids: tuple[int, ...] = ()
     speculative: SpeculativeConfig | None = None
+    vocab_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -95,5 +98,7 @@ class EngineConfig:
         if not isinstance(self.eos_token_ids, tuple) or any(
                 isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.eos_token_ids):
             raise ValueError(f"EngineConfig.eos_token_ids must be a tuple of token ids, got {self.eos_token_ids!r}")
+        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 0:
+            raise ValueError(f"EngineConfig.vocab_size must be a non-negative int, got {self.vocab_size!r}")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError("EngineConfig.speculative must be a SpeculativeConfig or None")

@@ -20,14 +20,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
 
 from services.common.errors import InvalidArgument
 from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.output import EngineStats, RequestOutput
-from services.decoder.engine.request import Request, SpanKey
+from services.decoder.engine.request import AdapterRef, Request, SpanKey
 from services.decoder.engine.scheduler import Leases, Scheduler, validate_request
-from services.decoder.engine.step import Runner, SamplingParams
+from services.decoder.engine.step import CompiledGrammar, PlacedImages, Runner, SamplingParams
 
 log = logging.getLogger("tessera.decoder.engine")
 
@@ -48,16 +47,23 @@ class EngineCore:
         self._choices: dict[str, list[str]] = {}     # API request id -> its engine request ids
         self._pending: list[RequestOutput] = []      # ends decided between steps (abort, finish)
         self.num_steps = 0
+        # Why the last step's runner call raised (None when it answered): a device-level failure,
+        # unlike a request the runner refused (StepOutput.failed), which fails that request alone.
+        self.step_error: str | None = None
+        self._fault_at_step = 0
 
     # -- requests -------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams, *,
                     extra_keys: tuple = (), span_keys: tuple[SpanKey, ...] = (),
-                    features: dict[str, Any] | None = None) -> None:
+                    images: PlacedImages | None = None, adapter: AdapterRef | None = None,
+                    grammar: CompiledGrammar | None = None) -> None:
         """Queue an API request (sampling.n choices). Raises InvalidArgument or
         ContextLengthExceeded, with nothing queued, for a request that can never run.
 
-        prompt_token_ids are physical: image placeholders already expanded.
+        prompt_token_ids are physical: image placeholders already expanded (images places them).
+        adapter: the LoRA adapter (its digest belongs in extra_keys too); each choice leases its
+        own slot. grammar: the compiled constraint the runner's sampler enforces on every choice.
         """
         prompt = list(prompt_token_ids)
         validate_request(self.config, prompt, sampling)
@@ -73,7 +79,7 @@ class EngineCore:
                 sampling, n=1, seed=None if sampling.seed is None else sampling.seed + index)
             req = Request(rid, prompt, child, arrival_seq=next(self._arrivals), arrival_time=self._clock(),
                           parent_id=request_id, index=index, extra_keys=extra_keys, span_keys=span_keys,
-                          features=features)
+                          images=images, adapter=adapter, grammar=grammar)
             if leader is None:
                 leader = req
             elif share:
@@ -110,27 +116,50 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the runner once (if anything is scheduled), apply the result.
 
-        Returns outputs for choices that got a token or finished. If the runner
-        raises (or answers off-contract), every request of that step finishes with
-        "error" and its blocks and lease are returned; other requests carry on.
+        Returns outputs for choices that got a token or finished. A request the
+        runner refused (StepOutput.failed) finishes with "error" alone; the step's
+        other requests go on. If the runner raises (or answers off-contract), every
+        request of that step finishes with "error" and step_error says why; either
+        way their blocks and leases are returned and other requests carry on.
         """
         outputs, self._pending = self._pending, []
+        self.step_error = None
         plan, failed = self.scheduler.schedule()
         outputs.extend(failed)
         if plan.scheduled:
             plan.step.finished_request_ids = self.scheduler.take_finished_ids()
             try:
+                if self.num_steps + 1 == self._fault_at_step:
+                    raise RuntimeError(f"injected fault at engine step {self._fault_at_step}")
                 result = self.runner.execute(plan.step)
                 self.scheduler.check_step_output(plan, result)
             except Exception as exc:  # noqa: BLE001 - a runner failure must not take the engine down
                 ids = [req.request_id for req, _ in plan.scheduled]
                 log.exception("runner failed; failing requests %s", ids)
-                outputs.extend(self.scheduler.fail(plan, f"engine step failed: {type(exc).__name__}: {exc}"))
+                self.step_error = f"engine step failed: {type(exc).__name__}: {exc}"
+                outputs.extend(self.scheduler.fail(plan, self.step_error))
             else:
+                for rid, why in result.failed.items():
+                    log.warning("request %s failed in the runner: %s", rid, why)
                 outputs.extend(self.scheduler.update(plan, result))
             self.num_steps += 1
         self._forget_finished(outputs)
         return outputs
+
+    def use_leases(self, leases: Leases) -> None:
+        """Lease adapter slots through `leases` from now on (set-up: only while nothing is queued)."""
+        if self.scheduler.requests:
+            raise RuntimeError("leases are set before any request is added")
+        self.scheduler.leases = leases
+
+    def inject_fault(self, step: int) -> None:
+        """Testing hook (--fault-fail-at-step): the runner call of engine step `step` (counted from 1)
+        raises instead of running, exactly as a failing forward would: every request of that step
+        finishes with "error" and step_error is set. 0 disarms it."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"fault step must be a non-negative int, got {step!r}")
+        log.warning("fault injection %s", f"armed: engine step {step} will raise" if step else "off")
+        self._fault_at_step = step
 
     def _forget_finished(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -149,6 +178,26 @@ class EngineCore:
             prefix_hits=kv.prefix_hits, num_steps=self.num_steps,
             num_draft_tokens=self.scheduler.num_draft_tokens, num_accepted_tokens=self.scheduler.num_accepted_tokens,
             num_verifications=self.scheduler.num_verifications)
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every request in any state and return their final outputs ("abort"): blocks and
+        leases go back at once. For a server that stops serving."""
+        outputs, self._pending = self._pending, []
+        outputs.extend(out for rid in list(self.scheduler.requests)
+                       if (out := self.scheduler.abort(rid)) is not None)
+        self._choices.clear()
+        return outputs
+
+    def requests_per_adapter(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(running, waiting): adapter name -> how many of its requests (choices) are in each state.
+        Base-model requests are not counted."""
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for counts, queue in ((running, self.scheduler.running), (waiting, self.scheduler.waiting)):
+            for req in queue:
+                if req.adapter is not None:
+                    counts[req.adapter.name] = counts.get(req.adapter.name, 0) + 1
+        return running, waiting
 
     def check_idle(self) -> None:
         """Raise unless nothing is queued or held: every block free, no request left (tests, drain)."""

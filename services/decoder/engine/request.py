@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable, Sequence
-from typing import Any
+from dataclasses import dataclass
 
-from services.decoder.engine.step import SamplingParams
+from services.decoder.engine.step import CompiledGrammar, PlacedImages, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -41,6 +41,19 @@ _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LE
 SpanKey = tuple[int, int, Hashable]
 
 
+@dataclass
+class AdapterRef:
+    """The LoRA adapter a request runs with. digest: the content digest it was admitted with (also in
+    the request's extra_keys, so it salts every block hash). slot: the device slot its lease holds;
+    the lease hook (services/decoder/lora/leases.py) sets it on acquire and clears it on release, and
+    the runner reads it from each chunk. Each choice of an n > 1 request holds its own lease, hence
+    its own AdapterRef."""
+
+    name: str
+    digest: str
+    slot: int | None = None
+
+
 class Request:
     """A request (or one of the n choices of an API request).
 
@@ -48,15 +61,15 @@ class Request:
     and choice it answers. extra_keys salt every KV block hash (the adapter digest,
     M-RoPE sections); span_keys salt only the blocks they overlap. Both are fixed
     when the request is added (hashes are computed once and kept across
-    preemption). features are handed to the runner in every chunk; an adapter
-    lease hook may put the slot it grants there, and the runner its per-request
-    state (a grammar matcher). Each choice gets its own copy of the dict.
+    preemption). images, the adapter's slot and grammar go to the runner in
+    every chunk; adapter is this request's own copy (its slot is its lease's).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams, *,
                  arrival_seq: int, arrival_time: float = 0.0, parent_id: str | None = None, index: int = 0,
                  extra_keys: tuple = (), span_keys: tuple[SpanKey, ...] = (),
-                 features: dict[str, Any] | None = None):
+                 images: PlacedImages | None = None, adapter: AdapterRef | None = None,
+                 grammar: CompiledGrammar | None = None):
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
         self.index = index
@@ -66,7 +79,9 @@ class Request:
         self.arrival_time = arrival_time
         self.extra_keys = extra_keys
         self.span_keys = span_keys
-        self.features: dict[str, Any] = dict(features or {})
+        self.images = images
+        self.adapter = None if adapter is None else AdapterRef(adapter.name, adapter.digest)
+        self.grammar = grammar
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

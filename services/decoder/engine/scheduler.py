@@ -70,6 +70,9 @@ def validate_request(config: EngineConfig, prompt_token_ids: list[int] | tuple[i
         raise InvalidArgument("the prompt is empty", param="prompt")
     if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 or t >= 2**63 for t in prompt_token_ids):
         raise InvalidArgument("prompt token ids must be non-negative integers", param="prompt")
+    if config.vocab_size and max(prompt_token_ids) >= config.vocab_size:
+        raise InvalidArgument(f"prompt token id {max(prompt_token_ids)} is outside the vocabulary "
+                              f"[0, {config.vocab_size})", param="prompt")
     if isinstance(sampling.max_tokens, bool) or not isinstance(sampling.max_tokens, int) or sampling.max_tokens < 1:
         raise InvalidArgument(f"max_tokens must be at least 1, got {sampling.max_tokens!r}", param="max_tokens")
     if isinstance(sampling.n, bool) or not isinstance(sampling.n, int) or sampling.n < 1:
@@ -229,7 +232,8 @@ class Scheduler:
             request_id=req.request_id, token_ids=req.all_token_ids[start:start + known] + draft, start=start,
             block_table=list(req.block_ids), sample=start + known == req.num_tokens, sampling=req.sampling,
             output_token_ids=list(req.output_token_ids), num_prompt_tokens=req.num_prompt_tokens,
-            features=req.features, prompt_token_ids=req.prompt_token_ids,
+            images=req.images, lora_slot=None if req.adapter is None else req.adapter.slot, grammar=req.grammar,
+            prompt_token_ids=req.prompt_token_ids,
             blocked_token_ids=self._stop_ids(req) if req.num_output_tokens < req.sampling.min_tokens else (),
             draft_token_ids=draft)
 
@@ -250,8 +254,12 @@ class Scheduler:
     # -- results --------------------------------------------------------------
 
     def check_step_output(self, plan: SchedulerOutput, result: StepOutput) -> None:
-        """Raise ValueError unless result samples exactly the chunks marked sample."""
-        expected = {c.request_id for c in plan.step.chunks if c.sample}
+        """Raise ValueError unless result samples exactly the chunks marked sample, less those it
+        refused (result.failed, which must name chunks of this step)."""
+        unknown = set(result.failed) - {c.request_id for c in plan.step.chunks}
+        if unknown:
+            raise ValueError(f"runner refused {sorted(unknown)}, which are not in the step")
+        expected = {c.request_id for c in plan.step.chunks if c.sample} - set(result.failed)
         got = set(result.sampled)
         if got != expected:
             raise ValueError(f"runner sampled {sorted(got)}, expected {sorted(expected)}")
@@ -265,9 +273,14 @@ class Scheduler:
                 raise ValueError(f"runner returned token id {tok.token_id!r} for {rid}")
 
     def update(self, plan: SchedulerOutput, result: StepOutput) -> list[RequestOutput]:
-        """Advance computed counts, register newly full blocks, append samples and apply stop rules."""
+        """Advance computed counts, register newly full blocks, append samples and apply stop rules.
+        A request the runner refused finishes with "error"; its blocks and lease go back."""
         outputs = []
         for (req, n), chunk in zip(plan.scheduled, plan.step.chunks, strict=True):
+            why = result.failed.get(req.request_id)
+            if why is not None:
+                outputs.append(self._finish(req, RequestStatus.FINISHED_ERROR, error=why))
+                continue
             if not chunk.sample:        # a prefill chunk that did not reach the end
                 req.num_computed_tokens += n
                 self.kv.cache_computed_blocks(req)

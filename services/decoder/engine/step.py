@@ -6,9 +6,12 @@ end of the known tokens is sampled.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,34 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs, ids distinct
     repetition_penalty: float = 1.0                   # 1: disabled; over prompt and output tokens
     min_tokens: int = 0            # stop tokens are neither sampled nor obeyed before this many outputs
+
+
+@dataclass(frozen=True)
+class PlacedImages:
+    """A prompt's images placed at their positions, as the runner consumes them (runner/batch.py).
+
+    positions [3, T_prompt] long: M-RoPE (time, height, width) coordinates of every prompt position;
+    delta: decode rotary position minus physical position; sections: the M-RoPE sections they were
+    computed for (the runner refuses a model whose sections differ); rows: absolute position ->
+    embedding row [hidden], put in place of the placeholder's embedding. Built by
+    services/decoder/multimodal/prompt.py; torch values, but the engine only carries them.
+    """
+
+    positions: torch.Tensor
+    delta: int
+    sections: tuple[int, int, int] | None = None
+    rows: Mapping[int, torch.Tensor] = field(default_factory=dict)
+
+
+class CompiledGrammar(Protocol):
+    """A structured-output grammar compiled by the server (services/decoder/grammar/compiled.py). The
+    engine carries it to the runner's sampler and never looks inside (hence a protocol, not an import)."""
+
+    @property
+    def compiled(self) -> Any: ...      # the library's compiled grammar
+
+    @property
+    def bits(self) -> Any: ...          # the vocabulary's token masks it was compiled against
 
 
 @dataclass
@@ -58,10 +89,12 @@ class ScheduledChunk:
     # Tokens generated so far (penalties, seeded sampling); prompt length for positions.
     output_token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
-    # Per-request features the runner consumes (M-RoPE positions, image rows, lora slot, grammar).
-    # The request's own dict, not a copy: the runner may keep per-request state in it (a grammar
-    # matcher), which then lives exactly as long as the request, preemption included.
-    features: dict[str, Any] = field(default_factory=dict)
+    # What the request brings besides tokens: its placed images (M-RoPE positions, image rows), the
+    # adapter slot its lease holds (None: the base model) and its grammar. The runner keeps its own
+    # per-request state (a grammar matcher) keyed by request_id, dropped by finished_request_ids.
+    images: PlacedImages | None = None
+    lora_slot: int | None = None
+    grammar: CompiledGrammar | None = None
     # The whole prompt (the request's own tuple, not a copy): the repetition penalty covers it.
     prompt_token_ids: Sequence[int] = ()
     # Ids the sampler must not choose this step: the stop tokens while min_tokens is unmet. The
@@ -74,8 +107,8 @@ class ScheduledChunk:
 class StepInput:
     chunks: list[ScheduledChunk]
     # Requests that finished (stop, length, abort, error) since the previous step:
-    # the runner drops their per-request state (generators, feature rows). A
-    # preempted request is not listed; it comes back with the same id.
+    # the runner drops their per-request state (grammar matchers). A preempted
+    # request is not listed; it comes back with the same id and its state.
     finished_request_ids: list[str] = field(default_factory=list)
 
     @property
@@ -85,8 +118,8 @@ class StepInput:
 
 @dataclass
 class SampledToken:
-    """The runner's answer for one sampled chunk. complete: the request's constraint (a grammar the
-    runner holds in its features) is complete, nothing may follow this token: the engine ends the
+    """The runner's answer for one sampled chunk. complete: the request's constraint (its grammar,
+    whose matcher the runner holds) is complete, nothing may follow this token: the engine ends the
     request with "stop", whatever min_tokens or ignore_eos say."""
 
     token_id: int
@@ -103,6 +136,11 @@ class StepOutput:
     # draft_token_ids (maybe empty). They come before `sampled` (the token sampled at the first
     # rejected draft, or the bonus token after the last draft). Absent: none accepted.
     accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
+    # request_id -> why the runner refused that request's chunk (a request-level fault: a token id
+    # outside the vocabulary, an adapter slot without a bank, images the model cannot place). Its
+    # chunk was not computed and it has no entry in sampled/accepted; the engine fails that request
+    # alone and the step's other requests go on.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class Runner(Protocol):
@@ -110,8 +148,10 @@ class Runner(Protocol):
 
     execute returns one SampledToken per chunk with sample=True, keyed by
     request_id, and for chunks with drafts the accepted ones. KV for position p of a chunk's request lives in slot
-    block_table[p // block_size] * block_size + p % block_size. Raising fails the
-    requests of that step only; the core stays usable.
+    block_table[p // block_size] * block_size + p % block_size. A chunk the runner refuses
+    on its own account goes in StepOutput.failed: only its request fails. Raising fails the
+    requests of that step only; the core stays usable (the server then stops serving,
+    since a forward that raised leaves the device in an unknown state).
     """
 
     def execute(self, step: StepInput) -> StepOutput: ...

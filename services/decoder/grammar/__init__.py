@@ -4,7 +4,7 @@ xgrammar and enforced by masking the sampler's logits.
     spec.py      GrammarSpec: what a request asks for, checked (no xgrammar)
     compiler.py  GrammarCompiler: spec -> Grammar on a thread pool, bounded LRU by spec (server side)
     compiled.py  Grammar (shared, read-only) and the vocabulary's static token bits
-    state.py     GrammarState: one request's matcher, kept in the request's features
+    state.py     GrammarState: one request's matcher; GrammarStates: the runner's, by request id
     mask.py      GrammarMasks: one step's masks, filled in a batch and applied (sampler side)
 
 Why xgrammar 0.2.8 and not llguidance 1.9.1, measured on SmolLM2-135M-Instruct's tokenizer with the

@@ -1,8 +1,9 @@
 """The allowed-token masks of one step's constrained rows: filled in one batch, applied in place.
 
     masks = GrammarMasks()
-    masks.choose(V, device)                            # at load: the faster apply path, by timing
+    masks.choose(V, device, plan)                      # at load: the pinned or faster apply path
     rows = masks.rows(chunks)                          # [(row, GrammarState)], matchers synced
+    masks.states.forget(finished_request_ids)          # matchers live as long as their requests
     bitmask = masks.fill(rows, len(chunks), V)         # int32 [M, ceil(V / 32)], 1 = allowed
     masks.apply(logits, bitmask, rows)                 # logits[row, t] = -inf where bit t is 0
 
@@ -13,21 +14,21 @@ only, so unconstrained rows cost nothing, by one of two paths that compute the s
   torch.where into the logits.
 Which is faster depends on the machine and on how sparse the masks are (the C++ kernel slows down as
 more tokens are masked, and most grammar steps allow a few tokens), so `choose` times both at the
-real shape at load and logs the pick. On a 2-core Zen 4 with SmolLM2's 49,152 tokens and 64 rows of
-schema masks: unpacked 1.3 ms, xgrammar 8.2 ms. Filling those 64 rows takes ~0.5-1.5 ms.
+real shape at load with the execution plan's timer (services/common/plan.py), unless pinned. On a
+2-core Zen 4 with SmolLM2's 49,152 tokens and 64 rows of schema masks: unpacked 1.3 ms, xgrammar 8.2 ms. Filling those 64 rows takes ~0.5-1.5 ms.
 """
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 import xgrammar as xgr
 
+from services.common.plan import AUTO, REPS, ExecutionPlan, Timing, fastest, pick
 from services.decoder.engine.step import ScheduledChunk
-from services.decoder.grammar.state import GrammarState
+from services.decoder.grammar.state import GrammarState, GrammarStates
 
 log = logging.getLogger("tessera.decoder.grammar")
 
@@ -83,37 +84,35 @@ class GrammarMasks:
             raise ValueError(f"grammar mask path must be one of {APPLY_PATHS}, got {apply_path!r}")
         self.apply_path = apply_path
         self._batch: xgr.BatchGrammarMatcher | None = None
+        self.states = GrammarStates()      # request_id -> its matcher
 
-    def choose(self, vocab_size: int, device: torch.device | str, rows: int = 64, reps: int = 3) -> str:
-        """Time both apply paths on [rows, vocab_size] fp32 logits on device; keep and return the faster."""
+    def choose(self, vocab_size: int, device: torch.device | str, record: ExecutionPlan | None = None,
+               rows: int = 64, reps: int = REPS) -> str:
+        """The apply path (the choice "grammar_mask" of record): the pinned one, else both timed on
+        [rows, vocab_size] fp32 logits on device (plan.fastest; unpacked kept on a tie). Keeps and returns it."""
+        record = record if record is not None else ExecutionPlan()
+        pin = record.pinned("grammar_mask")
+        if pin != AUTO:
+            self.apply_path = pin
+            record.record("grammar_mask", pin)
+            return pin
         bitmask = _probe_mask(rows, vocab_size)
         logits = torch.zeros(rows, vocab_size, device=device)
         indices = list(range(rows))
-        took = {}
-        for name, fn in _APPLY.items():
-            fn(logits.clone(), bitmask, indices)            # warm up (the Triton kernel compiles here)
-            best = float("inf")
-            for _ in range(reps):
-                out = logits.clone()
-                if out.device.type == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                fn(out, bitmask, indices)
-                if out.device.type == "cuda":
-                    torch.cuda.synchronize()
-                best = min(best, time.perf_counter() - start)
-            took[name] = best
-        self.apply_path = min(took, key=took.get)
-        log.info("grammar mask path: %s (%s at [%d, %d] on %s)", self.apply_path,
-                 ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in took.items()), rows, vocab_size, device)
+        # Applying a mask again to the logits it has masked does the same work: no copy per call.
+        sync = torch.cuda.synchronize if logits.device.type == "cuda" else None
+        took = fastest({name: (lambda fn=fn: fn(logits, bitmask, indices)) for name, fn in _APPLY.items()},
+                       reps, sync=sync)
+        self.apply_path = pick(took, "unpacked")
+        record.record("grammar_mask", self.apply_path, [Timing(k, v, rows) for k, v in took.items()],
+                      f"at [{rows}, {vocab_size}] on {device}")
         return self.apply_path
 
-    @staticmethod
-    def rows(chunks: Sequence[ScheduledChunk]) -> list[tuple[int, GrammarState]]:
+    def rows(self, chunks: Sequence[ScheduledChunk]) -> list[tuple[int, GrammarState]]:
         """(row, state) of every chunk whose request has a grammar, each matcher synced to its outputs."""
         found = []
         for i, c in enumerate(chunks):
-            state = GrammarState.of(c.features)
+            state = self.states.of(c)
             if state is not None:
                 state.sync(c.output_token_ids)
                 found.append((i, state))

@@ -1,8 +1,10 @@
-"""One request's grammar matcher, kept in the request's own features, so it lives and dies with it.
+"""One request's grammar matcher, kept by the runner under the request's id for as long as it lives.
 
-The server puts the shared compiled Grammar in a request's features under FEATURE; the sampler
-creates the request's GrammarState under STATE the first time the request is sampled. Each choice of
-an n > 1 request is a request of its own with its own features dict, hence its own matcher.
+The server hands the shared compiled Grammar to the engine with the request (Request.grammar, then
+ScheduledChunk.grammar on every chunk); the sampler's GrammarStates creates the request's GrammarState
+the first time the request is sampled and drops it when the engine lists the request as finished
+(StepInput.finished_request_ids). A preempted request keeps its id, hence its matcher. Each choice of
+an n > 1 request is a request of its own ("<id>#<i>"), hence its own matcher.
 
 The matcher follows the tokens the engine accepted, never the tokens it computed: num_accepted is
 how many of the request's outputs it has consumed. Only sampled chunks reach it; a prefill chunk, a
@@ -13,16 +15,14 @@ each mask, so nothing is fed twice.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 import xgrammar as xgr
 
+from services.decoder.engine.step import ScheduledChunk
 from services.decoder.grammar.compiled import Grammar
-
-FEATURE = "grammar"
-STATE = "grammar_state"
 
 log = logging.getLogger("tessera.decoder.grammar")
 
@@ -47,14 +47,6 @@ class GrammarState:
         except Exception:  # noqa: BLE001 - a grammar must not take the engine down
             log.exception("could not start a grammar matcher; ending the choice")
             self.matcher, self.broken = None, True
-
-    @classmethod
-    def of(cls, features: dict) -> GrammarState | None:
-        """The request's state, created on first use; None for an unconstrained request."""
-        state = features.get(STATE)
-        if state is None and features.get(FEATURE) is not None:
-            state = features[STATE] = cls(features[FEATURE])
-        return state
 
     def sync(self, output_token_ids: Sequence[int]) -> None:
         """Make the matcher have consumed exactly output_token_ids (normally a no-op: `advance` fed each)."""
@@ -126,6 +118,38 @@ class GrammarState:
                 return True
             self.next_mask = mask
         return False
+
+
+class GrammarStates:
+    """request_id -> GrammarState: the matchers of the requests in flight, owned by the runner's sampler.
+
+    Each entry also holds its request's prompt (the chunk's prompt_token_ids, the request's own tuple):
+    a runner that several engines share (tests, benches) can see an id again before the engine that
+    ended the first request steps again to say so, and a different request is a different tuple.
+    """
+
+    def __init__(self) -> None:
+        self._states: dict[str, tuple[Sequence[int], GrammarState]] = {}
+
+    def of(self, chunk: ScheduledChunk) -> GrammarState | None:
+        """The chunk's request's state, created on first use; None for an unconstrained request."""
+        if chunk.grammar is None:
+            return None
+        entry = self._states.get(chunk.request_id)
+        if entry is None or entry[0] is not chunk.prompt_token_ids:
+            entry = self._states[chunk.request_id] = (chunk.prompt_token_ids, GrammarState(chunk.grammar))
+        return entry[1]
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop the states of finished requests (StepInput.finished_request_ids)."""
+        for rid in request_ids:
+            self._states.pop(rid, None)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
 
 
 def clear_bits(mask: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:

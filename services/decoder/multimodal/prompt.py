@@ -23,6 +23,7 @@ import torch
 
 from services.common.errors import InvalidArgument, Unsupported
 from services.decoder.engine.request import SpanKey
+from services.decoder.engine.step import PlacedImages
 from services.decoder.model.config import VisionTokens
 from services.decoder.multimodal.images import PARAM, ImageInput
 from services.decoder.multimodal.keys import image_span_keys
@@ -45,10 +46,9 @@ class VisionPrompt:
     spans: tuple[tuple[int, int], ...]
     image_rows: dict[int, torch.Tensor]
 
-    def features(self) -> dict:
-        """What the runner consumes per chunk (runner/batch.py): rows by absolute position and M-RoPE."""
-        return {"image_rows": self.image_rows, "mrope_positions": self.positions,
-                "mrope_delta": self.delta, "mrope_sections": self.sections}
+    def placed(self) -> PlacedImages:
+        """What the runner consumes per chunk (runner/batch.py): M-RoPE and rows by absolute position."""
+        return PlacedImages(self.positions, self.delta, self.sections, self.image_rows)
 
     def span_keys(self) -> tuple[SpanKey, ...]:
         """Prefix-cache salts for the engine (see keys.py)."""

@@ -2,7 +2,7 @@
 
     images = request_images(request, model_config, max_images=8, model="name")   # before rendering
     placed = place_images(prompt_ids, images, model_config)                        # after rendering
-    engine.generate(rid, placed.token_ids, params, features=placed.features, span_keys=placed.span_keys)
+    engine.generate(rid, placed.token_ids, params, images=placed.images, span_keys=placed.span_keys)
 
 Contract (decoder.proto): GenerateRequest.images[i] is ImageInput{rows, grid, content_hash}; a chat
 ContentPart with image_index = i places image i there. Every image is referenced exactly once; the n-th
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from services.common.errors import InvalidArgument, TooLarge, Unsupported
 from services.decoder.engine.request import SpanKey
+from services.decoder.engine.step import PlacedImages
 from services.decoder.model.config import ModelConfig
 from services.decoder.multimodal.images import PARAM, ImageInput, image_from_proto
 from services.decoder.multimodal.prompt import expand_images
@@ -27,7 +28,7 @@ class PlacedPrompt:
     """Physical prompt ids [T] and what the engine needs besides them (None/() for a text-only prompt)."""
 
     token_ids: list[int]
-    features: dict | None = None
+    images: PlacedImages | None = None
     span_keys: tuple[SpanKey, ...] = field(default_factory=tuple)
 
 
@@ -72,4 +73,4 @@ def place_images(token_ids: Sequence[int], images: Sequence[ImageInput], config:
     vision = expand_images(token_ids, images, config.vision, config.mrope_sections)
     if not images:
         return PlacedPrompt(vision.token_ids)
-    return PlacedPrompt(vision.token_ids, vision.features(), vision.span_keys())
+    return PlacedPrompt(vision.token_ids, vision.placed(), vision.span_keys())

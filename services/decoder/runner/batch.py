@@ -2,7 +2,8 @@
 
 Tokens of all chunks are concatenated in step order (no padding). Physical positions
 drive KV slots and causal masks; rotary positions are the physical ones, or, for a
-request that carries M-RoPE features, its prompt coordinates and then physical + delta.
+request that carries placed images (ScheduledChunk.images), its prompt coordinates and then
+physical + delta.
 Image rows are looked up by absolute position, so a chunk replaces only the rows inside
 its own interval [start, start + len), whether it is a first prefill, the rest after a
 prefix hit, or a recompute after preemption.
@@ -32,7 +33,8 @@ class StepBatch:
 
     @staticmethod
     def build(step: StepInput, block_size: int, device: torch.device,
-              mrope_sections: tuple[int, int, int] | None) -> StepBatch:
+              mrope_sections: tuple[int, int, int] | None, attention_backend: str) -> StepBatch:
+        """attention_backend: the runner's decode attention (runner/attention.py's CPP or TORCH)."""
         chunks = step.chunks
         if not chunks or any(not c.token_ids for c in chunks):
             raise InvalidArgument("a step needs at least one chunk and every chunk at least one token")
@@ -46,10 +48,9 @@ class StepBatch:
                 # The last known token's row, then one row per draft (each verifies the next).
                 sample_rows.extend(range(offset + n - 1 - len(c.draft_token_ids), offset + n))
                 sampled.append(c)
-            slot = c.features.get("lora_slot", -1)
-            if slot != -1:
-                lora.append((offset, n, slot))   # every row of the chunk uses its request's slot
-            rows = c.features.get("image_rows")
+            if c.lora_slot is not None:
+                lora.append((offset, n, c.lora_slot))   # every row of the chunk uses its request's slot
+            rows = c.images.rows if c.images is not None else None
             if rows:
                 # Look up the chunk's own positions, not every saved row: a decode step of a request
                 # with a large image then costs O(1) here instead of O(rows).
@@ -59,10 +60,10 @@ class StepBatch:
                         images.append((offset + pos - c.start, row))
             offset += n
         positions = torch.cat(physical)
-        if any("mrope_positions" in c.features for c in chunks):
+        if any(c.images is not None for c in chunks):
             positions = _mrope_positions(chunks, positions, mrope_sections)
         plan = AttentionPlan.build([(c.start, len(c.token_ids), c.block_table) for c in chunks],
-                                   block_size, device)
+                                   block_size, device, attention_backend)
         return StepBatch(torch.tensor(ids, dtype=torch.long, device=device), positions, plan,
                          torch.tensor(sample_rows, dtype=torch.long, device=device), sampled, images,
                          lora_spans=lora)
@@ -77,17 +78,16 @@ def _mrope_positions(chunks: list[ScheduledChunk], physical: torch.Tensor,
     offset = 0
     for c in chunks:
         n = len(c.token_ids)
-        feats = c.features
-        if "mrope_positions" in feats:
-            given = feats.get("mrope_sections")
-            if given is not None and tuple(given) != tuple(sections):
-                raise InvalidArgument(f"M-RoPE sections {tuple(given)} differ from the model's {sections}")
-            prompt = feats["mrope_positions"].to(axes.device)                  # [3, T_prompt]
+        images = c.images
+        if images is not None:
+            if images.sections is not None and tuple(images.sections) != tuple(sections):
+                raise InvalidArgument(f"M-RoPE sections {tuple(images.sections)} differ from the model's {sections}")
+            prompt = images.positions.to(axes.device)                          # [3, T_prompt]
             pos = physical[offset:offset + n]
             in_prompt = pos < prompt.shape[1]
             # Decode (and any text past the prompt) continues at physical + delta on every axis.
             rows = torch.where(in_prompt[None], prompt[:, pos.clamp(max=prompt.shape[1] - 1)],
-                               (pos + int(feats["mrope_delta"]))[None])
+                               (pos + int(images.delta))[None])
             axes[:, offset:offset + n] = rows
         offset += n
     return axes

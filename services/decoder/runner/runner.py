@@ -9,25 +9,25 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from services.common.errors import InvalidArgument, Unsupported
-from services.common.linear_path import resolve_mode as linear_path_mode
-from services.decoder.engine.step import StepInput, StepOutput
+from services.common.errors import InvalidArgument, TesseraError, Unsupported
+from services.common.plan import ExecutionPlan, Pins
+from services.decoder.engine.step import ScheduledChunk, StepInput, StepOutput
 from services.decoder.model.decoder import CausalLM
 from services.decoder.model.glue import choose as choose_glue
 from services.decoder.model.linear import choose_gemv, pack_linears, quantize_linears
 from services.decoder.model.loader import load_model
 from services.decoder.model.screen import build as build_screen
-from services.decoder.runner.attention import TORCH as TORCH_ATTENTION
 from services.decoder.runner.attention import PagedAttention, Workspace, choose_decode_backend
 from services.decoder.runner.batch import StepBatch
 from services.decoder.runner.fused_decode import FusedDecode
 from services.decoder.runner.kv_cache import KVCache
-from services.decoder.runner.sampler import Sampler
+from services.decoder.runner.sampler import Sampler, check_sampling
 
 if TYPE_CHECKING:
     from services.decoder.lora.bank import AdapterBank
@@ -37,50 +37,52 @@ log = logging.getLogger("tessera.runner")
 
 class Runner:
     def __init__(self, model: CausalLM, block_size: int, num_blocks: int, seed: int | None = None,
-                 linear_path: str | None = None, quantization: str = "none"):
+                 fast_paths: str | Pins | None = None, quantization: str = "none"):
+        """fast_paths: what --fast-paths pins (services/common/plan.py); every other path is timed here."""
         self.model = model
+        # Every load-time choice of a fast path, made under the pins and reported by GetModelInfo.
+        self.plan = plan = ExecutionPlan(fast_paths)
+        huge_pages = plan.pinned("huge_pages") != "off"
         model.fuse_projections()
         # Weight-only int8 first (model/quantization.py): the Linears it takes need no matmul path.
         self.quantization = quantize_linears(model, quantization)
         # Then every weight into one arena of 2 MiB pages, before anything packs or holds them: a decode
         # step streams them all, bound by memory (services/common/arena.py).
-        weight_pages = model.place_weights()
-        # The matmul path per weight shape, chosen by timing at load (model/linear.py) unless
-        # linear_path forces "packed" or "plain"; one line, e.g. "auto float32: packed on 576x576".
-        self.linear_backend = pack_linears(model, linear_path)
+        weight_pages = model.place_weights(huge_pages)
+        # The matmul path per weight shape, chosen by timing at load (model/linear.py) unless pinned
+        # (linear=packed or plain); one line, e.g. "auto float32: packed on 576x576".
+        self.linear_backend = pack_linears(model, plan)
         # Then the few-row kernel where it beats that path (decode at batch 1 to 4), by timing.
-        if linear_path_mode(linear_path) == "auto":
-            self.linear_backend += "; " + choose_gemv(model)
+        self.linear_backend += "; " + choose_gemv(model, plan)
         # RMSNorm and SiLU(gate) * up by the C++ row ops or torch's, per op by timing (model/glue.py).
-        self.glue = choose_glue(model)
+        self.glue = choose_glue(model, plan)
         self.config = cfg = model.config
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
         self.block_size, self.num_blocks = block_size, num_blocks
         self.cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                             self.dtype, self.device)
-        # Where the weights and the KV cache live, for the log and GetModelInfo.memory_pages.
+                             self.dtype, self.device, huge_pages)
+        # Where the weights and the KV cache live (not timed: on unless pinned off).
         self.memory_pages = f"weights: {weight_pages}; KV cache: {self.cache.pages}"
-        log.info("memory: %s", self.memory_pages)
+        plan.record("huge_pages", "on" if huge_pages else "off", reason=self.memory_pages)
         self.workspace = Workspace()
         # Decode attention: the C++ operator over the paged cache or the torch gather path,
         # timed at this model's heads at load (runner/attention.py); CUDA runs the torch path.
-        self.attention_backend = (choose_decode_backend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
-                                                        self.dtype) if self.device.type == "cpu" else TORCH_ATTENTION)
+        self.attention_backend = choose_decode_backend(plan, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                       block_size, self.dtype, self.device)
         # Decode steps: every layer in one C++ call, up to the row count where it beat the layers at
-        # load (runner/fused_decode.py); one line for the log and GetModelInfo, e.g. "cpp rows<=64; timed ...".
-        self.fused_decode, self.decode_stack = FusedDecode.build(model, self.cache, self.attention_backend,
-                                                                 linear_path_mode(linear_path) == "auto")
+        # load (runner/fused_decode.py).
+        self.fused_decode, self.decode_stack = FusedDecode.build(model, self.cache, self.attention_backend, plan)
         self.sampler = Sampler(seed)
         # Greedy rows of an fp32 head: their argmax through a bf16 screen of it, where that was faster
-        # at load; one line for the log and GetModelInfo, e.g. "bf16 rows<=64 (timed ...)".
+        # at load (model/screen.py).
         self.screen, self.argmax_screen = build_screen(
-            model.lm_head, model.logits, math.sqrt(cfg.hidden_size) * float(model.model.norm.weight.abs().mean()))
-        log.info("argmax screen: %s", self.argmax_screen)
+            model.lm_head, model.logits, math.sqrt(cfg.hidden_size) * float(model.model.norm.weight.abs().mean()),
+            plan, huge_pages)
         # How constrained rows get their grammar masks applied, chosen by timing at the real width.
-        self.grammar_mask_path = self.sampler.grammars.choose(cfg.vocab_size, self.device)
-        # The adapter bank installed on self.model, if any (attach_lora); chunks whose
-        # features carry a "lora_slot" need it.
+        self.grammar_mask_path = self.sampler.grammars.choose(cfg.vocab_size, self.device, plan)
+        # The adapter bank installed on self.model, if any (attach_lora); chunks with a
+        # lora_slot need it.
         self.lora: AdapterBank | None = None
 
     def attach_lora(self, bank: AdapterBank) -> None:
@@ -93,8 +95,9 @@ class Runner:
     @classmethod
     def from_folder(cls, folder: str | Path, dtype: str | torch.dtype = "fp32", block_size: int = 16,
                     num_blocks: int = 1024, device: str | torch.device = "cpu",
-                    seed: int | None = None, linear_path: str | None = None, quantization: str = "none") -> Runner:
-        return cls(load_model(folder, dtype, device), block_size, num_blocks, seed, linear_path, quantization)
+                    seed: int | None = None, fast_paths: str | Pins | None = None,
+                    quantization: str = "none") -> Runner:
+        return cls(load_model(folder, dtype, device), block_size, num_blocks, seed, fast_paths, quantization)
 
     @property
     def vocab_size(self) -> int:
@@ -118,15 +121,16 @@ class Runner:
     @torch.inference_mode()
     def hidden(self, step: StepInput) -> tuple[torch.Tensor, StepBatch]:
         """Run the step; the final hidden states [R, hidden] of the rows logits() would return."""
-        batch = StepBatch.build(step, self.block_size, self.device, self.config.mrope_sections)
-        if int(batch.input_ids.max()) >= self.vocab_size or int(batch.input_ids.min()) < 0:
-            raise InvalidArgument(f"token ids must be in [0, {self.vocab_size})", param="prompt")
+        for c in step.chunks:
+            fault = self.refusal(c)
+            if fault is not None:
+                raise fault
+        batch = StepBatch.build(step, self.block_size, self.device, self.config.mrope_sections,
+                                self.attention_backend)
         embeds = self.model.embed(batch.input_ids)
         if batch.image_rows:
             rows, values = zip(*batch.image_rows, strict=True)
             embeds[list(rows)] = torch.stack(values).to(embeds)
-        if batch.lora_spans and self.lora is None:
-            raise Unsupported("LoRA adapters need an adapter bank; this runner has none (--max-loras 0)")
         # The per-step adapter grouping is built once here and shared by every layer.
         scope = self.lora.activate(batch.lora_spans, len(batch.input_ids)) if self.lora is not None \
             else nullcontext()
@@ -137,10 +141,52 @@ class Runner:
                 hidden = self.model(embeds, batch.positions, PagedAttention(self.cache, batch.plan, self.workspace))
         return hidden.index_select(0, batch.sample_rows), batch
 
+    def refusal(self, chunk: ScheduledChunk) -> TesseraError | None:
+        """Why this runner cannot run `chunk`'s request, or None. Request-shaped faults only (the
+        server refuses them before the engine; this is the last line): a token id outside the
+        vocabulary, an adapter slot without a bank, images the model cannot place, bad sampling."""
+        ids = chunk.token_ids
+        if not ids:
+            return InvalidArgument("a chunk needs at least one token")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            return InvalidArgument(f"token ids must be in [0, {self.vocab_size})", param="prompt")
+        if chunk.lora_slot is not None:
+            if self.lora is None:
+                return Unsupported("LoRA adapters need an adapter bank; this runner has none (--max-loras 0)")
+            if not 0 <= chunk.lora_slot < self.lora.num_slots:
+                return InvalidArgument(f"adapter slot {chunk.lora_slot} is not one of the bank's "
+                                       f"{self.lora.num_slots}")
+        images = chunk.images
+        if images is not None:
+            sections = self.config.mrope_sections
+            if sections is None:
+                return Unsupported("this model has no M-RoPE sections; it cannot take image positions")
+            if images.sections is not None and tuple(images.sections) != tuple(sections):
+                return InvalidArgument(f"M-RoPE sections {tuple(images.sections)} differ from the model's {sections}")
+        if chunk.sample:
+            try:
+                check_sampling(chunk.sampling)
+            except TesseraError as exc:
+                return exc
+        return None
+
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         """One engine step: write KV for every chunk, sample one token per chunk with sample=True
-        (after the drafts it accepted, if it had any)."""
+        (after the drafts it accepted, if it had any).
+
+        A chunk this runner refuses (`refusal`) is left out of the forward and named in
+        StepOutput.failed; the step's other chunks run as if it had not been scheduled."""
+        self.sampler.grammars.states.forget(step.finished_request_ids)
+        failed = {}
+        for c in step.chunks:
+            fault = self.refusal(c)
+            if fault is not None:
+                failed[c.request_id] = f"{type(fault).__name__}: {fault.message}"
+        if failed:
+            step = replace(step, chunks=[c for c in step.chunks if c.request_id not in failed])
+            if not step.chunks:
+                return StepOutput({}, failed=failed)
         hidden, batch = self.hidden(step)
         runs = None
         if self.screen is not None and 0 < hidden.shape[0] <= self.screen.max_rows \
@@ -151,4 +197,5 @@ class Runner:
         if runs is None:
             runs = self.sampler.run(self.model.logits(hidden), batch.sampled)
         return StepOutput({c.request_id: run[-1] for c, run in zip(batch.sampled, runs, strict=True)},
-                          {c.request_id: run[:-1] for c, run in zip(batch.sampled, runs, strict=True) if len(run) > 1})
+                          {c.request_id: run[:-1] for c, run in zip(batch.sampled, runs, strict=True) if len(run) > 1},
+                          failed)

@@ -57,7 +57,7 @@ import torch
 from services.common.errors import InvalidArgument
 from services.decoder.engine.step import SampledToken, SamplingParams, ScheduledChunk
 from services.decoder.grammar.mask import GrammarMasks
-from services.decoder.grammar.state import FEATURE, clear_bits
+from services.decoder.grammar.state import clear_bits
 
 _MASK64 = (1 << 64) - 1
 
@@ -291,7 +291,7 @@ class Sampler:
         """Whether every chunk takes the argmax of its raw logits and nothing else of them: temperature 0,
         no logprobs, no grammar, none of steps 1-4. Such a step needs only each row's argmax, which the
         runner may get without the full logits (model/screen.py)."""
-        return all(c.sampling.temperature == 0 and c.sampling.logprobs is None and c.features.get(FEATURE) is None
+        return all(c.sampling.temperature == 0 and c.sampling.logprobs is None and c.grammar is None
                    and not _modifies(c) for c in chunks)
 
     @staticmethod

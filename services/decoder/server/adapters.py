@@ -1,4 +1,4 @@
-"""The decoder service's LoRA side: bank + registry + leases on the runner, admin paths, metrics.
+"""The decoder service's LoRA side: bank + registry + leases through the engine, admin paths, metrics.
 
 Who runs what:
 - reading and validating a PEFT folder is slow file work: it runs off the event loop
@@ -20,10 +20,10 @@ from prometheus_client import Gauge
 
 from services.common.errors import AdapterNotFound, InvalidArgument, PermissionDenied
 from services.common.pb import decoder_pb2
-from services.decoder.engine.engine_core import EngineCore
-from services.decoder.lora import AdapterBank, AdapterLeases, AdapterRegistry, AdapterStatus, LoraWeights, load_peft
-from services.decoder.lora.leases import adapter_features, requests_per_adapter
-from services.decoder.runner.runner import Runner
+from services.decoder.engine.request import AdapterRef
+from services.decoder.lora import AdapterLeases, AdapterRegistry, AdapterStatus, LoraWeights, load_peft
+from services.decoder.lora.leases import adapter_request
+from services.decoder.server.async_engine import AsyncEngine
 from services.decoder.server.config import DecoderConfig
 
 log = logging.getLogger("tessera.decoder.lora")
@@ -40,11 +40,11 @@ _EVICTIONS = Gauge("tessera_decoder_adapter_evictions", "slot fills that evicted
 class Adapters:
     """LoRA for one loaded decoder. Install once, before the engine starts."""
 
-    def __init__(self, cfg: DecoderConfig, runner: Runner):
-        self.bank = AdapterBank(runner.model, cfg.lora_targets, cfg.max_loras, cfg.max_lora_rank)
-        runner.attach_lora(self.bank)
+    def __init__(self, cfg: DecoderConfig, engine: AsyncEngine):
+        self.bank = engine.install_adapters(cfg.lora_targets, cfg.max_loras, cfg.max_lora_rank)
         self.registry = AdapterRegistry(self.bank, cfg.max_cpu_loras)
         self.leases = AdapterLeases(self.registry)
+        engine.use_leases(self.leases)
         self.root: Path | None = None
         if cfg.lora_root:
             root = Path(cfg.lora_root)
@@ -85,25 +85,24 @@ class Adapters:
             raise AdapterNotFound(f"adapter folder {path!r} does not exist in the adapter root", param="lora_path")
         return resolved
 
-    def request(self, name: str) -> tuple[dict, tuple]:
-        """(features, extra_keys) for a Generate naming adapter `name`; AdapterNotFound if unknown."""
+    def request(self, name: str) -> tuple[AdapterRef, tuple]:
+        """(adapter, extra_keys) for a Generate naming adapter `name`; AdapterNotFound if unknown."""
         entry = self.registry.entries.get(name)
         if entry is None:
             raise AdapterNotFound(f"adapter {name!r} is not loaded", param="model")
-        return adapter_features(name, entry.digest)
+        return adapter_request(name, entry.digest)
 
     # -- metrics (engine thread) -------------------------------------------------------
 
-    def export(self, core: EngineCore) -> None:
+    def export(self, engine: AsyncEngine) -> None:
         """Per-adapter running / waiting requests and slot state, after each step."""
-        running = requests_per_adapter(core.scheduler.running)
-        waiting = requests_per_adapter(core.scheduler.waiting)
+        running, waiting = engine.requests_per_adapter()
         for name in self._seen - set(running) - set(waiting):
             _RUNNING.labels(name).set(0)
             _WAITING.labels(name).set(0)
         for name in set(running) | set(waiting):
-            _RUNNING.labels(name).set(running[name])
-            _WAITING.labels(name).set(waiting[name])
+            _RUNNING.labels(name).set(running.get(name, 0))
+            _WAITING.labels(name).set(waiting.get(name, 0))
         self._seen = set(running) | set(waiting)
         self.export_registry()
 

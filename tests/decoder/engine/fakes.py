@@ -53,16 +53,20 @@ class FakeRunner:
         self.kv: dict[int, tuple[int, int, int]] = {}
         self.prompts: dict[str, list[int]] = {}
         self.outputs: dict[str, list[int]] = {}
+        # request id -> its salt: what an adapter is to a real runner (the same tokens, other KV and
+        # outputs); the request's extra_keys must carry it so that no prefix hit crosses salts.
+        self.salts: dict[str, int] = {}
         self.finished: set[str] = set()
         self.fail_calls = fail_calls
         self.calls = 0
         self.violations: list[str] = []
         self.steps: list[StepInput] = []
 
-    def register(self, request_id: str, prompt: list[int], n: int = 1) -> None:
+    def register(self, request_id: str, prompt: list[int], n: int = 1, salt: int = 0) -> None:
         for rid in choice_ids(request_id, n):
             self.prompts[rid] = list(prompt)
             self.outputs[rid] = []
+            self.salts[rid] = salt
 
     def _violate(self, message: str) -> None:
         self.violations.append(message)
@@ -96,7 +100,7 @@ class FakeRunner:
                     self._violate(f"{other.request_id} holds a block {c.request_id} writes")
         sampled, accepted = {}, {}
         for c in step.chunks:
-            salt = c.features.get("salt", 0)
+            salt = self.salts.get(c.request_id, 0)
             for i, t in enumerate(c.token_ids):
                 p = c.start + i
                 self.kv[self._slot(c.block_table, p)] = (t, p, salt)
@@ -135,7 +139,7 @@ class FakeRunner:
                 or len(set(c.block_table)) != len(c.block_table) \
                 or any(not 0 <= b < self.num_blocks for b in c.block_table):
             self._violate(f"{rid}: bad block table {c.block_table} for {end} positions")
-        salt = c.features.get("salt", 0)
+        salt = self.salts.get(rid, 0)
         for p in range(c.start):
             if self.kv.get(self._slot(c.block_table, p)) != (known[p], p, salt):
                 self._violate(f"{rid}: KV at position {p} is {self.kv.get(self._slot(c.block_table, p))}, "
@@ -204,9 +208,8 @@ def drive(core: EngineCore, runner: FakeRunner, jobs: list[Job], *, timed: bool 
     while True:
         while pending and (not timed or pending[0].arrival_step <= step):
             job = pending.pop(0)
-            runner.register(job.request_id, job.prompt, job.n)
-            core.add_request(job.request_id, job.prompt, job.sampling(), extra_keys=(("salt", job.salt),),
-                             features={"salt": job.salt})
+            runner.register(job.request_id, job.prompt, job.n, salt=job.salt)
+            core.add_request(job.request_id, job.prompt, job.sampling(), extra_keys=(("salt", job.salt),))
             for i in range(job.n):
                 res.tokens[(job.request_id, i)] = []
         if timed:

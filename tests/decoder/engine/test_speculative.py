@@ -104,7 +104,7 @@ def test_outputs_equal_speculation_off_with_fewer_steps_and_drafts_both_accepted
 def test_rejected_drafts_leave_no_blocks_and_only_accepted_tokens_reach_the_prefix_cache():
     core, runner = _core(_spec(), block_size=2)
     core.add_request("a", PROMPT, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-                     extra_keys=(("salt", 0),), features={"salt": 0})     # as drive() adds them
+                     extra_keys=(("salt", 0),))     # as drive() adds them
     runner.register("a", PROMPT)
     req = core.scheduler.requests["a"]
     rejected_somewhere = False

@@ -14,7 +14,6 @@ from services.decoder.engine.config import EngineConfig, SpeculativeConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.step import SamplingParams
 from services.decoder.grammar.spec import GrammarSpec
-from services.decoder.grammar.state import FEATURE
 from services.decoder.runner.runner import Runner
 from tests.decoder.grammar.cases import CHOICES, REGEX, SCHEMA
 from tests.decoder.grammar.conftest import EOS
@@ -57,10 +56,10 @@ def core_for(runner, num_blocks=512, budget=64, prefix_caching=True, speculative
 
 
 def run(core: EngineCore, jobs: dict) -> dict:
-    """jobs: rid -> (prompt ids, SamplingParams, features) -> {(rid, index): (tokens, finish, cached)}."""
+    """jobs: rid -> (prompt ids, SamplingParams, grammar or None) -> {(rid, index): (tokens, finish, cached)}."""
     got = {}
-    for rid, (prompt, params, features) in jobs.items():
-        core.add_request(rid, prompt, params, features=features)
+    for rid, (prompt, params, grammar) in jobs.items():
+        core.add_request(rid, prompt, params, grammar=grammar)
         for i in range(params.n):
             got[(rid, i)] = [[], None, 0]
     for _ in range(5000):
@@ -83,10 +82,10 @@ def jobs_for(tokenizer, grammars, max_tokens=80) -> dict:
     jobs = {}
     for kind, grammar in grammars.items():
         jobs[f"{kind}-seeded"] = (prompt, SamplingParams(temperature=1.0, seed=5, max_tokens=max_tokens),
-                                  {FEATURE: grammar})
+                                  grammar)
     jobs["schema-greedy"] = (prompt, SamplingParams(temperature=0, max_tokens=max_tokens),
-                             {FEATURE: grammars["schema"]})
-    jobs["free"] = (prompt, SamplingParams(temperature=1.0, seed=2, max_tokens=24, ignore_eos=True), {})
+                             grammars["schema"])
+    jobs["free"] = (prompt, SamplingParams(temperature=1.0, seed=2, max_tokens=24, ignore_eos=True), None)
     return jobs
 
 
@@ -126,7 +125,7 @@ def test_speculative_drafts_pass_the_mask_and_leave_the_matcher_on_the_emitted_t
 def test_each_choice_of_n_has_its_own_matcher(runner, tokenizer, grammars):
     prompt = tokenizer.encode(PROMPT)
     got = run(core_for(runner), {
-        "n": (prompt, SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=80), {FEATURE: grammars["schema"]})})
+        "n": (prompt, SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=80), grammars["schema"])})
     texts = [tokenizer.decode(got[("n", i)][0]) for i in range(3)]
     for text in texts:
         assert valid("schema", text), text
@@ -136,11 +135,11 @@ def test_each_choice_of_n_has_its_own_matcher(runner, tokenizer, grammars):
 def test_prefix_hits_and_max_tokens(runner, tokenizer, grammars):
     core = core_for(runner)
     prompt = tokenizer.encode(PROMPT)
-    job = (prompt, SamplingParams(temperature=0, max_tokens=80), {FEATURE: grammars["schema"]})
+    job = (prompt, SamplingParams(temperature=0, max_tokens=80), grammars["schema"])
     first = run(core, {"a": job})[("a", 0)]
     again = run(core, {"b": job})[("b", 0)]
     assert first[2] == 0 and again[2] > 0 and again[:2] == first[:2]
-    cut = run(core, {"c": (prompt, SamplingParams(temperature=0, max_tokens=12), {FEATURE: grammars["schema"]})})
+    cut = run(core, {"c": (prompt, SamplingParams(temperature=0, max_tokens=12), grammars["schema"])})
     tokens, finish, _ = cut[("c", 0)]
     assert finish == "length" and len(tokens) == 12 and first[0][:12] == tokens   # cut mid-object
     with pytest.raises(json.JSONDecodeError):
@@ -150,9 +149,9 @@ def test_prefix_hits_and_max_tokens(runner, tokenizer, grammars):
 def test_stop_token_ids_still_end_a_constrained_choice(runner, tokenizer, grammars):
     prompt = tokenizer.encode(PROMPT)
     full = run(core_for(runner), {"a": (prompt, SamplingParams(temperature=0, max_tokens=80),
-                                                 {FEATURE: grammars["grammar"]})})[("a", 0)][0]
+                                                 grammars["grammar"])})[("a", 0)][0]
     stop_id = full[3]
     got = run(core_for(runner), {"a": (prompt, SamplingParams(temperature=0, max_tokens=80,
                                                                        stop_token_ids=(stop_id,)),
-                                                {FEATURE: grammars["grammar"]})})[("a", 0)]
+                                                grammars["grammar"])})[("a", 0)]
     assert got[0] == full[:full.index(stop_id)] and got[1] == "stop"     # an unfinished expression

@@ -5,8 +5,9 @@ import json
 
 import torch
 
+from services.decoder.engine.step import SamplingParams, ScheduledChunk
 from services.decoder.grammar.spec import GrammarSpec
-from services.decoder.grammar.state import FEATURE, STATE, GrammarState, clear_bits, only_stop
+from services.decoder.grammar.state import GrammarState, GrammarStates, clear_bits, only_stop
 from tests.decoder.grammar.conftest import EOS, allowed
 
 SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
@@ -17,14 +18,24 @@ def ids(tokenizer, text):
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_the_state_lives_in_the_requests_features(compiler):
+def test_the_state_lives_under_its_request_id_until_the_request_finishes(compiler):
     grammar = compiler.compile_now(GrammarSpec.json_schema(SCHEMA))
-    features = {FEATURE: grammar}
-    state = GrammarState.of(features)
-    assert features[STATE] is state and GrammarState.of(features) is state
-    assert GrammarState.of({}) is None
-    # Each choice of an n > 1 request has its own copy of the dict, hence its own matcher.
-    assert GrammarState.of(dict({FEATURE: grammar})) is not state
+    states = GrammarStates()
+
+    def chunk(rid, g=grammar):
+        return ScheduledChunk(rid, [5], 0, [0], True, SamplingParams(), grammar=g)
+    state = states.of(chunk("r"))
+    assert states.of(chunk("r")) is state and "r" in states     # every later chunk (preemption included)
+    assert states.of(chunk("free", None)) is None and "free" not in states
+    # Each choice of an n > 1 request is a request of its own, hence its own matcher.
+    choice = states.of(chunk("r#1"))
+    assert choice is not state
+    # A runner several engines share may see an id again before hearing it finished: another prompt
+    # tuple is another request.
+    again = ScheduledChunk("r#1", [5], 0, [0], True, SamplingParams(), prompt_token_ids=(7,), grammar=grammar)
+    assert states.of(again) is not choice and states.of(again) is states.of(again)
+    states.forget(["r", "never-seen"])
+    assert "r" not in states and len(states) == 1 and states.of(chunk("r")) is not state
 
 
 def test_sync_feeds_each_accepted_token_once(compiler, tokenizer):

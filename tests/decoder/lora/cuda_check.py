@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     torch.backends.cudnn.allow_tf32 = False
     from services.decoder.engine.step import StepInput
     from services.decoder.kernels.lora import backend_name
-    from services.decoder.lora import adapter_features
+    from services.decoder.lora import adapter_request
     from tests.decoder.lora.adapters import SPECS, lora_engine, peft_mixed, register, write_adapter
     from tests.decoder.lora.test_peft_reference import GREEDY, PROMPTS, WORKLOAD
     from tests.decoder.model.checkpoints import TINY_SHAPE, build, load_reference
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
 
         def logits(names, runner=runner, registry=registry, prompts=prompts):
             seqs = [Seq(str(i), prompts[i].tolist(),
-                        features={} if n is None else {"lora_slot": registry.status(n).slot})
+                        lora_slot=None if n is None else registry.status(n).slot)
                     for i, n in enumerate(names)]
             alloc = BlockAllocator(128)
             out, _ = runner.logits(StepInput([s.chunk(9, alloc, 4) for s in seqs]))
@@ -102,8 +102,8 @@ def main(argv=None) -> int:
         while pending or core.has_unfinished():
             if pending and steps % 2 == 0:
                 i, (p, a) = pending.pop(0)
-                feats, keys = adapter_features(a, digests[a]) if a else ({}, ())
-                core.add_request(str(i), PROMPTS[p], GREEDY, extra_keys=keys, features=feats)
+                adapter, keys = adapter_request(a, digests[a]) if a else (None, ())
+                core.add_request(str(i), PROMPTS[p], GREEDY, extra_keys=keys, adapter=adapter)
             for out in core.step():
                 got_tokens[out.request_id].extend(out.new_token_ids)
             steps += 1

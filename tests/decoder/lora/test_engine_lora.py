@@ -13,7 +13,7 @@ import torch
 
 from services.common.errors import AdapterInUse
 from services.decoder.engine.step import SamplingParams, StepInput
-from services.decoder.lora import adapter_features
+from services.decoder.lora import adapter_request
 from tests.decoder.lora.adapters import Spec, lora_engine, register, write_adapter
 from tests.decoder.model.checkpoints import build
 from tests.decoder.runner.driver import BlockAllocator, Seq
@@ -40,8 +40,8 @@ def base(tmp_path_factory):
 
 def run_one(core, registry, rid, prompt, name, sampling=GREEDY):
     """Serve one request alone; returns (tokens, cached prompt tokens)."""
-    feats, keys = adapter_features(name, registry.status(name).digest) if name else ({}, ())
-    core.add_request(rid, prompt, sampling, extra_keys=keys, features=feats)
+    adapter, keys = adapter_request(name, registry.status(name).digest) if name else (None, ())
+    core.add_request(rid, prompt, sampling, extra_keys=keys, adapter=adapter)
     toks, cached = [], 0
     while core.has_unfinished():
         for out in core.step():
@@ -56,7 +56,7 @@ def test_zero_adapter_equals_base_exactly(base):
     core, registry = lora_engine(folder)
     slot = register(registry, "zero", adapters["zero"]).slot
     alloc = BlockAllocator(128)
-    mixed = [Seq("z", PROMPT, features={"lora_slot": slot}), Seq("b", PROMPT)]
+    mixed = [Seq("z", PROMPT, lora_slot=slot), Seq("b", PROMPT)]
     logits, _ = core.runner.logits(StepInput([s.chunk(13, alloc, 4) for s in mixed]))
     # Against the same step without the adapter, row for row: a GEMM need not give two equal rows
     # at different positions equal results (MKL's compatible mode does not), so row 0 vs row 1 would
@@ -111,24 +111,22 @@ def drive(core, registry, workload, *, stagger=1, seed=0, abort_every=0, fail_st
     results = {rid: [] for rid, *_ in workload}
     reasons = set()
     pending, steps, waited, injected = list(workload), 0, False, False
-    real_execute = core.runner.execute
     while pending or core.has_unfinished():
         if pending and steps % stagger == 0:
             rid, prompt, name, sampling = pending.pop(0)
-            feats, keys = adapter_features(name, registry.status(name).digest) if name else ({}, ())
-            core.add_request(rid, prompt, sampling, extra_keys=keys, features=feats)
+            adapter, keys = adapter_request(name, registry.status(name).digest) if name else (None, ())
+            core.add_request(rid, prompt, sampling, extra_keys=keys, adapter=adapter)
         if abort_every and steps % abort_every == abort_every - 1 and core._choices:
             core.abort(rng.choice(sorted(core._choices)))
         if fail_step is not None and steps >= fail_step and core.scheduler.running and not injected:
             injected = True
-            core.runner.execute = lambda step: (_ for _ in ()).throw(RuntimeError("injected runner failure"))
+            core.inject_fault(core.num_steps + 1)      # this step's forward raises
         for out in core.step():
             results[out.request_id].extend(out.new_token_ids)
             reasons.add(out.finish_reason)
-        core.runner.execute = real_execute
-        holders = [r for r in core.scheduler.requests.values() if r.holds_lease and "lora_name" in r.features]
+        holders = [r for r in core.scheduler.requests.values() if r.holds_lease and r.adapter is not None]
         assert registry.total_refs == len(holders)
-        waited |= any("lora_name" in r.features and not r.holds_lease for r in core.scheduler.waiting)
+        waited |= any(r.adapter is not None and not r.holds_lease for r in core.scheduler.waiting)
         steps += 1
         assert steps < 5000
     core.check_idle()
@@ -183,9 +181,9 @@ def test_unload_refused_while_leased_and_each_choice_leases(base):
     folder, adapters = base
     core, registry = lora_engine(folder)
     register(registry, "x", adapters["ad0"])
-    feats, keys = adapter_features("x", registry.status("x").digest)
+    adapter, keys = adapter_request("x", registry.status("x").digest)
     core.add_request("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=4, n=3, ignore_eos=True),
-                     extra_keys=keys, features=feats)
+                     extra_keys=keys, adapter=adapter)
     seen = 0
     while core.has_unfinished():
         core.step()

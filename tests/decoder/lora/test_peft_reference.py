@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.decoder.engine.step import SamplingParams, StepInput
-from services.decoder.lora import adapter_features
+from services.decoder.lora import adapter_request
 from tests.decoder.lora.adapters import SPECS, lora_engine, peft_mixed, register, write_adapter
 from tests.decoder.model.checkpoints import TINY_SHAPE, build
 from tests.decoder.runner.driver import BlockAllocator, Seq
@@ -59,7 +59,7 @@ def test_mixed_batch_logits_match_peft(setup, path):
     prompts = torch.randint(4, 150, (len(rows), 9))
     alloc = BlockAllocator(128)
     seqs = [Seq(str(i), prompts[i].tolist(),
-                features={} if n == "__base__" else {"lora_slot": registry.status(n).slot})
+                lora_slot=None if n == "__base__" else registry.status(n).slot)
             for i, n in enumerate(rows)]
     got, _ = runner.logits(StepInput([s.chunk(9, alloc, 4) for s in seqs]))
     got = got.clone()
@@ -100,8 +100,8 @@ def test_engine_greedy_equals_peft_generate(setup):
     while pending or core.has_unfinished():
         if pending and steps % 2 == 0:   # staggered: one arrival every other step
             i, (p, a) = pending.pop(0)
-            feats, keys = adapter_features(a, digests[a]) if a else ({}, ())
-            core.add_request(str(i), PROMPTS[p], GREEDY, extra_keys=keys, features=feats)
+            adapter, keys = adapter_request(a, digests[a]) if a else (None, ())
+            core.add_request(str(i), PROMPTS[p], GREEDY, extra_keys=keys, adapter=adapter)
         for out in core.step():
             assert out.finish_reason in (None, "length"), out
             got[out.request_id].extend(out.new_token_ids)

@@ -120,7 +120,7 @@ def run(core: EngineCore, requests: dict[str, VisionPrompt | list[int]], samplin
         if pending and (stagger == 0 or steps % stagger == 0):
             for rid, prompt in pending[:None if stagger == 0 else 1]:
                 if isinstance(prompt, VisionPrompt):
-                    core.add_request(rid, prompt.token_ids, sampling, features=prompt.features(),
+                    core.add_request(rid, prompt.token_ids, sampling, images=prompt.placed(),
                                      span_keys=prompt.span_keys())
                 else:
                     core.add_request(rid, prompt, sampling)

@@ -65,7 +65,7 @@ def test_prompt_ids_and_logits_equal_transformers(vl_ckpt, reference, prepared, 
     runner = Runner.from_folder(vl_ckpt, "fp32", block_size=4, num_blocks=64)
     n = len(vp.token_ids)
     chunk = ScheduledChunk("r", list(vp.token_ids), 0, list(range((n + 3) // 4)), True, greedy(1),
-                           num_prompt_tokens=n, features=vp.features())
+                           num_prompt_tokens=n, images=vp.placed())
     last, _ = runner.logits(StepInput([chunk]))
     assert_close(last[0], want[-1], **VL_SHAPE)
 

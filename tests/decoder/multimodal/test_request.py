@@ -61,4 +61,4 @@ def test_template_that_cannot_place_images_is_refused(vl_ckpt):
 def test_text_prompt_on_a_vision_model_keeps_plain_positions(vl_ckpt):
     cfg = ModelConfig.from_folder(vl_ckpt)
     placed = place_images([5, 6, 7], [], cfg)
-    assert placed.token_ids == [5, 6, 7] and placed.features is None and placed.span_keys == ()
+    assert placed.token_ids == [5, 6, 7] and placed.images is None and placed.span_keys == ()

@@ -10,7 +10,6 @@ import pytest
 from services.decoder.engine.step import SamplingParams
 from services.decoder.grammar.compiler import GrammarCompiler
 from services.decoder.grammar.spec import GrammarSpec
-from services.decoder.grammar.state import FEATURE
 from services.decoder.model.config import ModelConfig
 from services.decoder.text.tokenizer import Tokenizer
 from tests.decoder.multimodal.conftest import photo
@@ -28,11 +27,11 @@ def grammar(vl_ckpt):
     compiler.close()
 
 
-def generate(core, jobs: dict) -> dict:
+def generate(core, jobs: dict, grammar) -> dict:
     out = {rid: [] for rid in jobs}
-    for rid, (prompt, features, span_keys) in jobs.items():
-        core.add_request(rid, prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=30), features=features,
-                         span_keys=span_keys)
+    for rid, (prompt, images, span_keys) in jobs.items():
+        core.add_request(rid, prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=30), images=images,
+                         grammar=grammar, span_keys=span_keys)
     for _ in range(2000):
         if not core.has_unfinished():
             break
@@ -46,11 +45,10 @@ def generate(core, jobs: dict) -> dict:
 def test_constrained_image_and_text_requests_in_one_batch(vl_ckpt, encoder, grammar):
     vp = our_prompt(vl_ckpt, messages("What animal is this?", 1), encode_images(encoder, [photo("chelsea.png")]))
     text = our_prompt(vl_ckpt, messages("Name an animal.", 0), [])
-    jobs = {"image": (vp.token_ids, {**vp.features(), FEATURE: grammar}, vp.span_keys()),
-            "text": (text.token_ids, {FEATURE: grammar}, ())}
-    solo = {rid: generate(make_core(vl_ckpt), {rid: job})[rid] for rid, job in jobs.items()}
+    jobs = {"image": (vp.token_ids, vp.placed(), vp.span_keys()), "text": (text.token_ids, None, ())}
+    solo = {rid: generate(make_core(vl_ckpt), {rid: job}, grammar)[rid] for rid, job in jobs.items()}
     (start, end), = vp.spans
-    together = generate(make_core(vl_ckpt, budget=16, prefix_caching=False), jobs)   # chunks cut the image
+    together = generate(make_core(vl_ckpt, budget=16, prefix_caching=False), jobs, grammar)   # chunks cut the image
     assert together == solo
     tok = Tokenizer.from_folder(vl_ckpt)
     for tokens in together.values():

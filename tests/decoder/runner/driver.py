@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from services.decoder.engine.step import SamplingParams, ScheduledChunk
+from services.decoder.engine.step import PlacedImages, SamplingParams, ScheduledChunk
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -31,7 +31,8 @@ class Seq:
     num_prompt: int = 0
     computed: int = 0
     table: list[int] = field(default_factory=list)
-    features: dict = field(default_factory=dict)
+    images: PlacedImages | None = None
+    lora_slot: int | None = None
 
     def __post_init__(self):
         self.num_prompt = self.num_prompt or len(self.tokens)
@@ -42,6 +43,7 @@ class Seq:
         alloc.grow(self.table, self.computed + n, block_size)
         c = ScheduledChunk(self.rid, self.tokens[self.computed:self.computed + n], self.computed,
                            list(self.table), self.computed + n == len(self.tokens), self.sampling,
-                           self.tokens[self.num_prompt:], self.num_prompt, self.features)
+                           self.tokens[self.num_prompt:], self.num_prompt, images=self.images,
+                           lora_slot=self.lora_slot)
         self.computed += n
         return c

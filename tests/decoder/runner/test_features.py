@@ -1,14 +1,15 @@
-"""M-RoPE positions and image rows through the runner, with fake features (no vision model)."""
+"""M-RoPE positions and image rows through the runner, with fake placed images (no vision model)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from services.common.errors import InvalidArgument
-from services.decoder.engine.step import StepInput
+from services.decoder.engine.step import PlacedImages, StepInput
 from services.decoder.runner import Runner
 from tests.decoder.model.checkpoints import TINY_SHAPE, build
 from tests.decoder.runner.driver import BlockAllocator, Seq
@@ -41,8 +42,7 @@ def fake_image_prompt(hidden: int):
     positions = torch.tensor(axes).T.contiguous()                            # [3, 12]
     delta = int(positions.max()) + 1 - len(tokens)                           # 9 - 12 = -3
     rows = {IMAGE_AT + i: torch.randn(hidden, generator=torch.Generator().manual_seed(i)) for i in range(6)}
-    return tokens, {"mrope_positions": positions, "mrope_delta": delta, "image_rows": rows,
-                    "mrope_sections": tuple(SECTIONS)}
+    return tokens, PlacedImages(positions, delta, tuple(SECTIONS), rows)
 
 
 def generate(runner: Runner, seq: Seq, chunk_sizes: list[int], decode_steps: int) -> list[torch.Tensor]:
@@ -58,27 +58,27 @@ def generate(runner: Runner, seq: Seq, chunk_sizes: list[int], decode_steps: int
 def test_text_mrope_with_equal_rows_is_plain_rope(runner):
     tokens = [5, 6, 7, 8, 9, 10, 11]
     plain = generate(runner, Seq("p", list(tokens)), [4, 3], 3)
-    feats = {"mrope_positions": torch.arange(7)[None].expand(3, -1), "mrope_delta": 0}
-    mrope = generate(runner, Seq("m", list(tokens), features=feats), [4, 3], 3)
+    mrope = generate(runner, Seq("m", list(tokens), images=PlacedImages(torch.arange(7)[None].expand(3, -1), 0)),
+                     [4, 3], 3)
     for a, b in zip(plain, mrope, strict=True):
         assert torch.equal(a, b)
 
 
 def test_image_chunks_cut_through_image_and_decode_uses_delta(runner):
     model = runner.model
-    tokens, feats = fake_image_prompt(model.config.hidden_size)
-    whole = generate(runner, Seq("w", list(tokens), features=feats), [12], 3)
-    cut = generate(runner, Seq("c", list(tokens), features=feats), [4, 3, 5], 3)   # cuts at 4 and 7
+    tokens, placed = fake_image_prompt(model.config.hidden_size)
+    whole = generate(runner, Seq("w", list(tokens), images=placed), [12], 3)
+    cut = generate(runner, Seq("c", list(tokens), images=placed), [4, 3, 5], 3)   # cuts at 4 and 7
     for a, b in zip(whole, cut, strict=True):
         assert_close(a, b, **TINY_SHAPE)
     # Direct reference: embeddings with the image rows swapped in, M-RoPE prompt positions, then
     # decode positions physical + delta on all three axes; plain causal attention, no cache.
     full = tokens + [int(x.argmax()) for x in whole[:-1]]
     physical = torch.arange(len(full))
-    positions = torch.cat([feats["mrope_positions"], (physical[12:] + feats["mrope_delta"])[None].expand(3, -1)], 1)
+    positions = torch.cat([placed.positions, (physical[12:] + placed.delta)[None].expand(3, -1)], 1)
     with torch.no_grad():
         embeds = model.embed(torch.tensor(full))
-        for pos, row in feats["image_rows"].items():
+        for pos, row in placed.rows.items():
             embeds[pos] = row
 
         def attend(layer, q, k, v):
@@ -90,14 +90,20 @@ def test_image_chunks_cut_through_image_and_decode_uses_delta(runner):
     for i, got in enumerate(whole):
         assert_close(got, expected[i], **TINY_SHAPE, what=f"step {i}")
     # The rows and the coordinates both matter: dropping either changes the answer.
-    no_rows = generate(runner, Seq("n", list(tokens), features={**feats, "image_rows": {}}), [12], 1)
-    plain_pos = generate(runner, Seq("q", list(tokens), features={"image_rows": feats["image_rows"]}), [12], 1)
+    no_rows = generate(runner, Seq("n", list(tokens), images=replace(placed, rows={})), [12], 1)
+    # Plain positions: the physical ones on all three axes, delta 0 (the text-only case above).
+    plain = replace(placed, positions=torch.arange(12)[None].expand(3, -1), delta=0)
+    plain_pos = generate(runner, Seq("q", list(tokens), images=plain), [12], 1)
     assert not is_close(no_rows[0], whole[0], **TINY_SHAPE)
     assert not is_close(plain_pos[0], whole[0], **TINY_SHAPE)
 
 
 def test_mismatched_sections_are_refused(runner):
-    tokens, feats = fake_image_prompt(runner.model.config.hidden_size)
-    feats["mrope_sections"] = (2, 1, 1)
+    tokens, placed = fake_image_prompt(runner.model.config.hidden_size)
     with pytest.raises(InvalidArgument, match="sections"):
-        generate(runner, Seq("x", tokens, features=feats), [12], 0)
+        generate(runner, Seq("x", tokens, images=replace(placed, sections=(2, 1, 1))), [12], 0)
+    # In a step the engine drives, only that request fails; the step's others run.
+    alloc = BlockAllocator(64)
+    bad, good = Seq("x", list(tokens), images=replace(placed, sections=(2, 1, 1))), Seq("y", [5, 6, 7])
+    out = runner.execute(StepInput([bad.chunk(12, alloc, BLOCK), good.chunk(3, alloc, BLOCK)]))
+    assert set(out.sampled) == {"y"} and set(out.failed) == {"x"} and "sections" in out.failed["x"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.common.errors import InvalidArgument, Unsupported
-from services.decoder.engine.step import StepInput
+from services.decoder.engine.step import PlacedImages, SamplingParams, StepInput
 from services.decoder.runner import Runner
 from tests.decoder.model.checkpoints import TINY_SHAPE, build, load_reference
 from tests.decoder.runner.driver import BlockAllocator, Seq
@@ -115,14 +115,29 @@ def test_execute_samples_only_finished_chunks(folders):
 def test_bad_steps_are_refused(folders):
     runner = Runner.from_folder(folders["llama_gqa4_tied_sharded"], block_size=BLOCK, num_blocks=32)
     alloc = BlockAllocator(32)
-    with pytest.raises(InvalidArgument):
-        runner.execute(StepInput([Seq("a", [5, 999]).chunk(2, alloc, BLOCK)]))
-    lora = Seq("l", [5, 6], features={"lora_slot": 0})
-    with pytest.raises(Unsupported, match="LoRA adapters need an adapter bank"):
-        runner.execute(StepInput([lora.chunk(2, alloc, BLOCK)]))
-    image = Seq("i", [5, 6], features={"mrope_positions": torch.zeros(3, 2, dtype=torch.long), "mrope_delta": 0})
-    with pytest.raises(Unsupported, match="M-RoPE"):
-        runner.execute(StepInput([image.chunk(2, alloc, BLOCK)]))
+    placed = PlacedImages(torch.zeros(3, 2, dtype=torch.long), 0)
+
+    def bad():       # fresh each time: a Seq marks what it handed out as computed
+        return [Seq("a", [5, 999]), Seq("l", [5, 6], lora_slot=0), Seq("i", [5, 6], images=placed),
+                Seq("s", [5, 6], sampling=SamplingParams(temperature=-1.0))]
+    # Run directly (logits), each is refused with its typed error...
+    for seq, error, match in zip(bad(), (InvalidArgument, Unsupported, Unsupported, InvalidArgument),
+                                 ("token ids", "LoRA adapters need an adapter bank", "M-RoPE", "temperature"),
+                                 strict=True):
+        with pytest.raises(error, match=match):
+            runner.logits(StepInput([seq.chunk(2, alloc, BLOCK)]))
+    # ...and in an engine step each fails alone: the step's good chunk is computed and sampled as if
+    # it ran by itself.
+    chunks = [c.chunk(2, alloc, BLOCK) for c in bad()]
+    chunks.insert(2, Seq("g", [5, 6, 7]).chunk(3, alloc, BLOCK))
+    out = runner.execute(StepInput(chunks))
+    assert set(out.failed) == {"a", "l", "i", "s"} and set(out.sampled) == {"g"}
+    assert "token ids" in out.failed["a"] and "adapter bank" in out.failed["l"] and "M-RoPE" in out.failed["i"]
+    assert "temperature" in out.failed["s"]
+    alone = runner.execute(StepInput([Seq("g", [5, 6, 7]).chunk(3, BlockAllocator(32, seed=1), BLOCK)]))
+    assert out.sampled["g"].token_id == alone.sampled["g"].token_id
+    # A step of refused chunks only runs nothing.
+    assert runner.execute(StepInput([Seq("b", [999]).chunk(1, alloc, BLOCK)])).failed.keys() == {"b"}
 
 
 def test_bf16_runner_tracks_fp32(folders, references):

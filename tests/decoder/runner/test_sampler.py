@@ -301,5 +301,5 @@ def test_plain_greedy_is_only_temperature_zero_without_anything_else():
                   chunk("b", SamplingParams(temperature=0.0, max_tokens=8, logit_bias={3: 1.0})),
                   chunk("r", SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.2)),
                   chunk("s", greedy, blocked=(2,)),
-                  replace(chunk("g", greedy), features={"grammar": object()})):
+                  replace(chunk("g", greedy), grammar=object())):
         assert not Sampler.plain_greedy([chunk("a", greedy), other]), other.request_id
