@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from services.common import native
+from services.common.plan import ExecutionPlan
 from services.decoder.kernels import paged_attention_cpu
 from services.decoder.runner import attention
 from services.decoder.runner.attention import (
@@ -18,7 +19,7 @@ from services.decoder.runner.attention import (
     AttentionPlan,
     PagedAttention,
     Workspace,
-    decode_backend,
+    choose_decode_backend,
 )
 from services.decoder.runner.kv_cache import KVCache
 from tests.tolerance import assert_close
@@ -135,37 +136,35 @@ def test_backends_agree_on_a_ragged_decode_step(dtype):
     assert_close(outs[CPP], outs[TORCH], dtype=dtype, k=max(lengths) + 1)
 
 
-def test_decode_backend_follows_env_and_says_why(monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="tessera.attention")
-    monkeypatch.setattr(attention, "_backend", None)
-    monkeypatch.setenv(attention.ENV, "torch")
-    assert decode_backend() == TORCH and decode_backend() == TORCH
-    assert [r.levelname for r in caplog.records] == ["INFO"] and "TESSERA_ATTENTION=torch" in caplog.text
+def test_decode_backend_follows_the_pin_and_says_why(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="tessera")
+    record = ExecutionPlan("attention=torch")
+    assert choose_decode_backend(record, 9, 3, 64, 16, torch.float32) == TORCH
+    assert record.get("attention").reason == "pinned by --fast-paths attention=torch"
+    assert [r.levelname for r in caplog.records] == ["INFO"] and "attention: torch" in caplog.text
 
     def broken(build=True):
         raise native.BuildError("compiling paged_attention_cpu.cpp failed: boom")
 
     monkeypatch.setattr(paged_attention_cpu, "load", broken)
     caplog.clear()
-    monkeypatch.setattr(attention, "_backend", None)
-    monkeypatch.setenv(attention.ENV, "auto")
-    assert decode_backend() == TORCH
-    assert [r.levelname for r in caplog.records] == ["WARNING"] and "boom" in caplog.text
-    monkeypatch.setattr(attention, "_backend", None)
-    monkeypatch.setenv(attention.ENV, "cpp")
+    record = ExecutionPlan()
+    assert choose_decode_backend(record, 9, 3, 64, 16, torch.float32) == TORCH
+    assert "WARNING" in [r.levelname for r in caplog.records] and "boom" in caplog.text
+    assert record.get("attention").reason == "unavailable: compiling paged_attention_cpu.cpp failed: boom"
     with pytest.raises(native.BuildError, match="boom"):
-        decode_backend()
-    monkeypatch.setattr(attention, "_backend", None)
-    monkeypatch.setenv(attention.ENV, "fast")
-    with pytest.raises(ValueError, match="TESSERA_ATTENTION"):
-        decode_backend()
+        choose_decode_backend(ExecutionPlan("attention=cpp"), 9, 3, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="attention='fast'"):
+        ExecutionPlan("attention=fast")
+    with pytest.raises(ValueError, match="expected cpp-paged or torch-gather"):
+        AttentionPlan.build([(0, 1, [0])], BS, torch.device("cpu"), backend="fast")
 
 
-def test_decode_backend_is_the_operator_when_it_loads(monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="tessera.attention")
-    monkeypatch.setattr(attention, "_backend", None)
-    monkeypatch.delenv(attention.ENV, raising=False)
-    assert decode_backend() == CPP and "cpp-paged" in caplog.text
+def test_off_cpu_is_the_torch_path_untimed(monkeypatch):
+    monkeypatch.setattr(attention, "_time_decode", lambda *a: pytest.fail("nothing is timed off CPU"))
+    record = ExecutionPlan()
+    assert choose_decode_backend(record, 9, 3, 64, 16, torch.float32, "meta") == TORCH
+    assert record.get("attention").reason == "not on CPU"
 
 
 def test_kv_cache_size():
@@ -174,28 +173,30 @@ def test_kv_cache_size():
     assert cache.bytes == 10 * KVCache.bytes_per_block(3, BS, 2, 8, torch.bfloat16) == 10 * 2 * 3 * BS * 2 * 8 * 2
 
 
-def test_choose_decode_backend_keeps_the_faster_measured_path(monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="tessera.attention")
-    monkeypatch.delenv(attention.ENV, raising=False)
-    for slow, fast in ((TORCH, CPP), (CPP, TORCH)):
-        monkeypatch.setattr(attention, "_backend", None)
+def test_choose_decode_backend_keeps_the_faster_measured_path(monkeypatch):
+    for slow, fast in (("torch", "cpp"), ("cpp", "torch")):
         timed = []
 
-        def fake(backend, rows, *shape, slow=slow, timed=timed):
-            timed.append((backend, rows, shape))
-            return 2e-3 if backend == slow else 1e-3
+        def fake(rows, *shape, slow=slow, timed=timed):
+            timed.append((rows, shape))
+            return {"cpp": 1e-3, "torch": 1e-3, slow: 2e-3}
 
         monkeypatch.setattr(attention, "_time_decode", fake)
-        assert attention.choose_decode_backend(9, 3, 64, 16, torch.bfloat16) == fast == decode_backend()
-        assert {(b, r) for b, r, _ in timed} == {(b, r) for b in (CPP, TORCH) for r in attention.TIMING_ROWS}
-        assert timed[0][2] == (9, 3, 64, 16, torch.bfloat16) and f"decode attention: {fast}, timed" in caplog.text
-    monkeypatch.setattr(attention, "_backend", None)
-    monkeypatch.setenv(attention.ENV, "cpp")          # forced: no timing
-    assert attention.choose_decode_backend(9, 3, 64, 16, torch.float32) == CPP
+        record = ExecutionPlan()
+        assert choose_decode_backend(record, 9, 3, 64, 16, torch.bfloat16) == attention.NAMES[fast]
+        assert [r for r, _ in timed] == list(attention.TIMING_ROWS)
+        assert timed[0][1] == (9, 3, 64, 16, torch.bfloat16) and record.chosen("attention") == fast
+        assert {(t.candidate, t.rows) for t in record.get("attention").timings} == \
+            {(b, r) for b in ("cpp", "torch") for r in attention.TIMING_ROWS}
+    # Within the tie margin the operator stays.
+    monkeypatch.setattr(attention, "_time_decode", lambda rows, *shape: {"cpp": 1.02e-3, "torch": 1e-3})
+    assert choose_decode_backend(ExecutionPlan(), 9, 3, 64, 16, torch.bfloat16) == CPP
+    # Pinned: no timing.
+    monkeypatch.setattr(attention, "_time_decode", lambda *a: pytest.fail("nothing is timed when pinned"))
+    assert choose_decode_backend(ExecutionPlan("attention=cpp"), 9, 3, 64, 16, torch.float32) == CPP
 
 
 def test_decode_timing_runs_both_paths(monkeypatch):
     monkeypatch.setattr(attention, "TIMING_CONTEXT", 40)
-    monkeypatch.setattr(attention, "TIMING_REPS", 1)
-    for backend in (CPP, TORCH):
-        assert 0 < attention._time_decode(backend, 3, 4, 2, 16, 4, torch.float32) < 1
+    took = attention._time_decode(3, 4, 2, 16, 4, torch.float32)
+    assert set(took) == {"cpp", "torch"} and all(0 < t < 1 for t in took.values())
