@@ -8,11 +8,12 @@ PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := gen/.stamp
 MODELS_STAMP := models/.stamp
 KERNELS_STAMP := build/.kernels-stamp
-KERNEL_SOURCES := $(wildcard services/decoder/kernels/*.cpp) services/common/native.py \
+KERNEL_SOURCES := $(wildcard services/decoder/kernels/*.cpp services/decoder/kernels/*.h) \
+	$(wildcard services/common/kernels/*.h) services/common/native.py \
 	services/pooling/attention_cpu.cpp services/pooling/attention_cpu.py \
 	services/decoder/kernels/paged_attention_cpu.py services/decoder/kernels/gemv_cpu.py \
 	services/decoder/kernels/decode_stack_cpu.py services/decoder/kernels/glue_cpu.py \
-	services/decoder/kernels/screen_cpu.py
+	services/decoder/kernels/screen_cpu.py services/decoder/kernels/tile_gemm_cpu.py
 PYTEST_ARGS ?=
 # The numerics-marked tests run a second time under other kernels on the same CPU: AVX2 for
 # ATen and oneDNN (as on an AVX2-only machine) and MKL's compatible code path (another summation

@@ -3,13 +3,14 @@ kernels (services/decoder/kernels) and the pooling service's encoder attention.
 
 An operator is compiled with -O3 -march=native, so its binary is only valid on the CPU that built
 it. Each build therefore lands in <build dir>/<name>_<key>.so, where key hashes the source (with
-the files it includes from its folder), the flags, the torch and Python versions and the CPU's
-model and flags: a changed source or a tree shared with another CPU gets a build of its own,
-never a binary that would die of SIGILL. Loading an existing .so imports it directly (no
-compiler, no ninja), so only the first load on a machine pays the compile, and `make kernels`
-pays it at install time.
+the headers it includes by quote, e.g. services/common/kernels/vec.h), the flags, the torch and
+Python versions and the CPU's model and flags: a changed source or a tree shared with another CPU
+gets a build of its own, never a binary that would die of SIGILL. Loading an existing .so imports it
+directly (no compiler, no ninja), so only the first load on a machine pays the compile, and `make
+kernels` pays it at install time.
 
-Build dir: TESSERA_KERNELS_DIR, else build/torch_extensions under the repository (gitignored).
+Build dir: config.KERNELS_DIR_ENV (TESSERA_KERNELS_DIR), else build/torch_extensions under the repository
+(gitignored).
 """
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ from types import ModuleType
 
 import torch
 
+from . import config
+
 log = logging.getLogger("tessera.kernels")
 
-ENV_DIR = "TESSERA_KERNELS_DIR"
 REPO = Path(__file__).resolve().parents[2]
 # The vectorised loops in the kernels need nothing beyond these; -fopenmp makes at::parallel_for
 # parallel (it is a header template) and links the libgomp torch has already loaded.
@@ -46,7 +48,7 @@ class ToolchainMissing(BuildError):
 
 
 def build_dir() -> Path:
-    return Path(os.environ.get(ENV_DIR) or REPO / "build" / "torch_extensions")
+    return Path(config.kernels_dir() or REPO / "build" / "torch_extensions")
 
 
 def _cpu_identity() -> str:
@@ -67,9 +69,10 @@ def _compiler_version() -> str:
 
 
 def _local_includes(source: Path) -> list[Path]:
-    """source and, recursively, the files it #includes "by quote" from its own folder, in order."""
+    """source and, recursively, the headers it #includes "by quote" (paths relative to the including
+    file), in order."""
     seen: list[Path] = []
-    todo = [source]
+    todo = [source.resolve()]
     while todo:
         path = todo.pop(0)
         if path in seen:
@@ -77,12 +80,12 @@ def _local_includes(source: Path) -> list[Path]:
         seen.append(path)
         for line in path.read_text().splitlines():
             if line.startswith('#include "'):
-                todo.append(path.parent / line.split('"')[1])
+                todo.append((path.parent / line.split('"')[1]).resolve())
     return seen
 
 
 def _key(source: Path) -> str:
-    # An included kernel's edit must rebuild every operator that includes it (decode_stack_cpu.cpp).
+    # A header's edit must rebuild every operator that includes it (vec.h: the decoder's and pooling's).
     h = hashlib.sha256(b"".join(p.read_bytes() for p in _local_includes(source)))
     for part in (CFLAGS, LDFLAGS, torch.__version__, sys.version, _cpu_identity()):
         h.update(repr(part).encode())
@@ -168,7 +171,7 @@ def _compile(module_name: str, source: Path, root: Path, target: Path) -> Module
     os.replace(built, target)
     shutil.rmtree(work, ignore_errors=True)
     # Earlier builds of this operator (older sources) are never loaded again. (A build dir shared
-    # by two CPUs then rebuilds on the other one once; TESSERA_KERNELS_DIR can keep them apart.)
+    # by two CPUs then rebuilds on the other one once; config.KERNELS_DIR_ENV can keep them apart.)
     name = module_name.rsplit("_", 1)[0]
     for old in root.glob(f"{name}_*.so"):
         if old != target and len(old.stem) == len(module_name):

@@ -3,26 +3,31 @@
 //
 // At sentence lengths (~30 tokens) an attention head is ~100 kFLOP, and torch's per-call costs
 // (SDPA over small padded groups, the gathers around it) made attention a sixth of MiniLM's
-// forward for about 1 % of its FLOPs (issue 14). Here one task is one sequence: per head its keys
+// forward for about 1 % of its FLOPs. Here one task is one sequence: per head its keys
 // are widened to fp32 and transposed once ([D, L], so a query's L scores are one vectorised pass per
-// dimension), its values widened ([L, D]); then per query: scores, max, exp and sum (tessera_paged's
+// dimension), its values widened ([L, D]); then per query: scores, max, exp and sum (vec.h's
 // branch-free exp, which vectorises), and the probability-weighted sum of values. All sums are
 // fp32; the output is rounded once to the activations' dtype. Tasks are independent, so the result
 // does not depend on the thread count or on the other sequences in the batch.
-#define TESSERA_NO_MODULE
-#include "../decoder/kernels/paged_attention_cpu.cpp"
-
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <numeric>
+#include <vector>
+
+#include "../common/kernels/vec.h"
 
 namespace tessera_encoder {
 
-using tessera_paged::exp_sum;
-using tessera_paged::LANES;
-using tessera_paged::load16;
-using tessera_paged::v16;
-using tessera_paged::widen;
+using tessera_vec::exp_sum;
+using tessera_vec::LANES;
+using tessera_vec::load16;
+using tessera_vec::v16;
+using tessera_vec::widen;
 
 constexpr int QB = 4;  // queries per pass: four independent FMA chains share each key load
 

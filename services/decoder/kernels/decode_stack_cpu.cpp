@@ -1,21 +1,21 @@
 // Every decoder layer of a decode step in one call: the CPU kernel.
 // The launcher, its semantics and the torch reference are in decode_stack_cpu.py.
 //
-// Besides its four matmuls and the paged attention (paged_attention_cpu.cpp), a layer is ~40 small
+// Besides its four matmuls and the paged attention (paged_attention.h), a layer is ~40 small
 // torch ops (two RMSNorms, the rotary, the cache write, SiLU, the residual adds, views and splits),
-// whose dispatch costs about as much as the matmuls at batch 1 on a 2-core machine (issue 10). Here
-// the same layer runs as one loop: each matmul on its Linear's load-time path (gemv_cpu.cpp up to a
-// few rows, else oneDNN's packed or the plain library matmul, or tile_gemm_cpu.cpp's panels from
+// whose dispatch costs about as much as the matmuls at batch 1 on a 2-core machine. Here
+// the same layer runs as one loop: each matmul on its Linear's load-time path (gemv.h up to a
+// few rows, else oneDNN's packed or the plain library matmul, or tile_gemm.h's panels from
 // more than a few rows where the runner chose them at load), the attention operator, and a few
 // vectorised elementwise passes per row, with no Python and no dispatcher in between.
 //
 // Activations live in fp32 buffers. In bfloat16 mode each value is rounded to bf16 wherever the
 // torch path stores a bf16 tensor (after each matmul, norm, rotary product, add and SiLU), so the
 // results track that path; the matmul and attention sums are fp32 in both, as there.
-#define TESSERA_NO_MODULE
-#include "gemv_cpu.cpp"
-#include "glue_cpu.cpp"  // with paged_attention_cpu.cpp
-#include "tile_gemm_cpu.cpp"
+#include "gemv.h"
+#include "glue.h"
+#include "paged_attention.h"
+#include "tile_gemm.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -125,7 +125,7 @@ struct Proj {
     const float* xf = reinterpret_cast<const float*>(x);
     if constexpr (!std::is_same_v<T, float>) {
       widened.resize(M * K);
-      for (int64_t i = 0; i < M * K; ++i) widened[i] = tessera_paged::widen(x[i]);
+      for (int64_t i = 0; i < M * K; ++i) widened[i] = tessera_vec::widen(x[i]);
       xf = widened.data();
     }
     switch (w.scalar_type()) {
@@ -289,10 +289,10 @@ class DecodeStack {
     T* xp = x_t.data_ptr<T>();
     const T* cp = cos_t.data_ptr<T>();
     const T* snp = sin_t.data_ptr<T>();
-    for (int64_t i = 0; i < M * hid; ++i) x[i] = tessera_paged::widen(xp[i]);
+    for (int64_t i = 0; i < M * hid; ++i) x[i] = tessera_vec::widen(xp[i]);
     for (int64_t i = 0; i < M * D_; ++i) {
-      cs[i] = tessera_paged::widen(cp[i]);
-      sn[i] = tessera_paged::widen(snp[i]);
+      cs[i] = tessera_vec::widen(cp[i]);
+      sn[i] = tessera_vec::widen(snp[i]);
     }
     // q and the attention output in the cache dtype, as paged_decode takes them; reused by every layer.
     at::Tensor q_t = at::empty({M, H_, D_}, x_t.options());
@@ -306,7 +306,7 @@ class DecodeStack {
         each_row(M, [&](int64_t m) {
 #pragma omp simd
           for (int64_t i = m * hid; i < (m + 1) * hid; ++i)
-            x[i] = rnd<BF16>(x[i] + rnd<BF16>(tessera_paged::widen(src[i])));
+            x[i] = rnd<BF16>(x[i] + rnd<BF16>(tessera_vec::widen(src[i])));
         });
       });
     };
@@ -319,7 +319,7 @@ class DecodeStack {
         each_row(M, [&](int64_t m) {
           float* row = &qkv[m * qkv_n];
 #pragma omp simd
-          for (int64_t i = 0; i < qkv_n; ++i) row[i] = rnd<BF16>(tessera_paged::widen(src[m * qkv_n + i]));
+          for (int64_t i = 0; i < qkv_n; ++i) row[i] = rnd<BF16>(tessera_vec::widen(src[m * qkv_n + i]));
           for (int64_t head = 0; head < H_ + KVH_; ++head) {  // q heads, then k heads
             float* v = row + head * D_;
             if (L.q_norm.defined()) {  // Qwen3: RMSNorm per head before the rotary

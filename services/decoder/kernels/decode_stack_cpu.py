@@ -1,7 +1,7 @@
 """Every decoder layer of a decode step in one C++ call, on CPU: the launcher and its torch ref.
 
-The kernel is decode_stack_cpu.cpp next to this file (it includes gemv_cpu.cpp, tile_gemm_cpu.cpp
-and paged_attention_cpu.cpp), compiled once per machine by native.load (`make kernels`). `make_stack`
+The kernel is decode_stack_cpu.cpp next to this file (over the headers gemv.h, glue.h, tile_gemm.h
+and paged_attention.h), compiled once per machine by native.load (`make kernels`). `make_stack`
 builds the C++ object over a model's weights and KV cache once; `decode_stack` runs it for one
 step; `decode_stack_ref` is the torch computation it must match (tests/decoder/kernels). Whether
 it runs at all is decided at load by the runner (runner/fused_decode.py); this module only computes.

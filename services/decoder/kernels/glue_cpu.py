@@ -1,6 +1,6 @@
 """The elementwise glue between a decoder layer's matmuls on CPU, one pass per op: launchers and torch refs.
 
-The kernel is glue_cpu.cpp next to this file (decode_stack_cpu.cpp runs the same row functions),
+The kernel is glue.h next to this file (bound by glue_cpu.cpp; decode_stack_cpu.cpp runs the same row functions),
 compiled once per machine by native.load (`make kernels`). `silu_mul` and `rms_norm` are the
 launchers, `silu_mul_ref` and `rms_norm_ref` the torch computations of model/layers.py they must
 match (tests/decoder/kernels). Whether the model uses them is decided at load by timing

@@ -2,8 +2,9 @@
 launcher. Its torch reference is gemv_cpu.gemv_ref (F.linear in fp32 over the widened weight), the
 same computation as the few-row kernel's.
 
-The kernel is tile_gemm_cpu.cpp next to this file (decode_stack_cpu.cpp includes it), compiled once
-per machine by native.load (`make kernels`); it needs AVX-512, and for bf16 avx512_bf16 (`available`).
+The kernel is tile_gemm.h next to this file (bound by tile_gemm_cpu.cpp; decode_stack_cpu.cpp runs it
+too), compiled once per machine by native.load (`make kernels`); it needs AVX-512, and for bf16
+avx512_bf16 (`available`).
 Whether the decode stack runs its projections through it is measured at load (runner/fused_decode.py);
 this module only computes.
 """

@@ -1,0 +1,492 @@
+// Few-row matmul for decode on CPU: y[m, n] = sum_k x[m, k] * w[n, k] (* scale[n]) (+ bias[n]).
+//
+// At batch 1 a decode step is a chain of matrix-vector products whose cost is reading the
+// weights once; the library GEMMs are tuned for many rows and read the weights at about half
+// the rate the machine streams them. This loop streams each weight row once for all
+// M <= 4 rows of x: x stays in L1, four weight rows are reduced at a time (independent
+// accumulators, so the FMA latency is hidden), and the rows are split over the threads.
+// Weights are float32 or bfloat16 (widened exactly to fp32), x is fp32 and the sums are fp32; or int8
+// with one fp32 scale per row (model/quantization.py), for which x is rounded to int8 in blocks of
+// QBLOCK inputs and the products summed in int32 (see dispatch_q8).
+// On AVX-512 CPUs (-march=native defines __AVX512F__) and on AVX2+FMA ones (Zen 3, older Xeons) the
+// loop is written with intrinsics; elsewhere a portable `#pragma omp simd` loop does the same sums.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+namespace tessera_gemv {
+
+inline float widen(float v) { return v; }
+inline float widen(at::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+constexpr int64_t NB = 4;        // weight rows reduced together
+constexpr int64_t MAX_ROWS = 4;  // rows of x per call (gemv_cpu.MAX_ROWS)
+
+// f(std::integral_constant<int, M>) for the call's row count M in [1, MAX_ROWS]: each kernel is a
+// template on M, so its rows' accumulators are registers.
+template <typename F>
+inline void with_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    default: TORCH_CHECK(false, "gemv: at most 4 rows, got ", M);
+  }
+}
+
+#ifdef __AVX512F__
+#define TESSERA_GEMV_ROW1 1
+// 16 weights widened to fp32 (lanes past `mask` read as zero and are never loaded).
+inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {
+  __m256i raw = _mm256_maskz_loadu_epi16(mask, reinterpret_cast<const void*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// acc[m, n] for M rows of x over weight row n, explicit AVX-512: the compiler's vectorisation of the
+// portable loop below reached only ~30 GB/s of weights where the machine streams >100 GB/s. One
+// weight row at a time, read front to back (the hardware prefetcher follows one stream), with
+// UNROLL independent accumulators per row of x to hide the FMA latency.
+constexpr int64_t UNROLL = 4;
+
+// acc[m, n] = the sum of row m's UNROLL accumulators.
+template <int M>
+inline void store_sums(__m512 (&a)[M][UNROLL], float* acc, int64_t n, int64_t N) {
+  for (int m = 0; m < M; ++m) {
+    __m512 sum = a[m][0];
+    for (int u = 1; u < UNROLL; ++u) sum = _mm512_add_ps(sum, a[m][u]);
+    acc[m * N + n] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+template <typename W, int M>
+inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, int64_t N) {
+  __m512 a[M][UNROLL] = {};
+  int64_t k = 0;
+  for (; k + 16 * UNROLL <= K; k += 16 * UNROLL) {
+    for (int u = 0; u < UNROLL; ++u) {
+      const __m512 wv = load16(wn + k + 16 * u, static_cast<__mmask16>(0xFFFF));
+      for (int m = 0; m < M; ++m) a[m][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k + 16 * u), wv, a[m][u]);
+    }
+  }
+  for (; k < K; k += 16) {
+    const __mmask16 mask = K - k >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                       : static_cast<__mmask16>((1u << (K - k)) - 1);
+    const __m512 wv = load16(wn + k, mask);
+    for (int m = 0; m < M; ++m) a[m][0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + m * K + k), wv, a[m][0]);
+  }
+  store_sums<M>(a, acc, n, N);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TESSERA_GEMV_ROW1 1
+// The same loop in 8 lanes for CPUs without AVX-512: on Zen 3 the portable loop's vectorisation
+// read the weights at well under the rate the machine streams them, as it did on AVX-512.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+template <typename W, int M>
+inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, int64_t N) {
+  // 16 ymm registers hold at most two rows' U = 4 accumulators; rows 3 and 4 take a second pass over
+  // the weight row, from L1. U is the same for every M, so a row's sums do not depend on how many
+  // rows share the call (the decode stack's batch invariance).
+  constexpr int U = 4;
+  if constexpr (M > 2) {
+    row1<W, 2>(x, wn, K, n, acc, N);
+    row1<W, M - 2>(x + 2 * K, wn, K, n, acc + 2 * N, N);
+    return;
+  }
+  __m256 a[M][U];
+  for (int m = 0; m < M; ++m)
+    for (int u = 0; u < U; ++u) a[m][u] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * U <= K; k += 8 * U) {
+    for (int u = 0; u < U; ++u) {
+      const __m256 wv = load8(wn + k + 8 * u);
+      for (int m = 0; m < M; ++m) a[m][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8 * u), wv, a[m][u]);
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 wv = load8(wn + k);
+    for (int m = 0; m < M; ++m) a[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), wv, a[m][0]);
+  }
+  for (int m = 0; m < M; ++m) {
+    __m256 sum = a[m][0];
+    for (int u = 1; u < U; ++u) sum = _mm256_add_ps(sum, a[m][u]);
+    float s = hsum(sum);
+    for (int64_t j = k; j < K; ++j) s += x[m * K + j] * widen(wn[j]);
+    acc[m * N + n] = s;
+  }
+}
+#endif
+
+#ifdef __AVX512BF16__
+// bf16 x times bf16 weights with the CPU's bf16 dot product (avx512_bf16): 32 products per instruction
+// against three widening ops per 16 in row1, so the loop keeps up with memory. Products of two bf16
+// are exact in fp32 either way; only the order of the fp32 sums differs (and, as the instruction
+// does, subnormal inputs and sums count as zero).
+template <int M>
+inline void row1_dp(const at::BFloat16* x, const at::BFloat16* wn, int64_t K, int64_t n, float* acc, int64_t N) {
+  __m512 a[M][UNROLL] = {};
+  int64_t k = 0;
+  for (; k + 32 * UNROLL <= K; k += 32 * UNROLL) {
+    for (int u = 0; u < UNROLL; ++u) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wn + k + 32 * u);
+      for (int m = 0; m < M; ++m)
+        a[m][u] = _mm512_dpbf16_ps(a[m][u], (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u), wv);
+    }
+  }
+  for (; k < K; k += 32) {
+    const __mmask32 mask = K - k >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (K - k)) - 1);
+    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wn + k);
+    for (int m = 0; m < M; ++m)
+      a[m][0] = _mm512_dpbf16_ps(a[m][0], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), wv);
+  }
+  store_sums<M>(a, acc, n, N);
+}
+
+// One row of x against R weight rows at a time, two accumulators each: with R = 4, eight independent
+// chains, and the four horizontal sums overlap. On a 2-core AMD EPYC Zen 5, over a 3072 x 576 weight: from
+// cache 165 GB/s against row1_dp's 157; a chain of them from memory 48.9 against 47.8 GB/s.
+// With 2 or 4 rows of x the interleave was faster from cache but 17-30 % slower from memory, so those keep
+// row1_dp. A weight row's sums are the same with R = 1 (the rows left over where the threads split the
+// weight), so they do not depend on the thread count.
+template <int R>
+inline void rows_dp(const at::BFloat16* x, const at::BFloat16* wn, int64_t K, int64_t n, float* acc) {
+  __m512 a[R][2] = {};
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    for (int u = 0; u < 2; ++u) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k + 32 * u);
+      for (int r = 0; r < R; ++r)
+        a[r][u] = _mm512_dpbf16_ps(a[r][u], xv, (__m512bh)_mm512_loadu_si512(wn + r * K + k + 32 * u));
+    }
+  }
+  for (; k < K; k += 32) {
+    const __mmask32 mask = K - k >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (K - k)) - 1);
+    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k);
+    for (int r = 0; r < R; ++r)
+      a[r][0] = _mm512_dpbf16_ps(a[r][0], xv, (__m512bh)_mm512_maskz_loadu_epi16(mask, wn + r * K + k));
+  }
+  for (int r = 0; r < R; ++r) acc[n + r] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1]));
+}
+
+template <int M>
+void run_dp(const at::BFloat16* x, const at::BFloat16* w, const float* bias, float* y, int64_t N, int64_t K) {
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    if constexpr (M == 1) {
+      for (; n + 4 <= n1; n += 4) rows_dp<4>(x, w + n * K, K, n, y);
+      for (; n < n1; ++n) rows_dp<1>(x, w + n * K, K, n, y);
+    }
+    for (; n < n1; ++n) row1_dp<M>(x, w + n * K, K, n, y, N);
+    if (bias)
+      for (int m = 0; m < M; ++m)
+        for (int64_t n = n0; n < n1; ++n) y[m * N + n] += bias[n];
+  });
+}
+#endif
+
+template <typename W, int M>
+void rows_block(const float* x, const W* w, int64_t K, int64_t n0, int64_t n1, float* acc /* [M, N] */,
+                int64_t N) {
+  int64_t n = n0;
+#ifdef TESSERA_GEMV_ROW1
+  for (; n < n1; ++n) row1<W, M>(x, w + n * K, K, n, acc, N);
+#endif
+  for (; n + NB <= n1; n += NB) {
+    const W* w0 = w + n * K;
+    const W* w1 = w0 + K;
+    const W* w2 = w1 + K;
+    const W* w3 = w2 + K;
+    for (int m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+      for (int64_t k = 0; k < K; ++k) {
+        float xv = xm[k];
+        a0 += xv * widen(w0[k]);
+        a1 += xv * widen(w1[k]);
+        a2 += xv * widen(w2[k]);
+        a3 += xv * widen(w3[k]);
+      }
+      float* out = acc + m * N + n;
+      out[0] = a0;
+      out[1] = a1;
+      out[2] = a2;
+      out[3] = a3;
+    }
+  }
+  for (; n < n1; ++n) {
+    const W* wn = w + n * K;
+    for (int m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      float a = 0.f;
+#pragma omp simd reduction(+ : a)
+      for (int64_t k = 0; k < K; ++k) a += xm[k] * widen(wn[k]);
+      acc[m * N + n] = a;
+    }
+  }
+}
+
+// int8 weights: x rounded to int8 in blocks of QBLOCK inputs (each block's scale max|x| / 127, as
+// llama.cpp's Q8_0 does with the activations of its Q8_0 weights), the products summed exactly in
+// int32 per block, the blocks' sums in fp32. Against widening each weight to fp32 (three vector ops
+// per 16 weights, which left batch-1 int8 steps compute-bound at ~19 GB/s on a Zen 4), the CPU's
+// int8 dot product does 64 per instruction. The rounding of x is at most max|block| / 254 per value,
+// about bf16's unit roundoff relative to the block's largest value.
+constexpr int64_t QBLOCK = 32;
+constexpr int64_t QCHUNK = 64;  // inputs per vector step; rows are padded to a whole number of them
+
+// One row of x, rounded: q [Kp] int8 (zero past K), and per group of 4 inputs (one int32 lane of the dot
+// product) corr = -128 * their sum and s = their block's scale; Kp = K rounded up to QCHUNK.
+struct QuantRow {
+  std::vector<int8_t> q;
+  std::vector<int32_t> corr;
+  std::vector<float> s;
+};
+
+inline void quantize_row(const float* x, int64_t K, QuantRow& r) {
+  const int64_t Kp = (K + QCHUNK - 1) / QCHUNK * QCHUNK;
+  r.q.assign(Kp, 0);
+  r.corr.assign(Kp / 4, 0);
+  r.s.assign(Kp / 4, 0.0f);
+  int64_t b0 = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  // Whole blocks in two vectors each: the same division and rounding (nearest, ties to even: the
+  // default mode) as the scalar loop below, whose K scalar divisions per call run on the caller's
+  // thread while the others wait.
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (; b0 + QBLOCK <= K; b0 += QBLOCK) {
+    const __m512 lo = _mm512_loadu_ps(x + b0), hi = _mm512_loadu_ps(x + b0 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    const __m512 sv = _mm512_set1_ps(scale), lim = _mm512_set1_ps(127.0f), nlim = _mm512_set1_ps(-127.0f);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_div_ps(lo, sv), nlim), lim));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_div_ps(hi, sv), nlim), lim));
+    const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtsepi32_epi8(qlo)),
+                                              _mm512_cvtsepi32_epi8(qhi), 1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.q.data() + b0), q);
+    // Each group of 4: -128 * its sum (the dot product of 1s with q, shifted and negated).
+    const __m256i sums = _mm512_castsi512_si256(
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_castsi256_si512(q)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.corr.data() + b0 / 4),
+                        _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 7)));
+    _mm256_storeu_ps(r.s.data() + b0 / 4, _mm256_set1_ps(scale));
+  }
+#endif
+  for (; b0 < K; b0 += QBLOCK) {
+    const int64_t n = std::min(QBLOCK, K - b0);
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[b0 + i]));
+    const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    for (int64_t i = 0; i < n; ++i)
+      r.q[b0 + i] = static_cast<int8_t>(std::nearbyint(std::clamp(x[b0 + i] / scale, -127.0f, 127.0f)));
+    for (int64_t j = b0 / 4; j < (b0 + n + 3) / 4; ++j) {
+      r.s[j] = scale;
+      r.corr[j] = -128 * (r.q[4 * j] + r.q[4 * j + 1] + r.q[4 * j + 2] + r.q[4 * j + 3]);
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// One QCHUNK step of row_q8: a += s * (q . w) over inputs [k, k + QCHUNK) of every row.
+template <int M>
+inline void step_q8(__m512 (&a)[M], const int8_t* const (&q)[M], const int32_t* const (&c)[M],
+                    const float* const (&s)[M], __m512i wu, int64_t k) {
+  for (int m = 0; m < M; ++m) {
+    const __m512i d = _mm512_dpbusd_epi32(_mm512_loadu_si512(c[m] + k / 4), wu, _mm512_loadu_si512(q[m] + k));
+    a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(s[m] + k / 4), a[m]);
+  }
+}
+
+// acc[m, n] = sum over blocks of s * (q . w) for M rows. The dot-product instruction multiplies unsigned
+// by signed bytes: the weights are flipped to unsigned (w + 128, an XOR of the sign bit) and each
+// lane starts at -128 * (its four q), so every lane ends at the exact signed sum.
+template <int M>
+inline void row_q8(const QuantRow* xr, const int8_t* wn, int64_t K, int64_t n, float* acc, int64_t N) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int8_t* q[M];
+  const int32_t* c[M];
+  const float* s[M];
+  for (int m = 0; m < M; ++m) {
+    q[m] = xr[m].q.data();
+    c[m] = xr[m].corr.data();
+    s[m] = xr[m].s.data();
+  }
+  __m512 a0[M] = {}, a1[M] = {};  // two chains, so one chunk's FMA need not wait for the last's
+  int64_t k = 0;
+  for (; k + 2 * QCHUNK <= K; k += 2 * QCHUNK) {
+    step_q8<M>(a0, q, c, s, _mm512_xor_si512(_mm512_loadu_si512(wn + k), flip), k);
+    step_q8<M>(a1, q, c, s, _mm512_xor_si512(_mm512_loadu_si512(wn + k + QCHUNK), flip), k + QCHUNK);
+  }
+  for (; k < K; k += QCHUNK) {  // the rest, the last chunk masked (x is zero past K)
+    const __mmask64 mask = K - k >= QCHUNK ? ~__mmask64{0} : (__mmask64{1} << (K - k)) - 1;
+    step_q8<M>(a0, q, c, s, _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, wn + k), flip), k);
+  }
+  for (int m = 0; m < M; ++m) acc[m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+}
+#else
+template <int M>
+inline void row_q8(const QuantRow* xr, const int8_t* wn, int64_t K, int64_t n, float* acc, int64_t N) {
+  for (int m = 0; m < M; ++m) {
+    const int8_t* q = xr[m].q.data();
+    float total = 0.0f;
+    for (int64_t b0 = 0; b0 < K; b0 += QBLOCK) {
+      const int64_t len = std::min(QBLOCK, K - b0);
+      int32_t d = 0;
+#pragma omp simd reduction(+ : d)
+      for (int64_t i = 0; i < len; ++i) d += static_cast<int32_t>(q[b0 + i]) * wn[b0 + i];
+      total += xr[m].s[b0 / 4] * static_cast<float>(d);
+    }
+    acc[m * N + n] = total;
+  }
+}
+#endif
+
+template <int M>
+void run_q8(const float* x, const int8_t* w, const float* scale, const float* bias, float* y, int64_t N,
+            int64_t K) {
+  // The caller's thread's buffers, kept between calls (no allocation per projection); the workers
+  // read them through this pointer (their own thread_local would be another, empty one).
+  static thread_local QuantRow mine[MAX_ROWS];
+  const QuantRow* xr = mine;
+  for (int m = 0; m < M; ++m) quantize_row(x + m * K, K, mine[m]);
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) row_q8<M>(xr, w + n * K, K, n, y, N);
+    for (int m = 0; m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n) y[m * N + n] = y[m * N + n] * scale[n] + (bias ? bias[n] : 0.0f);
+  });
+}
+
+// y [M, N] fp32 = (x [M, K] fp32 rounded as gemv_cpu.round_blocks) @ w [N, K] int8 ^T * scale [N] (+ bias).
+void dispatch_q8(int64_t M, const float* x, const int8_t* w, const float* scale, const float* bias, float* y,
+                 int64_t N, int64_t K) {
+  with_rows(M, [&](auto R) { run_q8<R.value>(x, w, scale, bias, y, N, K); });
+}
+
+template <typename W, int M>
+void run(const float* x, const W* w, const float* bias, float* y, int64_t N, int64_t K) {
+  // Blocks of weight rows per task: whole NB groups, at least 64 rows so a task is worth starting.
+  const int64_t grain = 64;
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    rows_block<W, M>(x, w, K, n0, n1, y, N);
+    for (int m = 0; m < M; ++m) {
+      float* ym = y + m * N;
+      if (bias)
+        for (int64_t n = n0; n < n1; ++n) ym[n] += bias[n];
+    }
+  });
+}
+
+template <typename W>
+void dispatch_rows(int64_t M, const float* x, const W* w, const float* bias, float* y, int64_t N, int64_t K) {
+  with_rows(M, [&](auto R) { run<W, R.value>(x, w, bias, y, N, K); });
+}
+
+// y [M, N] fp32 = x [M, K] bf16 @ w [N, K] bf16 ^T (+ bias): the dot-product instruction where the CPU
+// has it, else x widened once and the fp32 loop.
+void dispatch_bf16(int64_t M, const at::BFloat16* x, const at::BFloat16* w, const float* bias, float* y, int64_t N,
+                   int64_t K) {
+#ifdef __AVX512BF16__
+  with_rows(M, [&](auto R) { run_dp<R.value>(x, w, bias, y, N, K); });
+#else
+  std::vector<float> xs(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xs[i] = widen(x[i]);
+  dispatch_rows(M, xs.data(), w, bias, y, N, K);
+#endif
+}
+
+// out [M, N] = x [M, K] @ w[N, K]^T (* scale [N] fp32) (+ bias [N] fp32); all contiguous. x and out
+// are both float32 or both bfloat16: bf16 x is widened once into fp32 and the fp32 result rounded
+// once into out (round to nearest even), here rather than by two more torch ops per call.
+void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
+          c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "gemv: x, w and out must be 2-D");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "gemv: w is [", N, ", ", w.size(1), "] but x has ", K, " columns");
+  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "gemv: out must be [", M, ", ", N, "]");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((x.scalar_type() == at::kFloat || bf16) && out.scalar_type() == x.scalar_type(),
+              "gemv: x and out must both be float32 or both bfloat16");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(), "gemv: tensors must be contiguous");
+  TORCH_CHECK(!x.is_cuda() && !w.is_cuda(), "gemv: CPU tensors only");
+  TORCH_CHECK(M >= 1 && M <= 4, "gemv: at most 4 rows, got ", M);
+  const float* sp = nullptr;
+  const float* bp = nullptr;
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() == N && scale->is_contiguous(),
+                "gemv: scale must be float32 [N]");
+    sp = scale->data_ptr<float>();
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
+                "gemv: bias must be float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  std::vector<float> xs, ys;
+  const float* xp;
+  float* yp;
+  if (bf16) {
+    const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
+    xs.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xs[i] = widen(xb[i]);
+    ys.resize(M * N);
+    xp = xs.data();
+    yp = ys.data();
+  } else {
+    xp = x.data_ptr<float>();
+    yp = out.data_ptr<float>();
+  }
+  switch (w.scalar_type()) {
+    case at::kFloat:
+      TORCH_CHECK(!sp, "gemv: scale is for int8 weights");
+      dispatch_rows(M, xp, w.data_ptr<float>(), bp, yp, N, K);
+      break;
+    case at::kBFloat16:
+      TORCH_CHECK(!sp, "gemv: scale is for int8 weights");
+      if (bf16) {
+        dispatch_bf16(M, x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), bp, yp, N, K);
+      } else {
+        dispatch_rows(M, xp, w.data_ptr<at::BFloat16>(), bp, yp, N, K);
+      }
+      break;
+    case at::kChar:
+      TORCH_CHECK(sp, "gemv: int8 weights need a scale");
+      dispatch_q8(M, xp, w.data_ptr<int8_t>(), sp, bp, yp, N, K);
+      break;
+    default:
+      TORCH_CHECK(false, "gemv: weights must be float32, bfloat16 or int8, got ", w.scalar_type());
+  }
+  if (bf16) {
+    at::BFloat16* ob = out.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < M * N; ++i) ob[i] = at::BFloat16(ys[i]);
+  }
+}
+
+}  // namespace tessera_gemv
