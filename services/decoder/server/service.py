@@ -31,17 +31,17 @@ from services.common.dtypes import to_torch
 from services.common.server import Server, Started
 from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.engine_core import EngineCore
+from services.decoder.engine.request import AdapterRef
 from services.decoder.engine.output import EngineStats, RequestOutput
 from services.decoder.grammar.compiled import Grammar
 from services.decoder.grammar.compiler import GrammarCompiler
 from services.decoder.grammar.spec import GrammarSpec
-from services.decoder.grammar.state import FEATURE as GRAMMAR_FEATURE
 from services.decoder.lora.registry import check_name
 from services.decoder.model.config import ModelConfig
 from services.decoder.multimodal.request import place_images, request_images
 from services.decoder.runner.runner import Runner
 from services.decoder.server.adapters import Adapters, adapter_info
-from services.decoder.server.async_engine import AsyncEngine
+from services.decoder.server.async_engine import AsyncEngine, EngineDescription
 from services.decoder.server.config import DecoderConfig, DecoderServerConfig
 from services.decoder.server.messages import template_messages, template_tools
 from services.decoder.server.structured_output import grammar_spec
@@ -106,7 +106,7 @@ class Loaded:
     tokenizer: Tokenizer
     template: ChatTemplate | None
     engine_config: EngineConfig
-    runner: Runner
+    info: EngineDescription              # the model and its runner, as the engine describes them
     grammars: GrammarCompiler
     adapters: Adapters | None = None     # None with --max-loras 0
 
@@ -131,27 +131,28 @@ def load(cfg: DecoderConfig) -> Loaded:
     engine_cfg = EngineConfig(
         block_size=cfg.block_size, num_blocks=num_blocks, max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len or runner.max_position_embeddings,
-        enable_prefix_caching=cfg.enable_prefix_caching, eos_token_ids=eos, speculative=cfg.speculative)
-    adapters = Adapters(cfg, runner) if cfg.max_loras else None
+        enable_prefix_caching=cfg.enable_prefix_caching, eos_token_ids=eos, speculative=cfg.speculative,
+        vocab_size=runner.vocab_size)
     # Its vocabulary builds on its own pool from here on; serving does not wait for it.
     grammars = GrammarCompiler(tokenizer.backend, vocab_size=runner.vocab_size, stop_token_ids=eos,
                                special_token_ids=tokenizer.all_special_ids, threads=cfg.grammar_threads,
                                cache_size=cfg.grammar_cache_size)
+    # From here on the server reaches the runner and the scheduler only through the AsyncEngine.
+    engine = AsyncEngine(EngineCore(runner, engine_cfg), on_step=_export)
+    adapters = Adapters(cfg, engine) if cfg.max_loras else None
     if cfg.fault_fail_at_step:
-        inject_fault(runner, cfg.fault_fail_at_step)
-    core = EngineCore(runner, engine_cfg, leases=adapters.leases if adapters else None)
+        engine.inject_fault(cfg.fault_fail_at_step)
     name = cfg.served_model_name or folder.resolve().name
     log.info("loaded %s (%s, %s): %d KV blocks of %d tokens, max_model_len %d, chat template: %s, "
              "speculative decoding: %s", name, model_cfg.family, cfg.dtype, num_blocks, cfg.block_size,
              engine_cfg.max_model_len, template is not None,
              engine_cfg.speculative.to_json() if engine_cfg.speculative else "off")
-    on_step = _export
     if adapters is not None:
         def on_step(stats: EngineStats, outputs: list[RequestOutput]) -> None:
             _export(stats, outputs)
-            adapters.export(core)
-    return Loaded(name, AsyncEngine(core, on_step=on_step), tokenizer, template, engine_cfg, runner, grammars,
-                  adapters)
+            adapters.export(engine)
+        engine.on_step = on_step
+    return Loaded(name, engine, tokenizer, template, engine_cfg, engine.describe(), grammars, adapters)
 
 
 class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
@@ -173,7 +174,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 raise InvalidArgument("the prompt is empty", param="prompt")
             return st.tokenizer.encode(request.text, add_special_tokens=True)
         if kind == "token_ids":
-            return st.tokenizer.validate_ids(list(request.token_ids.ids), limit=st.runner.vocab_size)
+            return st.tokenizer.validate_ids(list(request.token_ids.ids), limit=st.info.vocab_size)
         if kind == "chat":
             return self._chat_ids(st, request.chat)
         raise InvalidArgument("a prompt (text, token ids or messages) is required", param="prompt")
@@ -205,18 +206,18 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         st = self._ready()
         self._check_model(st, request.model)
         # The adapter's content digest salts the request's block hashes; the slot is leased at admission.
-        lora_features, lora_keys = self._adapter_request(st, request.adapter) if request.adapter else ({}, ())
+        adapter, lora_keys = self._adapter_request(st, request.adapter) if request.adapter else (None, ())
         # Images are checked before rendering and expanded after it, before any length check
         # (docs/design.md, invariant 1).
         # Every semantic rule is the rulebook's (services/decoder/server/validation.py).
         limits = self._limits(st)
         check_images(len(request.images), limits)
-        images = request_images(request, st.runner.config, max_images=limits.max_images, model=st.name)
-        placed = place_images(self._prompt(st, request), images, st.runner.config)
+        images = request_images(request, st.info.model, max_images=limits.max_images, model=st.name)
+        placed = place_images(self._prompt(st, request), images, st.info.model)
         prompt = placed.token_ids
         check_prompt(prompt, limits)
         params, include_stop = sampling_params(request.sampling, prompt_len=len(prompt),
-                                               vocab_size=st.runner.vocab_size, limits=limits)
+                                               vocab_size=st.info.vocab_size, limits=limits)
         spec = grammar_spec(request.sampling)
         start = last = time.monotonic()        # time to first token includes the grammar's compile
         # Compiled here, on the grammar pool, before the engine sees the request: a slow schema delays
@@ -228,11 +229,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         completion = [0] * params.n
         cached = 0
         first = True
-        features = {**(placed.features or {}), **lora_features} if lora_features else placed.features
-        if grammar is not None:
-            features = {**(features or {}), GRAMMAR_FEATURE: grammar}
-        async for out in st.engine.generate(rid, prompt, params, features=features, span_keys=placed.span_keys,
-                                            extra_keys=lora_keys):
+        async for out in st.engine.generate(rid, prompt, params, images=placed.images, adapter=adapter,
+                                            grammar=grammar, span_keys=placed.span_keys, extra_keys=lora_keys):
             if out.finish_reason == "error":
                 raise Internal(f"generation failed (request_id={rid}): {out.error}")
             choice = choices[out.index]
@@ -273,16 +271,16 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         st = self._ready()
         s = st.engine.stats()
         return decoder_pb2.GetModelInfoResponse(
-            name=st.name, max_model_len=st.engine_config.max_model_len, vocab_size=st.runner.vocab_size,
+            name=st.name, max_model_len=st.engine_config.max_model_len, vocab_size=st.info.vocab_size,
             eos_token_ids=list(st.engine_config.eos_token_ids), has_chat_template=st.template is not None,
-            supports_images=st.runner.config.vision is not None, block_size=st.engine_config.block_size,
+            supports_images=st.info.model.vision is not None, block_size=st.engine_config.block_size,
             dtype=self.cfg.dtype,
-            lora_backend=st.adapters.bank.backend if st.adapters else "", linear_backend=st.runner.linear_backend,
-            attention_backend=st.runner.attention_backend, grammar_mask_backend=st.runner.grammar_mask_path,
-            decode_stack=st.runner.decode_stack, glue=st.runner.glue, memory_pages=st.runner.memory_pages,
-            argmax_screen=st.runner.argmax_screen,
+            lora_backend=st.info.lora_backend, linear_backend=st.info.linear_backend,
+            attention_backend=st.info.attention_backend, grammar_mask_backend=st.info.grammar_mask_backend,
+            decode_stack=st.info.decode_stack, glue=st.info.glue, memory_pages=st.info.memory_pages,
+            argmax_screen=st.info.argmax_screen,
             speculative=st.engine_config.speculative.to_json() if st.engine_config.speculative else "",
-            tool_call_parser=self.cfg.tool_call_parser, quantization=st.runner.quantization,
+            tool_call_parser=self.cfg.tool_call_parser, quantization=st.info.quantization,
             max_loras=self.cfg.max_loras if st.adapters else 0, max_lora_rank=self.cfg.max_lora_rank,
             limits=self._limits(st).to_proto(),
             stats=decoder_pb2.EngineStats(
@@ -321,12 +319,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self._check_model(st, request.model)
         if request.adapter:
             self._adapter_request(st, request.adapter)
-        ids = st.tokenizer.validate_ids(list(request.token_ids), limit=st.runner.vocab_size, param="token_ids")
+        ids = st.tokenizer.validate_ids(list(request.token_ids), limit=st.info.vocab_size, param="token_ids")
         return decoder_pb2.DetokenizeResponse(text=st.tokenizer.decode(ids, skip_special_tokens=False))
 
     # -- adapters (services/decoder/server/adapters.py) ------------------------------------
 
-    def _adapter_request(self, st: Loaded, name: str) -> tuple[dict, tuple]:
+    def _adapter_request(self, st: Loaded, name: str) -> tuple[AdapterRef, tuple]:
         if st.adapters is None:
             raise AdapterNotFound(f"adapter {name!r} is not loaded (LoRA is disabled: --max-loras 0)",
                                   param="model")
@@ -374,19 +372,6 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         await st.engine.call(unregister)
         log.info("unloaded adapter %s", request.name)
         return decoder_pb2.UnloadAdapterResponse()
-
-
-def inject_fault(runner: Runner, step: int) -> None:
-    """--fault-fail-at-step: the step-th forward raises (fault tests drive a real process this way)."""
-    execute, calls = runner.execute, [0]
-    log.warning("fault injection armed: engine step %d will raise", step)
-
-    def failing(step_input):
-        calls[0] += 1
-        if calls[0] == step:
-            raise RuntimeError(f"injected fault at engine step {step}")
-        return execute(step_input)
-    runner.execute = failing
 
 
 async def start(server_cfg: DecoderServerConfig, cfg: DecoderConfig) -> tuple[Server, DecoderServicer]:
