@@ -6,12 +6,13 @@ import random
 import pytest
 import torch
 
+from services.common.plan import ExecutionPlan
 from services.decoder.engine.step import StepInput
 from services.decoder.kernels import decode_stack_cpu, tile_gemm_cpu
 from services.decoder.model.linear import Linear
 from services.decoder.runner import Runner, attention
 from services.decoder.runner.batch import StepBatch
-from services.decoder.runner.fused_decode import TIMING_ROUNDS, FusedDecode
+from services.decoder.runner.fused_decode import FusedDecode
 from tests.decoder.model.checkpoints import TINY_SHAPE, build
 from tests.decoder.runner.driver import BlockAllocator, Seq
 from tests.tolerance import assert_close
@@ -29,12 +30,9 @@ def folders(tmp_path_factory):
     return {name: build(root, name, seed=30 + i) for i, name in enumerate(CASES)}
 
 
-@pytest.fixture(autouse=True)
-def cpp_attention(monkeypatch):
-    """The stack needs the in-place attention operator; at tiny shapes the load-time timing may pick
-    the torch path for the whole process, so these tests ask for the operator."""
-    monkeypatch.setenv("TESSERA_ATTENTION", "cpp")
-    monkeypatch.setattr(attention, "_backend", None)
+# The stack needs the in-place attention operator; at tiny shapes the load-time timing may pick the
+# torch path, so these runners pin the operator.
+PINS = "attention=cpp"
 
 
 def stack_wins(path: str, rows: int, fn) -> float:
@@ -44,10 +42,12 @@ def stack_wins(path: str, rows: int, fn) -> float:
 
 def runners(folder, variant: str) -> tuple[Runner, Runner]:
     dtype, quantization = VARIANTS[variant]
-    fused = Runner.from_folder(folder, dtype, block_size=BLOCK, num_blocks=BLOCKS, quantization=quantization)
+    fused = Runner.from_folder(folder, dtype, block_size=BLOCK, num_blocks=BLOCKS, quantization=quantization,
+                               fast_paths=PINS)
     fused.fused_decode, fused.decode_stack = FusedDecode.build(fused.model, fused.cache, fused.attention_backend,
-                                                               True, timer=stack_wins)
-    layers = Runner.from_folder(folder, dtype, block_size=BLOCK, num_blocks=BLOCKS, quantization=quantization)
+                                                               ExecutionPlan(), timer=stack_wins)
+    layers = Runner.from_folder(folder, dtype, block_size=BLOCK, num_blocks=BLOCKS, quantization=quantization,
+                               fast_paths=PINS)
     layers.fused_decode = None
     # Both runners take the same elementwise glue and, for int8, the same few-row path. Each is chosen by
     # timing at load, and int8's library path rounds activations to bf16: two runners that chose
@@ -100,7 +100,7 @@ def test_decode_steps_match_the_layers(folders, name, variant):
 
 
 def test_the_choice_is_made_from_measurement(folders):
-    runner = Runner.from_folder(folders[CASES[0]], "fp32", block_size=BLOCK, num_blocks=BLOCKS)
+    runner = Runner.from_folder(folders[CASES[0]], "fp32", block_size=BLOCK, num_blocks=BLOCKS, fast_paths=PINS)
     seen = []
 
     def timer(path, rows, fn):
@@ -108,12 +108,12 @@ def test_the_choice_is_made_from_measurement(folders):
         fn()
         return {"stack": 1.0 + (rows >= 3) * 5, "layers": 2.0}[path]
 
-    fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, True, timer=timer)
+    fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, ExecutionPlan(), timer=timer)
     assert fused.max_rows == 2 and summary.startswith("cpp rows<=2; timed 1 row 1000.0 vs 2000.0 ms")
-    assert seen == [(path, rows) for rows in (1, 2, 3) for _ in range(TIMING_ROUNDS) for path in ("stack", "layers")]
+    assert seen == [(path, rows) for rows in (1, 2, 3) for path in ("stack", "layers")]
     assert all(not k.any() for k in runner.cache.k) and all(not v.any() for v in runner.cache.v)
 
-    fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, True,
+    fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, ExecutionPlan(),
                                        timer=lambda path, rows, fn: 1.0)
     assert fused is None and summary.startswith("off (the layers were as fast); timed 1 row 1000.0 vs 1000.0 ms")
 
@@ -134,7 +134,8 @@ PANEL_CHOICES = [(0.5, 1.5, False),     # slower at 64 rows
                     "(test_decode_steps_match_the_layers checks that)")
 @pytest.mark.parametrize("at16,at64,kept", PANEL_CHOICES)
 def test_the_panels_run_only_where_they_were_faster(folders, at16, at64, kept):
-    runner = Runner.from_folder(folders[CASES[0]], PANEL_VARIANTS[0], block_size=BLOCK, num_blocks=BLOCKS)
+    runner = Runner.from_folder(folders[CASES[0]], PANEL_VARIANTS[0], block_size=BLOCK, num_blocks=BLOCKS,
+                                fast_paths=PINS)
     seen = []
 
     def timer(path, rows, fn):
@@ -142,24 +143,37 @@ def test_the_panels_run_only_where_they_were_faster(folders, at16, at64, kept):
         fn()
         return {"stack": 1.0, "layers": 2.0, "tiles": at16 if rows < 64 else at64}[path]
 
-    fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, True, timer=timer)
+    fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, ExecutionPlan(), timer=timer)
     assert fused.tiles == kept and fused.tiled is None and fused.max_rows == 64
     assert f"16 rows 1000.0 (tiles {at16 * 1000:.1f}) vs 2000.0 ms" in summary
     assert summary.endswith(f"tiles {'on' if kept else 'off'})")
-    assert [rows for path, rows in seen if path == "tiles"] == [16] * TIMING_ROUNDS + [64] * TIMING_ROUNDS
+    assert [rows for path, rows in seen if path == "tiles"] == [16, 64]
 
 
-def test_when_it_stays_off(folders, monkeypatch):
-    runner = Runner.from_folder(folders[CASES[0]], "fp32", block_size=BLOCK, num_blocks=BLOCKS)
-    assert FusedDecode.build(runner.model, runner.cache, "torch-gather", True) == \
+def test_when_it_stays_off(folders):
+    runner = Runner.from_folder(folders[CASES[0]], "fp32", block_size=BLOCK, num_blocks=BLOCKS, fast_paths=PINS)
+    assert FusedDecode.build(runner.model, runner.cache, "torch-gather", ExecutionPlan()) == \
         (None, "off (decode attention is torch-gather)")
-    assert FusedDecode.build(runner.model, runner.cache, runner.attention_backend, False) == \
-        (None, "off (the matmul path is forced (--linear-path))")
-    monkeypatch.setenv("TESSERA_DECODE_STACK", "off")
-    assert FusedDecode.build(runner.model, runner.cache, runner.attention_backend, True) == \
-        (None, "off (TESSERA_DECODE_STACK=off)")
-    forced = Runner.from_folder(folders[CASES[0]], "fp32", block_size=BLOCK, num_blocks=BLOCKS, linear_path="plain")
+    pinned = ExecutionPlan("linear=plain")
+    assert FusedDecode.build(runner.model, runner.cache, runner.attention_backend, pinned) == \
+        (None, "off (the matmul path is pinned (--fast-paths linear=plain))")
+    assert pinned.chosen("decode_stack") == "off"
+    off = ExecutionPlan("decode_stack=off")
+    assert FusedDecode.build(runner.model, runner.cache, runner.attention_backend, off) == \
+        (None, "off (--fast-paths decode_stack=off)")
+    with pytest.raises(ValueError, match="decode_stack=on: the decode stack cannot run here"):
+        FusedDecode.build(runner.model, runner.cache, "torch-gather", ExecutionPlan("decode_stack=on"))
+    forced = Runner.from_folder(folders[CASES[0]], "fp32", block_size=BLOCK, num_blocks=BLOCKS,
+                                fast_paths="linear=plain,attention=cpp")
     assert forced.fused_decode is None and forced.decode_stack.startswith("off (")
+    assert forced.plan.chosen("decode_stack") == "off"
+
+
+def test_pinned_on_takes_every_timed_row_count_untimed(folders):
+    runner = Runner.from_folder(folders[CASES[0]], "fp32", block_size=BLOCK, num_blocks=BLOCKS,
+                                fast_paths="attention=cpp,decode_stack=on")
+    assert runner.fused_decode is not None and runner.fused_decode.max_rows == 64
+    assert runner.plan.chosen("decode_stack") == "on rows<=64" and not runner.plan.get("decode_stack").timings
 
 
 def test_prefill_adapter_and_wide_steps_take_the_layers(folders):
@@ -168,7 +182,7 @@ def test_prefill_adapter_and_wide_steps_take_the_layers(folders):
     seqs = [Seq(f"s{i}", list(range(5, 12))) for i in range(5)]
 
     def batch(chunks) -> StepBatch:
-        return StepBatch.build(StepInput(chunks), BLOCK, torch.device("cpu"), None)
+        return StepBatch.build(StepInput(chunks), BLOCK, torch.device("cpu"), None, attention.CPP)
 
     long = Seq("long", [5 + i % 50 for i in range(attention.FIRST_CHUNK_IN_PLACE_MAX + 1)])
     assert not fused.fused_decode.applies(batch([long.chunk(len(long.tokens), alloc, BLOCK)]))
