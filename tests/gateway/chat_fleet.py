@@ -1,20 +1,18 @@
-"""One decoder subprocess on the tiny chat model (SmolLM2's tokenizer and template, random weights) behind a real
-gateway, for the gateway test modules that need generation: `chat_fleet` yields what they drive it with."""
+"""One decoder subprocess on a chat model (by default the tiny one: SmolLM2's tokenizer and template, random
+weights) behind a real gateway, for the gateway test modules that need generation, and what they check it by:
+`wait_idle` (the engine holds nothing) and `still_up` (idle, and a plain request is still answered)."""
 from __future__ import annotations
 
 import contextlib
-import time
 from pathlib import Path
 
 import grpc
-import httpx
-import openai
-import pytest
 
 from gateway.config import GatewayConfig
-from services.common.pb import decoder_pb2, decoder_pb2_grpc
+from services.common.pb import decoder_pb2_grpc
 from tests.conftest import free_port
-from tests.gateway.fleet import GatewayThread, python_module, stop, wait_serving
+from tests.decoder import idle
+from tests.gateway.fleet import GatewayThread, clients, python_module, stop, wait_serving
 
 KEY = "sk-chat"
 MODEL = "tiny-chat"
@@ -23,8 +21,9 @@ MAX_LEN = 1024
 
 @contextlib.contextmanager
 def chat_fleet(model_folder: Path, logs: Path, extra_args: tuple[str, ...] = ()):
-    """Yields {"url", "client" (openai), "http" (httpx with the key), "stub" (the decoder's gRPC stub)}.
-    extra_args go to the decoder after the defaults (a flag given again wins)."""
+    """Yields {"url", "client" (openai), "http" (httpx with the key), "stub" (the decoder's gRPC stub),
+    "decoder" (its process), "logs"}. extra_args go to the decoder after the defaults (a flag given again
+    wins)."""
     port = free_port()
     decoder = python_module("services.decoder", [
         "--model", str(model_folder), "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
@@ -34,23 +33,15 @@ def chat_fleet(model_folder: Path, logs: Path, extra_args: tuple[str, ...] = ())
     try:
         wait_serving(address, "tessera.decoder.v1.DecoderService", decoder)
         cfg = GatewayConfig(host="127.0.0.1", port=free_port(), decoder=(address,), api_key=KEY)
-        with GatewayThread(cfg) as gw, grpc.insecure_channel(address) as channel, \
-                httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
-            yield {"url": gw.url, "http": http, "stub": decoder_pb2_grpc.DecoderServiceStub(channel),
-                   "client": openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)}
+        with GatewayThread(cfg) as gw, grpc.insecure_channel(address) as channel, clients(gw.url, KEY) as served:
+            yield {**served, "stub": decoder_pb2_grpc.DecoderServiceStub(channel), "decoder": decoder, "logs": logs}
     finally:
         stop(decoder)
 
 
 def wait_idle(fleet: dict, timeout: float = 20) -> None:
     """The engine holds nothing: no request running or waiting, every KV block free."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        s = fleet["stub"].GetModelInfo(decoder_pb2.GetModelInfoRequest(), timeout=5).stats
-        if s.running == 0 and s.waiting == 0 and s.free_blocks == s.total_blocks:
-            return
-        time.sleep(0.05)
-    pytest.fail("the decoder did not return to idle")
+    idle.wait_idle(fleet["stub"], timeout)
 
 
 def still_up(fleet: dict) -> None:

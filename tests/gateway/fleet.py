@@ -2,6 +2,7 @@
 and service subprocesses waited on through grpc.health.v1."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+import openai
 import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -23,6 +25,15 @@ from tests.loops import LoopThread  # noqa: F401 - re-exported for the gateway t
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@contextlib.contextmanager
+def clients(url: str, key: str | None, timeout: float = 120):
+    """{"url", "client" (openai), "http" (httpx)} for a gateway at url, both sending key as the API key
+    (None: the httpx client sends none). What every fleet yields, and what the `client` and `http`
+    fixtures (tests/gateway/conftest.py) hand to the tests."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.Client(base_url=url, headers=headers, timeout=timeout) as http:
+        yield {"url": url, "http": http,
+               "client": openai.OpenAI(base_url=url + "/v1", api_key=key or "unused", max_retries=0, timeout=timeout)}
 
 
 class GatewayThread:

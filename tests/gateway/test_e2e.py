@@ -15,7 +15,7 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from deploy.models import package_dir
 from tests.conftest import free_port
-from tests.gateway.fleet import python_module, stop, wait_http, wait_serving
+from tests.gateway.fleet import clients, python_module, stop, wait_http, wait_serving
 from tests.pooling.conftest import MINILM_SHAPE, TINY_SHAPE
 from tests.tolerance import assert_close, assert_cosine
 
@@ -61,24 +61,15 @@ def fleet(tmp_path_factory, minilm, cross_encoder):
         wait_serving(f"127.0.0.1:{pool_port}", "tessera.pooling.v1.PoolingService", pooling)
         url = f"http://127.0.0.1:{gw_port}"
         wait_http(f"{url}/ready", gateway)
-        yield {"url": url, "pooling": pooling, "gateway": gateway, "logs": logs}
+        with clients(url, KEY) as served:
+            yield {**served, "pooling": pooling, "gateway": gateway, "logs": logs}
     finally:
         stop(gateway)
         stop(pooling)
 
 
-@pytest.fixture(scope="module")
-def client(fleet):
-    return openai.OpenAI(base_url=fleet["url"] + "/v1", api_key=KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(fleet):
-    with httpx.Client(base_url=fleet["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as c:
-        yield c
-
-
-def still_up(http):
+def embeddings_answered(http):
+    """The pooling service still answers through the gateway (the check after each refusal)."""
     reply = http.post("/v1/embeddings", json={"input": "still here"})
     assert reply.status_code == 200, reply.text
 
@@ -180,7 +171,7 @@ def test_bad_embedding_requests(http, body, status, param):
     assert reply.status_code == status, reply.text
     err = reply.json()["error"]
     assert err["param"] == param and err["message"], err
-    still_up(http)
+    embeddings_answered(http)
 
 
 def test_batch_over_limit(http):
@@ -188,7 +179,7 @@ def test_batch_over_limit(http):
     reply = http.post("/v1/embeddings", json={"input": ["x"] * n})
     assert reply.status_code == 400, reply.text
     assert str(n) in reply.json()["error"]["message"]
-    still_up(http)
+    embeddings_answered(http)
 
 
 @pytest.mark.parametrize("body,status,param", [
@@ -203,7 +194,7 @@ def test_bad_rerank_requests(http, body, status, param):
     reply = http.post("/v1/rerank", json=body)
     assert reply.status_code == status, reply.text
     assert reply.json()["error"]["param"] == param, reply.text
-    still_up(http)
+    embeddings_answered(http)
 
 
 def test_openai_client_sees_typed_errors(client, fleet):
@@ -223,7 +214,7 @@ def test_size_json_and_key_errors(http, fleet):
     reply = http.post("/v1/embeddings", content=b'{"input": ', headers={"content-type": "application/json"})
     assert reply.status_code == 400 and "JSON" in reply.json()["error"]["message"]
     assert httpx.post(fleet["url"] + "/v1/embeddings", json={"input": "x"}).status_code == 401
-    still_up(http)
+    embeddings_answered(http)
 
 
 def test_backend_down_then_ready_is_503(http, fleet):

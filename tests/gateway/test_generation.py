@@ -9,80 +9,31 @@ import json
 import re
 import time
 
-import grpc
 import httpx
 import openai
 import pytest
 from tokenizers import Tokenizer
 
-from gateway.config import GatewayConfig
-from services.common.pb import decoder_pb2, decoder_pb2_grpc
 from tests.conftest import free_port
-from tests.decoder.server.conftest import tiny_chat_model  # noqa: F401 - the fixture, shared with the decoder
-from tests.gateway.fleet import GatewayThread, python_module, stop, wait_serving
+from tests.decoder.idle import stats
+from tests.gateway.chat_fleet import MODEL, chat_fleet, still_up, wait_idle
 
-KEY = "sk-gen"
-MODEL = "tiny-chat"
 MAX_LEN = 4096  # past the checkpoint's 256 positions: RoPE needs no table, and long streams make disconnects real
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, tiny_chat_model):  # noqa: F811 - pytest injects the imported fixture
-    logs = tmp_path_factory.mktemp("logs")
-    port, metrics = free_port(), free_port()
-    decoder = python_module("services.decoder", [
-        "--model", str(tiny_chat_model), "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
-        "--metrics-port", str(metrics), "--num-blocks", "1024", "--block-size", "4", "--max-num-batched-tokens", "32",
-        "--max-n", "4", "--max-model-len", str(MAX_LEN), "--threads", "1"], logs / "decoder.log")
-    address = f"127.0.0.1:{port}"
-    try:
-        wait_serving(address, "tessera.decoder.v1.DecoderService", decoder)
-        cfg = GatewayConfig(host="127.0.0.1", port=free_port(), decoder=(address,), api_key=KEY)
-        with GatewayThread(cfg) as gw, grpc.insecure_channel(address) as channel:
-            yield {"url": gw.url, "decoder": decoder, "metrics": f"http://127.0.0.1:{metrics}/metrics",
-                   "stub": decoder_pb2_grpc.DecoderServiceStub(channel), "logs": logs}
-    finally:
-        stop(decoder)
-
-
-@pytest.fixture(scope="module")
-def client(fleet):
-    return openai.OpenAI(base_url=fleet["url"] + "/v1", api_key=KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(fleet):
-    with httpx.Client(base_url=fleet["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
-        yield c
-
-
-def stats(fleet):
-    return fleet["stub"].GetModelInfo(decoder_pb2.GetModelInfoRequest(), timeout=5).stats
-
-
-def wait_idle(fleet, timeout=20):
-    """The engine holds nothing: no request running or waiting, every KV block free."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        s = stats(fleet)
-        if s.running == 0 and s.waiting == 0 and s.free_blocks == s.total_blocks:
-            return
-        time.sleep(0.05)
-    pytest.fail(f"the decoder did not return to idle: {stats(fleet)}")
+def fleet(tmp_path_factory, tiny_chat_model):
+    logs, metrics = tmp_path_factory.mktemp("logs"), free_port()
+    with chat_fleet(tiny_chat_model, logs, ("--metrics-port", str(metrics), "--num-blocks", "1024",
+                                            "--max-num-batched-tokens", "32", "--max-model-len", str(MAX_LEN))) as f:
+        yield {**f, "metrics": f"http://127.0.0.1:{metrics}/metrics"}
 
 
 def finished(fleet) -> float:
     """Requests the decoder finished normally (any finish reason) so far, from its /metrics."""
     text = httpx.get(fleet["metrics"], timeout=5).text
     return sum(float(v) for v in re.findall(r'^tessera_decoder_requests_total\{[^}]*\} (\S+)$', text, re.M))
-
-
-def still_up(http, fleet):
-    wait_idle(fleet)
-    reply = http.post("/v1/completions", json={"prompt": "still here", "max_tokens": 2})
-    assert reply.status_code == 200, reply.text
-    wait_idle(fleet)
 
 
 def events(lines) -> list:
@@ -128,7 +79,7 @@ def test_chat_whole_and_streamed_agree_with_usage(client, fleet):
     wait_idle(fleet)
 
 
-def test_completions_token_prompt_equals_text_prompt(client, tiny_chat_model):  # noqa: F811
+def test_completions_token_prompt_equals_text_prompt(client, tiny_chat_model):
     text = "The quick brown fox jumps over"
     ids = Tokenizer.from_file(str(tiny_chat_model / "tokenizer.json")).encode(text).ids
     by_text = client.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0)
@@ -271,7 +222,7 @@ def test_bad_input_is_a_clear_4xx_and_nothing_leaks(http, fleet, path, body, sta
         assert reply.status_code == status, reply.text
         err = reply.json()["error"]
         assert err["message"] and err["param"] == param, err
-    still_up(http, fleet)
+    still_up(fleet)
 
 
 def test_remote_image_is_never_fetched(http):
@@ -304,7 +255,7 @@ def test_client_disconnect_mid_stream_aborts_the_request(http, fleet):
             if seen == 3:
                 break
         time.sleep(0.5)  # the client is still there: the request must still be running
-        assert stats(fleet).running == 1  # still generating when the client leaves
+        assert stats(fleet["stub"]).running == 1  # still generating when the client leaves
         lines.close()
     wait_idle(fleet)
     assert finished(fleet) == before  # aborted, not run to its 2000 tokens
@@ -315,7 +266,7 @@ def test_client_disconnect_mid_stream_aborts_the_request(http, fleet):
                   timeout=httpx.Timeout(60, read=0.5))
     wait_idle(fleet)
     assert finished(fleet) == before
-    still_up(http, fleet)
+    still_up(fleet)
 
 
 def test_backend_dying_mid_stream_ends_with_an_error_event(http, fleet):

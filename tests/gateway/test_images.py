@@ -17,7 +17,6 @@ import struct
 import zlib
 
 import httpx
-import openai
 import pytest
 import torch
 from PIL import Image
@@ -26,8 +25,7 @@ from gateway.config import GatewayConfig
 from tests.conftest import free_port
 from tests.decoder.multimodal.conftest import photo
 from tests.decoder.multimodal.helpers import reference_inputs
-from tests.decoder.server.conftest import tiny_chat_model  # noqa: F401 - the fixture, shared with the decoder
-from tests.gateway.fleet import GatewayThread, python_module, redis_process, stop, wait_serving
+from tests.gateway.fleet import GatewayThread, clients, python_module, redis_process, stop, wait_serving
 from tests.tolerance import assert_close
 from tests.vision.checkpoints import VL_SHAPE, token_ids, write_qwen2_vl
 
@@ -60,7 +58,7 @@ def vl_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, vl_checkpoint, tiny_chat_model):  # noqa: F811 - pytest injects the imported fixture
+def fleet(tmp_path_factory, vl_checkpoint, tiny_chat_model):
     logs = tmp_path_factory.mktemp("image-logs")
     ports = {name: free_port() for name in ("redis", "vision", "vl", "text")}
     procs = [redis_process(ports["redis"], logs)]
@@ -86,22 +84,11 @@ def fleet(tmp_path_factory, vl_checkpoint, tiny_chat_model):  # noqa: F811 - pyt
                             vision=addresses["vision"], api_key=KEY, model_note=(f"{VL}=random weights",))
         # The same decoders without a vision service: image parts must be refused, not dropped.
         blind = GatewayConfig(host="127.0.0.1", port=free_port(), decoder=(addresses["vl"],), api_key=KEY)
-        with GatewayThread(cfg) as gw, GatewayThread(blind) as gw_blind:
-            yield {"url": gw.url, "blind_url": gw_blind.url, "procs": procs, "logs": logs}
+        with GatewayThread(cfg) as gw, GatewayThread(blind) as gw_blind, clients(gw.url, KEY) as served:
+            yield {**served, "blind_url": gw_blind.url, "procs": procs, "logs": logs}
     finally:
         for proc in reversed(procs):
             stop(proc)
-
-
-@pytest.fixture(scope="module")
-def client(fleet):
-    return openai.OpenAI(base_url=fleet["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(fleet):
-    with httpx.Client(base_url=fleet["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

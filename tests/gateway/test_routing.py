@@ -19,7 +19,6 @@ from gateway.routing import Router
 from services.common.pb import decoder_pb2, decoder_pb2_grpc
 from tests.conftest import free_port
 from tests.decoder.lora.adapters import Spec, write_adapter
-from tests.decoder.server.conftest import tiny_chat_model  # noqa: F401 - the fixture, shared with the decoder
 from tests.gateway.fleet import GatewayThread, LoopThread, python_module, stop, wait_serving
 from tests.gateway.test_generation import events
 
@@ -38,7 +37,7 @@ def start_decoder(model, port: int, log, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory, tiny_chat_model):  # noqa: F811 - pytest injects the imported fixture
+def replicas(tmp_path_factory, tiny_chat_model):
     tmp = tmp_path_factory.mktemp("routing")
     adapter = write_adapter(tiny_chat_model, tmp / "adapters", Spec("a1", 4, 8.0, ("q_proj", "v_proj"), 41))
     ports = [free_port(), free_port()]

@@ -15,8 +15,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from tests.decoder.server.conftest import tiny_chat_model  # noqa: F401 - the fixture, shared with the decoder
-from tests.gateway.chat_fleet import MAX_LEN, MODEL, chat_fleet, still_up, wait_idle
+from tests.gateway.chat_fleet import MAX_LEN, MODEL, still_up, wait_idle
 
 EOS = 2      # the tiny chat model's eos (<|im_end|> in SmolLM2's vocabulary)
 PROMPT = "Once upon a time"
@@ -24,18 +23,7 @@ HELLO = [{"role": "user", "content": "Tell me something."}]
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, tiny_chat_model):  # noqa: F811 - pytest injects the imported fixture
-    with chat_fleet(tiny_chat_model, tmp_path_factory.mktemp("extras")) as f:
-        yield f
-
-
-@pytest.fixture(scope="module")
-def client(fleet):
-    return fleet["client"]
-
-
-@pytest.fixture(scope="module")
-def word(tiny_chat_model):  # noqa: F811
+def word(tiny_chat_model):
     """(id, text) of a one-token word that is neither in PROMPT nor in HELLO."""
     ids = Tokenizer.from_file(str(tiny_chat_model / "tokenizer.json")).encode(" banana", add_special_tokens=False).ids
     assert len(ids) == 1

@@ -11,14 +11,14 @@ import pytest
 from gateway.config import GatewayConfig
 from tests.conftest import free_port
 from tests.decoder.server.conftest import need_smollm2
-from tests.gateway.fleet import GatewayThread, python_module, stop, wait_serving
+from tests.gateway.fleet import GatewayThread, clients, python_module, stop, wait_serving
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def fleet(tmp_path_factory):
     port = free_port()
     decoder = python_module("services.decoder", [
         "--model", str(need_smollm2()), "--host", "127.0.0.1", "--port", str(port), "--num-blocks", "64",
@@ -26,8 +26,8 @@ def client(tmp_path_factory):
     try:
         wait_serving(f"127.0.0.1:{port}", "tessera.decoder.v1.DecoderService", decoder)
         cfg = GatewayConfig(host="127.0.0.1", port=free_port(), decoder=(f"127.0.0.1:{port}",))
-        with GatewayThread(cfg) as gw:
-            yield openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+        with GatewayThread(cfg) as gw, clients(gw.url, None) as served:
+            yield served
     finally:
         stop(decoder)
 

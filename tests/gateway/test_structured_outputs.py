@@ -21,7 +21,6 @@ import pytest
 from services.common.pb import decoder_pb2
 from tests.decoder.grammar.cases import CHOICES, REGEX, SCHEMA
 from tests.decoder.lora.adapters import Spec, write_adapter
-from tests.decoder.server.conftest import tiny_chat_model  # noqa: F401 - the fixture, shared with the decoder
 from tests.gateway.chat_fleet import MODEL, chat_fleet, still_up, wait_idle
 
 FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "description": "a person", "schema": SCHEMA,
@@ -32,18 +31,7 @@ ADAPTER = "tinylora"
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, tiny_chat_model):  # noqa: F811 - pytest injects the imported fixture
-    with chat_fleet(tiny_chat_model, tmp_path_factory.mktemp("structured")) as f:
-        yield f
-
-
-@pytest.fixture(scope="module")
-def client(fleet):
-    return fleet["client"]
-
-
-@pytest.fixture(scope="module")
-def squeezed(tmp_path_factory, tiny_chat_model):  # noqa: F811
+def squeezed(tmp_path_factory, tiny_chat_model):
     """A second decoder: a 40-block KV pool (160 tokens), no prefix sharing, prefill chunks of 16 tokens and
     an adapter preloaded, so concurrent requests are preempted while their objects are open."""
     tmp = tmp_path_factory.mktemp("structured-squeezed")

@@ -7,21 +7,14 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from tests.decoder.server.conftest import tiny_chat_model  # noqa: F401 - the fixture, shared with the decoder
-from tests.gateway.chat_fleet import MAX_LEN, MODEL, chat_fleet, still_up
+from tests.gateway.chat_fleet import MAX_LEN, MODEL, still_up
 
 HELLO = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Hello, who are you?"}]
 TEXT = "Tokenizers split text: naïve café, 3.14159 and <|im_start|> too."
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, tiny_chat_model):  # noqa: F811 - pytest injects the imported fixture
-    with chat_fleet(tiny_chat_model, tmp_path_factory.mktemp("tokenize")) as f:
-        yield f
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_chat_model):  # noqa: F811
+def ref(tiny_chat_model):
     return Tokenizer.from_file(str(tiny_chat_model / "tokenizer.json"))
 
 

@@ -18,11 +18,9 @@ import jsonschema
 import pytest
 
 from tests.conftest import free_port
-from tests.decoder.server.conftest import tiny_chat_model  # noqa: F401 - the fixture, shared with the decoder
 from tests.decoder.text.tool_template import PARAMETERS, TOOLS, WEATHER
 from tests.gateway.chat_fleet import MODEL, chat_fleet, still_up, wait_idle
 from tests.gateway.fleet import ROOT
-from tests.gateway.tool_model import tool_chat_model  # noqa: F401 - the fixture
 
 ASK = [{"role": "system", "content": "You help with weather and time."},
        {"role": "user", "content": "What is the weather in Paris, and the time in CET?"}]
@@ -30,15 +28,10 @@ NAMED = {"type": "function", "function": {"name": "get_time"}}
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, tool_chat_model):  # noqa: F811 - pytest injects the imported fixture
+def fleet(tmp_path_factory, tool_chat_model):
     with chat_fleet(tool_chat_model, tmp_path_factory.mktemp("tools"),
                     ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")) as f:
         yield f
-
-
-@pytest.fixture(scope="module")
-def client(fleet):
-    return fleet["client"]
 
 
 def chat(client, **kw):
@@ -240,7 +233,7 @@ def test_the_decoder_is_healthy_after_the_refusals(fleet, client):
     valid(chat(client, tool_choice="required", parallel_tool_calls=False).choices[0].message.tool_calls)
 
 
-def test_a_template_without_tools_refuses_auto_at_start(tiny_chat_model):  # noqa: F811
+def test_a_template_without_tools_refuses_auto_at_start(tiny_chat_model):
     """SmolLM2's template (what `make up` serves) renders no tools: --enable-auto-tool-choice is a start error."""
     done = subprocess.run([sys.executable, "-m", "services.decoder", "--model", str(tiny_chat_model), "--port",
                            str(free_port()), "--num-blocks", "16", "--threads", "1", "--enable-auto-tool-choice",
