@@ -7,9 +7,9 @@ import pytest
 from services.common.errors import AdapterNotFound, ContextLengthExceeded, InvalidArgument
 from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.engine_core import EngineCore
-from services.decoder.engine.step import SamplingParams
+from services.decoder.engine.step import SamplingParams, StepInput, StepOutput
 
-from .fakes import CountingLeases, FakeRunner, Job, drive, next_token
+from .fakes import VOCAB, CountingLeases, FakeRunner, Job, drive, next_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -143,6 +143,10 @@ def test_bad_requests_are_refused_with_nothing_queued():
     with pytest.raises(InvalidArgument):
         core.add_request("n0", [1], SamplingParams(n=0))
     core.add_request("x", [1], SamplingParams(max_tokens=1))
+    told, _ = _core(vocab_size=VOCAB)           # an engine told the vocabulary refuses ids past it
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        told.add_request("oov", [1, VOCAB], SamplingParams(max_tokens=1))
+    assert not told.has_unfinished()
     with pytest.raises(InvalidArgument, match="duplicate"):
         core.add_request("x", [1], SamplingParams(max_tokens=1))
     stats = core.stats()
@@ -157,4 +161,72 @@ def test_lease_hook_error_fails_the_request_cleanly():
     core, runner = _core(Refusing())
     res = drive(core, runner, [Job("a", [1, 2, 3], max_tokens=2)])
     assert res.reasons[("a", 0)] == "error"
+    core.check_idle()
+
+
+class RefusingRunner(FakeRunner):
+    """Refuses, as the real runner does (runner/runner.py), every chunk holding a token id outside the
+    vocabulary: it names the request in StepOutput.failed and runs the step's other chunks alone."""
+
+    def execute(self, step: StepInput) -> StepOutput:
+        failed = {c.request_id: "InvalidArgument: token ids must be in [0, 13)" for c in step.chunks
+                  if max(c.token_ids) >= VOCAB}
+        kept = [c for c in step.chunks if c.request_id not in failed]
+        if not kept:
+            self.finished.update(step.finished_request_ids)
+            return StepOutput({}, failed=failed)
+        out = super().execute(StepInput(kept, step.finished_request_ids))
+        return StepOutput(out.sampled, out.accepted, failed)
+
+
+def test_a_request_the_runner_refuses_fails_alone_and_the_core_keeps_serving():
+    """Requests past validation (the engine was not told the vocabulary) with an id the runner refuses:
+    in a first prefill chunk, and in a later one after a chunk that ran. Only they fail; the requests
+    sharing their steps and the ones after them get their tokens; blocks and leases all come back."""
+    config = EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=8, max_model_len=128)
+    runner = RefusingRunner(config)
+    leases = CountingLeases()
+    core = EngineCore(runner, config, leases)
+    jobs = [Job("a", [1, 2, 3], max_tokens=4, ignore_eos=True),
+            Job("bad-first", [1, 2, VOCAB + 7, 4], max_tokens=4, ignore_eos=True),
+            Job("bad-later", [1, 2, 3, 4, 5, 6, 7, VOCAB], max_tokens=4, ignore_eos=True),
+            Job("b", [4, 5, 6], max_tokens=3, ignore_eos=True),
+            Job("late", [4, 5], max_tokens=2, ignore_eos=True, arrival_step=4)]
+    errors = []
+    real_step = core.step
+
+    def step():
+        outputs = real_step()
+        assert core.step_error is None          # a refused request is no failed step
+        errors.extend(o.error for o in outputs if o.finish_reason == "error")
+        return outputs
+    core.step = step
+    res = drive(core, runner, jobs)
+    assert res.reasons[("bad-first", 0)] == res.reasons[("bad-later", 0)] == "error"
+    assert res.tokens[("bad-first", 0)] == res.tokens[("bad-later", 0)] == []
+    assert len(errors) == 2 and all("token ids must be in" in e for e in errors)
+    for job in jobs:
+        if not job.request_id.startswith("bad"):
+            key = (job.request_id, 0)
+            assert res.reasons[key] == "length" and res.tokens[key] == _expected(job.prompt, job.max_tokens)
+    # bad-later's first chunk ran (its KV was written) before the chunk holding the bad id was refused.
+    assert any(c.request_id == "bad-later" for s in runner.steps for c in s.chunks if c.start == 0)
+    assert leases.acquires == leases.releases == len(jobs) and leases.active == set() and not leases.violations
+    assert runner.violations == []
+    core.check_idle()
+
+
+def test_a_runner_naming_a_request_outside_its_step_fails_the_step():
+    class Confused(FakeRunner):
+        def execute(self, step):
+            out = super().execute(step)
+            return StepOutput(out.sampled, out.accepted, {"ghost": "not in this step"})
+
+    config = EngineConfig(block_size=4, num_blocks=64, max_model_len=128)
+    runner = Confused(config)
+    core = EngineCore(runner, config)
+    runner.register("a", [1, 2])
+    core.add_request("a", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
+    out, = core.step()
+    assert out.finish_reason == "error" and "ghost" in out.error and "ghost" in core.step_error
     core.check_idle()

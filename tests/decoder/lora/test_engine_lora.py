@@ -2,10 +2,11 @@
 
 Stale KV after a reload under the same name, prefix sharing by content, slots swapped
 beyond the slot count, and leases that always come back (finish, abort, preemption,
-runner failure, n > 1).
+runner failure, n > 1, a request the runner refuses).
 """
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from services.common.errors import AdapterInUse
 from services.decoder.engine.step import SamplingParams, StepInput
 from services.decoder.lora import adapter_request
+from services.decoder.server.async_engine import AsyncEngine
 from tests.decoder.lora.adapters import Spec, lora_engine, register, write_adapter
 from tests.decoder.model.checkpoints import build
 from tests.decoder.runner.driver import BlockAllocator, Seq
@@ -195,3 +197,59 @@ def test_unload_refused_while_leased_and_each_choice_leases(base):
     assert registry.status("x").refs == 0
     registry.unregister("x")
     core.check_idle()
+
+
+def test_a_request_past_validation_fails_alone_and_the_engine_serves_on(base):
+    """A token id outside the vocabulary that got past every check (straight into an engine that was
+    not told the vocabulary) fails only its own request: the requests of its step, with an adapter or
+    without, get the tokens they get alone, the AsyncEngine stays up for the next requests, and every
+    KV block and adapter lease comes back."""
+    folder, adapters = base
+    core, registry = lora_engine(folder)
+    register(registry, "ad1", adapters["ad1"])
+    vocab = core.runner.vocab_size
+    bad_prompt = PROMPT[:5] + [vocab + 3] + PROMPT[6:]
+    alone = {name: run_one(core, registry, f"alone-{name}", PROMPT, name)[0] for name in (None, "ad1")}
+
+    def add(rid, prompt, name):
+        adapter, keys = adapter_request(name, registry.status(name).digest) if name else (None, ())
+        core.add_request(rid, prompt, GREEDY, extra_keys=keys, adapter=adapter)
+
+    # In the core: all three share the first step, and only the bad one ends there, with its error.
+    for rid, prompt, name in (("base", PROMPT, None), ("bad", bad_prompt, "ad1"), ("lora", PROMPT, "ad1")):
+        add(rid, prompt, name)
+    first = {o.request_id: o for o in core.step()}
+    assert core.step_error is None and first["bad"].finish_reason == "error"
+    assert "token ids must be in" in first["bad"].error and registry.total_refs == 1    # "lora" holds its own
+    got = {"base": first["base"].new_token_ids, "lora": first["lora"].new_token_ids}
+    while core.has_unfinished():
+        for out in core.step():
+            got[out.request_id].extend(out.new_token_ids)
+    assert got == {"base": alone[None], "lora": alone["ad1"]}
+    core.check_idle()
+    assert registry.total_refs == 0
+
+    # Through the AsyncEngine: the bad request's stream ends with the error, the engine stays alive.
+    engine = AsyncEngine(core)
+
+    async def generate(rid, prompt, name):
+        adapter, keys = adapter_request(name, registry.status(name).digest) if name else (None, ())
+        outs = [o async for o in engine.generate(rid, prompt, GREEDY, extra_keys=keys, adapter=adapter)]
+        return [t for o in outs for t in o.new_token_ids], outs[-1].finish_reason
+
+    async def serve():
+        engine.start()
+        try:
+            together = await asyncio.gather(generate("a-base", PROMPT, None), generate("a-bad", bad_prompt, "ad1"),
+                                            generate("a-lora", PROMPT, "ad1"))
+            alive = engine.alive
+            after = await asyncio.gather(generate("b-base", PROMPT, None), generate("b-lora", PROMPT, "ad1"))
+            return together, alive, after
+        finally:
+            engine.stop()
+    together, alive, after = asyncio.run(serve())
+    assert alive and engine.failed is None
+    assert together == [(alone[None], "length"), ([], "error"), (alone["ad1"], "length")]
+    assert after == [(alone[None], "length"), (alone["ad1"], "length")]
+    core.check_idle()
+    assert registry.total_refs == 0 and all(e.refs == 0 for e in registry.entries.values())
