@@ -18,6 +18,15 @@ pytestmark = pytest.mark.numerics
 
 BLOCK = 4
 CASES = ["llama_gqa4_tied_sharded", "qwen2_gqa2_odd_tied", "qwen3_odd3_gqa3_qknorm"]
+# The parity tests run each fast path pinned on and pinned off (services/common/plan.py), whatever the
+# load-time timing would pick on this machine. The decode stack needs the matmul path timed, so the
+# packed/plain split is pinned on its own (tests/common/test_linear_path.py compares the two directly).
+PLANS = {
+    "fast": "gemv=on,glue=cpp,attention=cpp,decode_stack=on,screen=on,grammar_mask=xgrammar",
+    "reference": "linear=plain,gemv=off,glue=torch,attention=torch,decode_stack=off,screen=off,"
+                 "grammar_mask=unpacked,huge_pages=off",
+    "packed": "linear=packed,gemv=off,attention=cpp",
+}
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +50,11 @@ def hf_last_logits(ref, tokens: list[int]) -> torch.Tensor:
         return ref(torch.tensor([tokens])).logits[0, -1]
 
 
+@pytest.mark.parametrize("plan", list(PLANS))
 @pytest.mark.parametrize("name", CASES)
-def test_chunked_prefill_then_decode_matches_transformers(folders, references, name):
-    runner, ref = Runner.from_folder(folders[name], "fp32", block_size=BLOCK, num_blocks=64), references[name]
+def test_chunked_prefill_then_decode_matches_transformers(folders, references, name, plan):
+    runner = Runner.from_folder(folders[name], "fp32", block_size=BLOCK, num_blocks=64, fast_paths=PLANS[plan])
+    ref = references[name]
     alloc = BlockAllocator(64)
     seq = Seq("a", prompt(23, 1))
     for size in (5, 1, 9, 8):                  # uneven, and one 1-token chunk mid-prompt
@@ -74,10 +85,11 @@ def run_alone(runner: Runner, alloc: BlockAllocator, seq: Seq, steps: int) -> li
     return out
 
 
-def test_mixed_batch_equals_one_by_one(folders):
+@pytest.mark.parametrize("plan", ["fast", "reference"])
+def test_mixed_batch_equals_one_by_one(folders, plan):
     """Staggered arrivals, random chunk sizes: every step mixes prefill and decode rows."""
     name = "qwen2_gqa2_odd_tied"
-    runner = Runner.from_folder(folders[name], "fp32", block_size=BLOCK, num_blocks=200)
+    runner = Runner.from_folder(folders[name], "fp32", block_size=BLOCK, num_blocks=200, fast_paths=PLANS[plan])
     alloc = BlockAllocator(200, seed=3)
     lengths, steps = [3, 11, 17, 30, 1], 5
     alone = {i: run_alone(runner, alloc, Seq(str(i), prompt(n, i)), steps) for i, n in enumerate(lengths)}
@@ -140,10 +152,12 @@ def test_bad_steps_are_refused(folders):
     assert runner.execute(StepInput([Seq("b", [999]).chunk(1, alloc, BLOCK)])).failed.keys() == {"b"}
 
 
-def test_bf16_runner_tracks_fp32(folders, references):
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_bf16_runner_tracks_fp32(folders, references, plan):
     """bf16 weights, KV cache and packed matmuls: close to the fp32 reference, same first token."""
     name = "llama_gqa4_tied_sharded"
-    runner = Runner.from_folder(folders[name], "bf16", block_size=BLOCK, num_blocks=32)
+    runner = Runner.from_folder(folders[name], "bf16", block_size=BLOCK, num_blocks=32,
+                                fast_paths=PLANS[plan].replace("screen=on", "screen=auto"))
     assert " bfloat16: " in runner.linear_backend and runner.cache.k[0].dtype == torch.bfloat16
     alloc, seq = BlockAllocator(32), Seq("a", prompt(13, 4))
     runner.logits(StepInput([seq.chunk(6, alloc, BLOCK)]))
@@ -173,20 +187,36 @@ def test_weights_and_cache_live_in_arenas(folders, quantization):
     assert all(inside(t, runner.cache.arena) for t in runner.cache.k + runner.cache.v)
     assert runner.memory_pages.startswith("weights: one arena of ")
     assert "; KV cache: one arena of " in runner.memory_pages
+    assert runner.plan.chosen("huge_pages") == "on" and runner.plan.get("huge_pages").reason == runner.memory_pages
 
 
-def test_greedy_steps_through_the_argmax_screen_equal_the_full_head(folders, monkeypatch):
-    """The same mixed steps on a runner with the screen (tests run it "on") and one without: the same
+def test_huge_pages_pinned_off_leave_torch_allocations(folders):
+    runner = Runner.from_folder(folders["llama_gqa4_tied_sharded"], "fp32", block_size=BLOCK, num_blocks=16,
+                                fast_paths="huge_pages=off")
+    assert runner.model.arena is None and runner.cache.arena is None
+    assert runner.plan.chosen("huge_pages") == "off" and "huge pages off" in runner.memory_pages
+
+
+def test_every_choice_is_in_the_plan(folders):
+    """A runner reports each fast path it chose, pinned ones with the pin as their reason."""
+    runner = Runner.from_folder(folders["llama_gqa4_tied_sharded"], "fp32", block_size=BLOCK, num_blocks=64,
+                                fast_paths=PLANS["reference"])
+    names = [c.name for c in runner.plan.choices]
+    for name in ("gemv", "glue.norm", "glue.act", "huge_pages", "attention", "decode_stack", "screen",
+                 "grammar_mask"):
+        assert name in names and runner.plan.get(name).reason
+    assert any(n.startswith("linear ") for n in names)
+    assert runner.plan.chosen("attention") == "torch" and runner.attention_backend == "torch-gather"
+
+def test_greedy_steps_through_the_argmax_screen_equal_the_full_head(folders):
+    """The same mixed steps on a runner with the screen pinned on and one with it pinned off: the same
     tokens; a step with a row that wants logprobs takes the full head."""
     from services.decoder.engine.step import SamplingParams
-    from services.decoder.model import screen as screen_mod
     folder = folders["qwen2_gqa2_odd_tied"]
-    monkeypatch.setenv(screen_mod.ENV, "on")
-    screened = Runner.from_folder(folder, "fp32", block_size=BLOCK, num_blocks=200)
-    monkeypatch.setenv(screen_mod.ENV, "off")
-    full = Runner.from_folder(folder, "fp32", block_size=BLOCK, num_blocks=200)
+    screened = Runner.from_folder(folder, "fp32", block_size=BLOCK, num_blocks=200, fast_paths="screen=on")
+    full = Runner.from_folder(folder, "fp32", block_size=BLOCK, num_blocks=200, fast_paths="screen=off")
     assert screened.screen is not None and full.screen is None
-    assert full.argmax_screen == "off (TESSERA_ARGMAX_SCREEN=off)"
+    assert full.argmax_screen == "off (--fast-paths screen=off)" and full.plan.chosen("screen") == "off"
     calls = []
     real_argmax = screened.screen.argmax
     screened.screen.argmax = lambda h: calls.append(h.shape[0]) or real_argmax(h)
