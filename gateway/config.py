@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from services.common.config import option
 from services.common.tls import check_client_files
 
+# Every variable the gateway reads is TESSERA_GATEWAY_<FLAG> (services/common/config.py).
 ENV_PREFIX = "TESSERA_GATEWAY_"
 
 
@@ -27,10 +28,10 @@ class GatewayConfig:
     vision: str | None = option(None, "vision service as HOST:PORT; checked by /ready", metavar="HOST:PORT")
     api_key: str | None = option(None, "if set, every /v1 request needs 'Authorization: Bearer <key>' (the admin"
                                           " endpoints take --admin-key instead)",
-                                 env="TESSERA_API_KEY")
+                                 formerly="TESSERA_API_KEY")
     admin_key: str | None = option(None, "key of the admin endpoints (adapter load/unload/list): they need"
                                          " 'Authorization: Bearer <admin key>'; unset: they are disabled (403)",
-                                   env="TESSERA_ADMIN_KEY")
+                                   formerly="TESSERA_ADMIN_KEY")
     max_body_bytes: int = option(16 * 1024 * 1024, "largest request body accepted; larger ones get 413")
     grpc_timeout_s: float = option(30.0, "deadline of each backend call in seconds; past it the answer is 504")
     generate_timeout_s: float = option(600.0, "deadline of a whole generation (chat, completions) in seconds;"

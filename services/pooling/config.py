@@ -3,14 +3,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common import linear_path as linear_path_mod
+from services.common import dtypes
+from services.common import plan as plan_mod
 from services.common.config import option
 from services.common.server import ServerConfig
+
+# Every variable this service reads is TESSERA_POOLING_<FLAG> (services/common/config.py).
+ENV_PREFIX = "TESSERA_POOLING_"
+# The pooling forward runs in fp32 or bf16 (no fp16 path).
+DTYPES = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
 class PoolingServerConfig(ServerConfig):
-    """gRPC server options"""
+    """process and gRPC server options"""
 
     port: int = option(50053, "port to bind; 0 picks a free one")
 
@@ -38,25 +44,27 @@ class PoolingConfig:
     max_passes: int = option(2, "forwards that may start without a waiting sequence (for neighbours closer in "
                              "length to the oldest) before it goes in arrival order; bounds every wait "
                              "(services/pooling/batcher.py); 0 is strict FIFO")
-    threads: int = option(0, "torch intra-op threads; 0 keeps torch's default")
     heap_growth_mb: int = option(256, "return the C heap's free pages (malloc_trim) whenever the resident size has "
                                       "grown this many MiB since the last trim (services/pooling/heap.py); 0 never")
-    dtype: str = option("float32", "weights and activations dtype", choices=("float32", "bfloat16"))
+    dtype: str = option("fp32", "weights and activations dtype; float32 and bfloat16 are accepted too",
+                        choices=dtypes.names(DTYPES))
     packed: bool = option(True, "use the packed (padding-free) BERT forward where the architecture allows")
-    linear_path: str = option("auto", linear_path_mod.HELP, choices=linear_path_mod.MODES, env=linear_path_mod.ENV)
+    fast_paths: str = option("", plan_mod.help_for(plan_mod.POOLING), metavar="NAME=PATH,...")
     fault_fail_at_forward: int = option(0, "TESTING ONLY: make forward N on the device raise, as a failure of the "
                                            "forward worker (its batch fails INTERNAL, waiting calls UNAVAILABLE, "
                                            "health goes NOT_SERVING); 0 disables")
 
     def __post_init__(self):
+        plan_mod.Pins.parse(self.fast_paths, plan_mod.POOLING)   # a bad pin is a usage error at start
         if not self.embedding_model:
             raise ValueError("--embedding-model is required")
+        object.__setattr__(self, "dtype", dtypes.canonical(self.dtype, DTYPES))   # one spelling from here on
         for name in ("max_request_inputs", "max_batch_size", "max_batch_tokens", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.max_queue < self.max_request_inputs:
             raise ValueError("max_queue must be at least max_request_inputs, or a full request could never run")
-        for name in ("max_wait_ms", "max_model_len", "threads", "max_passes", "heap_growth_mb",
+        for name in ("max_wait_ms", "max_model_len", "max_passes", "heap_growth_mb",
                      "fault_fail_at_forward"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

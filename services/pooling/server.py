@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import itertools
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from services.common import metrics as common_metrics
 from services.common.pb import pooling_pb2_grpc
-from services.common.server import Server, ServerConfig
+from services.common.server import Server, ServerConfig, Started
 
 from .batcher import Batcher, BatchLimits
 from .config import PoolingConfig
@@ -33,7 +31,7 @@ def load_models(cfg: PoolingConfig) -> list:
     """[(spec, runner)] for the configured folders (blocking; run it in a thread)."""
     spec = read_spec(cfg.embedding_model, name=cfg.embedding_name, kind="embedding",
                      pooling=cfg.pooling, normalize=cfg.normalize, max_model_len=cfg.max_model_len)
-    loaded = [(spec, Embedder(spec, dtype=cfg.dtype, fast=cfg.packed, linear_path=cfg.linear_path))]
+    loaded = [(spec, Embedder(spec, dtype=cfg.dtype, fast=cfg.packed, fast_paths=cfg.fast_paths))]
     if cfg.reranker_model:
         rspec = read_spec(cfg.reranker_model, name=cfg.reranker_name, kind="rerank",
                           max_model_len=cfg.max_model_len)
@@ -125,13 +123,7 @@ async def _load(handle: PoolingServer, cfg: PoolingConfig) -> None:
         models[spec.name] = Served(spec, runner, batcher)
         handle.servicer.defaults[spec.kind] = spec.name
     handle.servicer.models = models
-    # Everything allocated so far (torch, transformers, the model's modules) lives as long as the
-    # process. Frozen, it is never walked again: a full collection then visits only what requests
-    # allocated since, where it walked ~400k objects before and stalled the event loop and the
-    # forward's Python for 100s of ms under load (docs/benchmarks.md, the pooling tail).
-    gc.collect()
-    gc.freeze()
-    await handle.server.set_serving(True)
+    await handle.server.ready()   # freezes start-up's objects out of the collector's walks (Server.ready)
     log.info("serving %s on port %d", ", ".join(models), handle.port)
 
 
@@ -141,11 +133,10 @@ async def start_server(server_cfg: ServerConfig, cfg: PoolingConfig, *, wait: bo
     metrics = PoolingMetrics()
     servicer = PoolingServicer(metrics, cfg.max_request_inputs)
     server = Server(server_cfg, lambda s: pooling_pb2_grpc.add_PoolingServiceServicer_to_server(servicer, s),
-                    [SERVICE_NAME])
+                    [SERVICE_NAME], registry=metrics.registry)
     # One thread: one forward at a time on the device, never on the event loop.
     handle = PoolingServer(server, servicer, metrics, ThreadPoolExecutor(1, thread_name_prefix="forward"))
     handle.port = await server.start()
-    common_metrics.serve(server_cfg.metrics_port, registry=metrics.registry)
     handle.loaded = asyncio.get_running_loop().create_task(_load(handle, cfg))
     if wait:
         try:
@@ -154,3 +145,10 @@ async def start_server(server_cfg: ServerConfig, cfg: PoolingConfig, *, wait: bo
             await handle.stop(0)
             raise
     return handle
+
+
+async def launch(server_cfg: ServerConfig, cfg: PoolingConfig) -> Started:
+    """`start_server` for the shared process start-up (services/common/process.py): closing stops the
+    batchers and the forward thread once the server has drained."""
+    handle = await start_server(server_cfg, cfg)
+    return Started(handle.server, functools.partial(handle.stop, 0))

@@ -3,13 +3,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common import dtypes
 from services.common.config import option
 from services.common.server import ServerConfig
+
+# Every variable this service reads is TESSERA_VISION_<FLAG> (services/common/config.py).
+ENV_PREFIX = "TESSERA_VISION_"
 
 
 @dataclass(frozen=True)
 class VisionServerConfig(ServerConfig):
-    """gRPC server options"""
+    """process and gRPC server options"""
 
     port: int = option(50051, "port to bind; 0 picks a free one")
     # A max-size Qwen2-VL image is 16384 rows x 1536 floats = 96 MiB of response.
@@ -24,10 +28,9 @@ class VisionConfig:
                             "preprocessor_config.json) or a tessera demo vision folder", metavar="DIR")
     recipe: str = option("auto", "preprocessing + encoder recipe; auto reads config.json's model_type",
                          choices=("auto", "qwen2_vl", "demo"))
-    dtype: str = option("fp32", "encoder compute dtype (rows always travel as float32)",
-                        choices=("fp32", "bf16", "fp16"))
+    dtype: str = option("fp32", "encoder compute dtype; float32, bfloat16 and float16 are accepted too (rows "
+                        "always travel as fp32)", choices=dtypes.names())
     device: str = option("cpu", "torch device: cpu or cuda")
-    threads: int = option(0, "torch intra-op threads; 0 keeps torch's default (all cores)")
     # This service's own bound, for any caller; behind the gateway the decoder's published limits
     # (GetModelInfo.limits, lower by default) are checked first, so the decoder's number is the one users meet.
     max_image_bytes: int = option(20 * 2**20, "largest compressed image accepted, in bytes (413 past it)")
@@ -46,10 +49,9 @@ class VisionConfig:
     def __post_init__(self):
         if not self.model:
             raise ValueError("--model DIR is required")
+        object.__setattr__(self, "dtype", dtypes.canonical(self.dtype))   # one spelling from here on
         for name in ("max_image_bytes", "max_pixels", "max_images", "max_pending", "cache_bytes", "cache_ttl_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        if self.threads < 0:
-            raise ValueError("threads must be >= 0")
         if self.redis_timeout_s <= 0 or self.redis_backoff_s < 0:
             raise ValueError("redis_timeout_s must be positive and redis_backoff_s >= 0")

@@ -21,12 +21,12 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
+from services.common import dtypes
 from services.vision import demo, qwen2_vl
 from services.vision.recipes import DemoRecipe, Prepared, Qwen2VLRecipe
 
 log = logging.getLogger("tessera.vision.encoder")
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VISUAL_PREFIXES = ("visual.", "model.visual.")
 
 
@@ -106,7 +106,7 @@ def load(folder: str | Path, dtype: str = "fp32", device: str = "cpu", recipe: s
         model = demo.DemoEncoder(cfg)
         model.load_state_dict(tensors, strict=True)
         enc = Encoder(folder.resolve().name, DemoRecipe(cfg.image_size, cfg.patch_size),
-                      model.to(device=device, dtype=DTYPES[dtype]).eval(), weights_digest(tensors),
+                      model.to(device=device, dtype=dtypes.to_torch(dtype)).eval(), weights_digest(tensors),
                       cfg.output_width, 1)
     else:
         if model_type not in ("qwen2_vl", ""):
@@ -119,7 +119,7 @@ def load(folder: str | Path, dtype: str = "fp32", device: str = "cpu", recipe: s
         tensors = read_tensors(folder, VISUAL_PREFIXES)
         if not tensors:
             raise ValueError(f"{folder}: no visual.* or model.visual.* tensors")
-        model = qwen2_vl.build(cfg, tensors, DTYPES[dtype], device)
+        model = qwen2_vl.build(cfg, tensors, dtypes.to_torch(dtype), device)
         enc = Encoder(folder.resolve().name, rec, model, weights_digest(tensors), cfg.hidden_size,
                       cfg.spatial_merge_size)
     log.info("loaded %s encoder from %s: hidden %d, revision %s", kind, folder, enc.hidden_size, enc.revision[:16])

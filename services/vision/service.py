@@ -13,7 +13,6 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
 from PIL import Image
 from prometheus_client import Counter, Histogram
 
@@ -22,7 +21,7 @@ from services.common.data_uri import check_mime
 from services.common.errors import InvalidArgument, Overloaded, TooLarge, Unavailable, grpc_errors
 from services.common.metrics import LATENCY_BUCKETS
 from services.common.pb import common_pb2, vision_pb2, vision_pb2_grpc
-from services.common.server import Server
+from services.common.server import Server, Started
 from services.common.tensors import to_proto
 from services.vision import encoder as encoder_mod
 from services.vision.cache import Entry, FeatureCache
@@ -58,8 +57,6 @@ class VisionServicer(vision_pb2_grpc.VisionServiceServicer):
 
     def load(self) -> None:
         """Load the encoder (blocking; run it off the event loop)."""
-        if self.cfg.threads:
-            torch.set_num_threads(self.cfg.threads)
         # PIL's own bomb guard agrees with ours (it raises at 2x; we refuse at 1x from the header).
         Image.MAX_IMAGE_PIXELS = self.cfg.max_pixels
         enc = encoder_mod.load(self.cfg.model, self.cfg.dtype, self.cfg.device, self.cfg.recipe)
@@ -162,14 +159,16 @@ async def start(server_cfg: VisionServerConfig, cfg: VisionConfig) -> tuple[Serv
                                       backoff_s=cfg.redis_backoff_s)
     log.info("serving %s (recipe %s, preprocessing %s), feature cache: %s", servicer.encoder.name,
              servicer.encoder.recipe.name, json.dumps(servicer.recipe_config), cfg.redis_url or "off")
-    await server.set_serving(True)
+    await server.ready()
     return server, servicer
 
 
-async def serve(server_cfg: VisionServerConfig, cfg: VisionConfig) -> None:
+async def launch(server_cfg: VisionServerConfig, cfg: VisionConfig) -> Started:
+    """`start` for the shared process start-up (services/common/process.py): closing closes the Redis
+    connection once the server has drained."""
     server, servicer = await start(server_cfg, cfg)
-    try:
-        await server.serve_until_signal()
-    finally:
+
+    async def close() -> None:
         if servicer.cache is not None:
             await servicer.cache.close()
+    return Started(server, close)

@@ -13,6 +13,10 @@ from pathlib import Path
 import yaml
 
 from deploy import launcher
+from gateway import config as gateway_config
+from services.decoder.server import config as decoder_config
+from services.pooling import config as pooling_config
+from services.vision import config as vision_config
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "deploy" / "docker-compose.yml"
@@ -97,13 +101,14 @@ def expected_healthcheck(row: launcher.Service, port: int) -> list[str]:
     raise ValueError(f"unknown health kind {row.health!r}")
 
 
-# Env var prefix per module (services.common.config.load's env_prefix): a launcher env flag such as
-# --reranker-model becomes TESSERA_RERANKER_MODEL inside a container.
-ENV_PREFIX = {"gateway": "TESSERA_GATEWAY_"}
+# Env var prefix per module (each config module's ENV_PREFIX): a launcher env flag such as
+# --reranker-model becomes TESSERA_POOLING_RERANKER_MODEL inside the pooling container.
+ENV_PREFIX = {"gateway": gateway_config.ENV_PREFIX, "services.decoder": decoder_config.ENV_PREFIX,
+              "services.vision": vision_config.ENV_PREFIX, "services.pooling": pooling_config.ENV_PREFIX}
 
 
 def env_var_for(row: launcher.Service, flag: str) -> str:
-    prefix = ENV_PREFIX.get(module_of(list(row.argv)), "TESSERA_")
+    prefix = ENV_PREFIX[module_of(list(row.argv))]
     return prefix + flag.removeprefix("--").replace("-", "_").upper()
 
 

@@ -305,7 +305,7 @@ def test_flags_override_env_override_defaults():
     from gateway.config import ENV_PREFIX
     from services.common.config import load
 
-    env = {"TESSERA_GATEWAY_POOLING": "a:1", "TESSERA_GATEWAY_DECODER": "d:1,d:2", "TESSERA_API_KEY": "k",
+    env = {"TESSERA_GATEWAY_POOLING": "a:1", "TESSERA_GATEWAY_DECODER": "d:1,d:2", "TESSERA_GATEWAY_API_KEY": "k",
            "TESSERA_GATEWAY_PORT": "9000"}
     (cfg,) = load((GatewayConfig,), ["--pooling", "b:2"], prog="gw", description="", env_prefix=ENV_PREFIX,
                   environ=env)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from services.common.config import load
-from services.pooling.config import PoolingConfig, PoolingServerConfig
+from services.pooling.config import ENV_PREFIX, PoolingConfig, PoolingServerConfig
 from services.pooling.folder import read_spec
 
 FLAGS = ("--embedding-model", "--embedding-name", "--reranker-model", "--reranker-name", "--pooling",
@@ -28,14 +28,15 @@ def test_help_explains_every_flag():
 
 def test_config_defaults_and_validation():
     server, cfg = load((PoolingServerConfig, PoolingConfig), ["--embedding-model", "x"], prog="t",
-                       description="t", environ={})
+                       description="t", env_prefix=ENV_PREFIX, environ={})
     assert server.port == 50053 and cfg.max_batch_size == 64
     assert (cfg.max_passes, cfg.fault_fail_at_forward) == (2, 0)
     for argv in ([], ["--embedding-model", "x", "--max-queue", "4", "--max-request-inputs", "8"],
                  ["--embedding-model", "x", "--max-batch-size", "0"], ["--embedding-model", "x", "--max-passes", "-1"],
                  ["--embedding-model", "x", "--fault-fail-at-forward", "-1"]):
         with pytest.raises(SystemExit):
-            load((PoolingServerConfig, PoolingConfig), argv, prog="t", description="t", environ={})
+            load((PoolingServerConfig, PoolingConfig), argv, prog="t", description="t", env_prefix=ENV_PREFIX,
+                 environ={})
 
 
 def test_folder_declarations(minilm_dir, tiny_bert_dir, tiny_llama_dir, tiny_reranker_dir):

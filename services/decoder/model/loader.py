@@ -14,19 +14,19 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from services.common import dtypes
 from services.common.errors import InvalidArgument, Unsupported
 from services.decoder.model.config import ModelConfig
 from services.decoder.model.decoder import CausalLM
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
-    dtype = name if isinstance(name, torch.dtype) else DTYPES.get(str(name).lower())
-    if dtype is None:
-        raise InvalidArgument(f"unknown dtype {name!r} (choose from fp32, bf16, fp16)")
+    try:
+        dtype = name if isinstance(name, torch.dtype) else dtypes.to_torch(name)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
     if device.type == "cpu" and dtype not in _CPU_DTYPES:
         raise Unsupported(f"dtype {dtype} is not supported on CPU (use fp32 or bf16)")
     return dtype

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common import linear_path as linear_path_mod
+from services.common import dtypes
+from services.common import plan as plan_mod
 from services.common.config import option
 from services.common.server import ServerConfig
 from services.common.tool_parsers import HELP as TOOL_CALL_PARSERS_HELP
 from services.common.tool_parsers import NAMES as TOOL_CALL_PARSERS
 from services.decoder.engine.config import SpeculativeConfig
+
+# Every variable this service reads is TESSERA_DECODER_<FLAG> (services/common/config.py).
+ENV_PREFIX = "TESSERA_DECODER_"
 
 # services.decoder.model.quantization.MODES/HELP (not imported: it imports torch).
 QUANTIZATION_MODES = ("none", "int8")
@@ -24,7 +28,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 @dataclass(frozen=True)
 class DecoderServerConfig(ServerConfig):
-    """gRPC server options"""
+    """process and gRPC server options"""
 
     port: int = option(50052, "port to bind; 0 picks a free one")
 
@@ -35,12 +39,12 @@ class DecoderConfig:
 
     model: str = option("", "HF model folder (config.json, safetensors, tokenizer.json)", metavar="DIR")
     served_model_name: str = option("", "name clients use in `model`; default: the folder's name")
-    dtype: str = option("fp32", "weights and KV dtype (bf16 on a CPU without AVX-512 bf16 support runs "
-                        "slower plain matmuls, logged at load)", choices=("fp32", "bf16", "fp16"))
-    linear_path: str = option("auto", linear_path_mod.HELP, choices=linear_path_mod.MODES, env=linear_path_mod.ENV)
+    dtype: str = option("fp32", "weights and KV dtype; float32, bfloat16 and float16 are accepted too (bf16 on a "
+                        "CPU without AVX-512 bf16 support runs slower plain matmuls, logged at load)",
+                        choices=dtypes.names())
+    fast_paths: str = option("", plan_mod.help_for(plan_mod.DECODER), metavar="NAME=PATH,...")
     quantization: str = option("none", QUANTIZATION_HELP, choices=QUANTIZATION_MODES)
     device: str = option("cpu", "torch device: cpu or cuda")
-    threads: int = option(0, "torch intra-op threads; 0 keeps torch's default (all cores)")
     block_size: int = option(16, "tokens per KV block")
     num_blocks: int = option(0, "KV blocks in the pool; 0 sizes it from --kv-cache-gb")
     kv_cache_gb: float = option(1.0, "KV cache memory in GiB when --num-blocks is 0")
@@ -84,13 +88,15 @@ class DecoderConfig:
             'Empty: off', metavar="JSON")
 
     def __post_init__(self):
+        plan_mod.Pins.parse(self.fast_paths, plan_mod.DECODER)   # a bad pin is a usage error at start
         if not self.model:
             raise ValueError("--model DIR is required")
+        object.__setattr__(self, "dtype", dtypes.canonical(self.dtype))   # one spelling from here on
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_n", "max_images",
                      "max_image_bytes", "grammar_threads", "grammar_cache_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        for name in ("num_blocks", "max_model_len", "threads", "max_logprobs"):
+        for name in ("num_blocks", "max_model_len", "max_logprobs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.kv_cache_gb <= 0:

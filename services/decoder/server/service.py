@@ -16,6 +16,7 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.common import compute
+from services.common.dtypes import to_torch
 from services.common.errors import (
     AdapterNotFound,
     Internal,
@@ -27,12 +28,11 @@ from services.common.errors import (
 )
 from services.common.metrics import LATENCY_BUCKETS
 from services.common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
-from services.common.dtypes import to_torch
 from services.common.server import Server, Started
 from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.engine_core import EngineCore
-from services.decoder.engine.request import AdapterRef
 from services.decoder.engine.output import EngineStats, RequestOutput
+from services.decoder.engine.request import AdapterRef
 from services.decoder.grammar.compiled import Grammar
 from services.decoder.grammar.compiler import GrammarCompiler
 from services.decoder.grammar.spec import GrammarSpec
@@ -119,7 +119,7 @@ def load(cfg: DecoderConfig) -> Loaded:
     model_cfg = ModelConfig.from_folder(folder)
     num_blocks = kv_blocks(model_cfg, cfg)
     runner = Runner.from_folder(folder, cfg.dtype, cfg.block_size, num_blocks, cfg.device, seed=cfg.seed,
-                                linear_path=cfg.linear_path, quantization=cfg.quantization)
+                                fast_paths=cfg.fast_paths, quantization=cfg.quantization)
     tokenizer = Tokenizer.from_folder(folder)
     template = ChatTemplate.from_folder(folder, tokenizer)
     if cfg.enable_auto_tool_choice and (template is None or not template.supports_tools):
@@ -275,10 +275,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             eos_token_ids=list(st.engine_config.eos_token_ids), has_chat_template=st.template is not None,
             supports_images=st.info.model.vision is not None, block_size=st.engine_config.block_size,
             dtype=self.cfg.dtype,
-            lora_backend=st.info.lora_backend, linear_backend=st.info.linear_backend,
-            attention_backend=st.info.attention_backend, grammar_mask_backend=st.info.grammar_mask_backend,
-            decode_stack=st.info.decode_stack, glue=st.info.glue, memory_pages=st.info.memory_pages,
-            argmax_screen=st.info.argmax_screen,
+            lora_backend=st.info.lora_backend, execution_plan=st.info.plan.to_proto(),
             speculative=st.engine_config.speculative.to_json() if st.engine_config.speculative else "",
             tool_call_parser=self.cfg.tool_call_parser, quantization=st.info.quantization,
             max_loras=self.cfg.max_loras if st.adapters else 0, max_lora_rank=self.cfg.max_lora_rank,
@@ -385,14 +382,16 @@ async def start(server_cfg: DecoderServerConfig, cfg: DecoderConfig) -> tuple[Se
     state.engine.on_failure = lambda reason: asyncio.ensure_future(server.set_serving(False))
     state.engine.start()
     servicer.state = state
-    await server.set_serving(True)
+    await server.ready()
     return server, servicer
 
 
-async def serve(server_cfg: DecoderServerConfig, cfg: DecoderConfig) -> None:
+async def launch(server_cfg: DecoderServerConfig, cfg: DecoderConfig) -> Started:
+    """`start` for the shared process start-up (services/common/process.py): closing stops the engine and
+    the grammar compiler once the server has drained."""
     server, servicer = await start(server_cfg, cfg)
-    try:
-        await server.serve_until_signal()
-    finally:
+
+    async def close() -> None:
         servicer.state.engine.stop()
         servicer.state.grammars.close()
+    return Started(server, close)

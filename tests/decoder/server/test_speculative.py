@@ -9,7 +9,7 @@ import pytest
 
 from services.common import config as cfg_mod
 from services.common.pb import decoder_pb2, decoder_pb2_grpc
-from services.decoder.server.config import DecoderConfig, DecoderServerConfig
+from services.decoder.server.config import ENV_PREFIX, DecoderConfig, DecoderServerConfig
 from tests.decoder.model.checkpoints import TINY_SHAPE
 from tests.loops import LoopThread
 from tests.tolerance import assert_close
@@ -143,5 +143,5 @@ def test_seeded_sampling_and_n_choices_equal_the_server_without_speculation(serv
 def test_bad_speculative_config_is_a_usage_error_at_start(value, message, capsys):
     with pytest.raises(SystemExit) as info:
         cfg_mod.load((DecoderServerConfig, DecoderConfig), ["--model", "/m", "--speculative-config", value],
-                     prog="decoder", description="")
+                     prog="decoder", description="", env_prefix=ENV_PREFIX)
     assert info.value.code == 2 and message in capsys.readouterr().err

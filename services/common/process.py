@@ -1,0 +1,81 @@
+"""The one start-up of the gRPC services (decoder, vision, pooling): `python -m services.X` runs `main`.
+
+Each service supplies a `Service`: its command name, its config dataclass and env prefix, and `start`,
+which binds its Server (health NOT_SERVING), loads its models and reports SERVING (Server.ready). The
+rest happens here, in the same order for all three:
+
+1. flags > TESSERA_<SERVICE>_* variables > defaults (services/common/config.py), logged once;
+2. logging at --log-level;
+3. malloc set to keep freed pages (services/common/allocator.py), before any model allocates;
+4. torch's intra-op threads (--threads), before the loop's thread is made serial, which it would undo;
+5. the event loop under compute.serially (services/common/compute.py);
+6. start, then serve until SIGTERM/SIGINT (Server.serve_until_signal: NOT_SERVING, drain, stop), then
+   release what the service holds (Started.close).
+
+Health, reflection, the /metrics endpoint, TLS and draining are the Server's (services/common/server.py).
+A model folder or address the service cannot serve ends the process with one logged line and status 1.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import allocator, logs
+from . import config as config_mod
+from .plan import Pins
+from .server import ServerConfig, Started
+
+log = logging.getLogger("tessera.process")
+
+
+@dataclass(frozen=True)
+class Service:
+    """What a gRPC service hands the shared start-up."""
+
+    prog: str                      # "python -m services.pooling"
+    description: str               # --help's first paragraph
+    env_prefix: str                # its config module's ENV_PREFIX, e.g. "TESSERA_POOLING_"
+    server_config: type[ServerConfig]
+    config: type                   # the service's own frozen options dataclass
+    start: Callable[[Any, Any], Awaitable[Started]]   # (server_cfg, cfg) -> Started, once SERVING
+
+
+def load_config(service: Service, argv=None, environ=None) -> tuple[ServerConfig, Any]:
+    """(server config, service config) from argv and the environment; a bad value exits 2 naming it."""
+    return config_mod.load((service.server_config, service.config), argv, prog=service.prog,
+                           description=service.description, env_prefix=service.env_prefix, environ=environ,
+                           former_prefix=config_mod.FORMER_PREFIX)
+
+
+async def serve(service: Service, server_cfg: ServerConfig, cfg) -> None:
+    """Start the service, serve until a signal, then release what it holds."""
+    started = await service.start(server_cfg, cfg)
+    try:
+        await started.server.serve_until_signal()
+    finally:
+        await started.close()
+
+
+def main(service: Service, argv=None) -> int:
+    """The whole life of a service process; returns its exit status."""
+    server_cfg, cfg = load_config(service, argv)
+    logs.setup(server_cfg.log_level)
+    config_mod.log_config(server_cfg, cfg)
+    allocator.keep_freed_memory(Pins.parse(getattr(cfg, "fast_paths", "")).get("malloc"))
+    # torch only now: --help and a bad flag above answer without importing it.
+    import torch
+
+    from . import compute
+
+    if server_cfg.threads:
+        torch.set_num_threads(server_cfg.threads)
+    try:
+        asyncio.run(compute.serially(serve(service, server_cfg, cfg)))
+    except (ValueError, OSError) as exc:
+        # A folder the service cannot serve faithfully, or a port it cannot bind: say why, exit non-zero.
+        log.error("cannot start: %s", exc)
+        return 1
+    return 0

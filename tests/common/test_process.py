@@ -1,0 +1,122 @@
+"""The one start-up of the gRPC services (services/common/process.py) and their per-service env prefixes."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter
+
+from services.common import process
+from services.common.server import Server, ServerConfig, Started
+from tests.conftest import free_port
+
+NAME = "tessera.test.v1.Nothing"
+
+
+def services() -> dict[str, process.Service]:
+    from services.decoder.__main__ import SERVICE as decoder
+    from services.pooling.__main__ import SERVICE as pooling
+    from services.vision.__main__ import SERVICE as vision
+    return {"decoder": decoder, "vision": vision, "pooling": pooling}
+
+
+@pytest.mark.parametrize("name, model_flag", [("decoder", "model"), ("vision", "model"),
+                                              ("pooling", "embedding_model")])
+def test_each_service_reads_its_own_prefix_only(name, model_flag, capsys):
+    service = services()[name]
+    assert service.env_prefix == f"TESSERA_{name.upper()}_"
+    own = {f"{service.env_prefix}{model_flag.upper()}": "/m", f"{service.env_prefix}DRAIN_SECONDS": "3",
+           f"{service.env_prefix}THREADS": "2"}
+    server_cfg, cfg = process.load_config(service, [], environ=own)
+    assert (getattr(cfg, model_flag), server_cfg.drain_seconds, server_cfg.threads) == ("/m", 3.0, 2)
+    others = {f"TESSERA_{other.upper()}_{model_flag.upper()}": "/m" for other in ("decoder", "vision", "pooling",
+                                                                                   "gateway") if other != name}
+    with pytest.raises(SystemExit) as info:     # another service's variable does not configure this one
+        process.load_config(service, [], environ=others)
+    assert info.value.code == 2 and "is required" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, argv", [("decoder", ["--model", "/m"]), ("vision", ["--model", "/m"]),
+                                        ("pooling", ["--embedding-model", "/m"])])
+def test_a_variable_named_before_the_prefixes_is_refused_with_its_new_name(name, argv, capsys):
+    service = services()[name]
+    process.load_config(service, argv, environ={})      # valid without it
+    with pytest.raises(SystemExit) as info:
+        process.load_config(service, argv, environ={"TESSERA_LOG_LEVEL": "DEBUG"})
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert f"TESSERA_LOG_LEVEL is no longer read: set {service.env_prefix}LOG_LEVEL instead" in err
+
+
+def test_the_gateway_keys_moved_under_its_prefix(capsys):
+    from gateway.config import ENV_PREFIX, GatewayConfig
+    from services.common.config import load
+
+    (cfg,) = load((GatewayConfig,), ["--pooling", "p:1"], prog="gw", description="", env_prefix=ENV_PREFIX,
+                  environ={"TESSERA_GATEWAY_API_KEY": "k", "TESSERA_GATEWAY_ADMIN_KEY": "a"})
+    assert (cfg.api_key, cfg.admin_key) == ("k", "a")
+    with pytest.raises(SystemExit):
+        load((GatewayConfig,), ["--pooling", "p:1"], prog="gw", description="", env_prefix=ENV_PREFIX,
+             environ={"TESSERA_API_KEY": "k"})
+    assert "TESSERA_API_KEY is no longer read: set TESSERA_GATEWAY_API_KEY instead" in capsys.readouterr().err
+
+
+def test_serve_reports_serving_exports_metrics_drains_on_sigterm_then_closes():
+    registry = CollectorRegistry()
+    Counter("tessera_test_calls", "calls", registry=registry).inc()
+    metrics_port = free_port()
+    closed = []
+
+    async def start(server_cfg: ServerConfig, _cfg) -> Started:
+        server = Server(server_cfg, lambda _s: None, [NAME], registry=registry)
+        await server.start()
+        await server.ready()
+
+        async def close() -> None:
+            closed.append(server.serving)
+        return Started(server, close)
+
+    service = process.Service(prog="t", description="t", env_prefix="T_", server_config=ServerConfig,
+                              config=object, start=start)
+    cfg = ServerConfig(host="127.0.0.1", port=free_port(), metrics_port=metrics_port, drain_seconds=1)
+
+    gc.unfreeze()   # an earlier test's freeze must not pass for this one's
+
+    async def scenario() -> None:
+        serving = asyncio.ensure_future(process.serve(service, cfg, None))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cfg.port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for _ in range(100):
+                try:
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(service=NAME), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.aio.AioRpcError:
+                    pass
+                await asyncio.sleep(0.05)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        body = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode())
+        assert "tessera_test_calls_total 1.0" in body
+        assert gc.get_freeze_count() > 0       # Server.ready froze what start-up allocated
+        os.kill(os.getpid(), signal.SIGTERM)   # the loop's handler drains and stops the server
+        await asyncio.wait_for(serving, 10)
+
+    asyncio.run(scenario())
+    assert closed == [False]    # released after the server reported NOT_SERVING and stopped
+
+
+def test_a_folder_the_service_cannot_serve_is_one_logged_line_and_status_1(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "services.pooling", "--embedding-model", str(tmp_path / "none"),
+                           "--port", "0"], capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("TESSERA_POOLING_")})
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "cannot start:" in done.stderr and "Traceback" not in done.stderr
