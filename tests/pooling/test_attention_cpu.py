@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from services.common import native
+from services.common.plan import ExecutionPlan
 from services.pooling import attention_cpu, packed
 from services.pooling.attention_cpu import attention, attention_ref
 from tests.tolerance import assert_close
@@ -96,17 +97,25 @@ def test_empty_sequences_are_allowed_and_bad_offsets_raise():
 def test_choice_is_timed_and_both_paths_agree(dtype):
     """The packed forward takes the operator only when it timed faster at load, and either choice gives
     the grouped SDPA's result within the shared tolerance."""
-    use, summary = packed.choose_attention(4, 16, dtype)
+    record = ExecutionPlan()
+    use, summary = packed.choose_attention(4, 16, dtype, record)
     assert summary.startswith("cpp (timed" if use else "torch-grouped (timed") and " vs grouped " in summary
+    assert record.chosen("encoder_attention") == ("cpp" if use else "torch")
     ran = []
 
     def timer(seconds):
-        return lambda name, fn: (fn(), ran.append(name), seconds[name])[-1]
-    assert packed.choose_attention(4, 16, dtype, timer({"cpp": 0.005, "grouped": 0.001})) == \
+        return lambda calls: {name: (fn(), ran.append(name), seconds[name])[-1] for name, fn in calls.items()}
+    assert packed.choose_attention(4, 16, dtype, record, timer({"cpp": 0.005, "torch": 0.001})) == \
         (False, "torch-grouped (timed cpp 5.00 vs grouped 1.00 ms)")
-    assert packed.choose_attention(4, 16, dtype, timer({"cpp": 0.001, "grouped": 0.002})) == \
+    assert packed.choose_attention(4, 16, dtype, record, timer({"cpp": 0.001, "torch": 0.002})) == \
         (True, "cpp (timed cpp 1.00 vs grouped 2.00 ms)")
-    assert ran == ["cpp", "grouped"] * 2
+    # Within the plan's tie margin the grouped SDPA stays.
+    assert packed.choose_attention(4, 16, dtype, record, timer({"cpp": 0.00099, "torch": 0.001}))[0] is False
+    assert ran == ["cpp", "torch"] * 3
+    for pin in ("cpp", "torch"):
+        pinned = ExecutionPlan(f"encoder_attention={pin}")
+        assert packed.choose_attention(4, 16, dtype, pinned, lambda calls: pytest.fail("pinned: not timed"))[0] == \
+            (pin == "cpp")
     lengths = sorted([3, 17, 9, 30, 30, 1])
     qkv, offsets = case(lengths, 4, 16, dtype)
     grouped = torch.empty(qkv.shape[0], 64, dtype=dtype)
@@ -119,6 +128,6 @@ def test_unavailable_operator_falls_back_to_grouped_and_says_why(monkeypatch, ca
     def broken(build=True):
         raise native.BuildError("compiling attention_cpu.cpp failed: no space left")
     monkeypatch.setattr(attention_cpu, "load", broken)
-    use, summary = packed.choose_attention(4, 16, torch.float32)
+    use, summary = packed.choose_attention(4, 16, torch.float32, ExecutionPlan())
     assert not use and summary == "torch-grouped (cpp unavailable: compiling attention_cpu.cpp failed: no space left)"
     assert "encoder attention operator unavailable" in caplog.text

@@ -147,11 +147,13 @@ def test_model_info(stub):
     assert (embed.pooling, embed.normalize, list(embed.matryoshka_dimensions)) == ("cls", True, [16])
     assert embed.max_model_len == 64 and embed.max_batch_size == 8
     assert rerank.kind == pb.MODEL_KIND_RERANK and rerank.activation == "sigmoid"
-    # The packed BERT forward's matmul path per weight shape; the reranker runs transformers' forward.
-    assert " float32: " in embed.linear_backend and rerank.linear_backend == "transformers"
-    # Its attention: the C++ operator or the grouped SDPA, whichever timed faster at load.
-    assert embed.attention_backend.startswith(("cpp (timed cpp ", "torch-grouped (timed cpp "))
-    assert rerank.attention_backend == "transformers"
+    # The packed BERT forward's fast paths: the matmul path per weight shape, and the attention (the C++
+    # operator or the grouped SDPA, whichever timed faster at load); the reranker runs transformers' forward.
+    choices = {c.name: c for c in embed.execution_plan.choices}
+    assert any(name.startswith("linear ") for name in choices)
+    assert choices["encoder_attention"].chosen in ("cpp", "torch")
+    assert {t.candidate for t in choices["encoder_attention"].timings} == {"cpp", "torch"}
+    assert not rerank.execution_plan.choices
 
 
 BAD_EMBEDS = [

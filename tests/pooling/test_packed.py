@@ -47,11 +47,12 @@ def test_groups_cap_their_rows():
 def test_packed_forward_equals_transformers_in_any_row_order(minilm_dir, cpp_attention):
     """Rows of equal length (a view group), of mixed lengths (a gathered, masked group) and one long row
     alone, given shuffled: the result follows the callers' order and equals BertModel's padded forward,
-    with attention on either path (the load-time timing picks one; both must be right)."""
+    with attention pinned to either path (the load-time timing would pick one; both must be right)."""
     from services.pooling.folder import read_spec
     from services.pooling.model import Embedder
-    model = Embedder(read_spec(minilm_dir, kind="embedding"))
-    model.packed.cpp_attention = cpp_attention
+    model = Embedder(read_spec(minilm_dir, kind="embedding"),
+                     fast_paths=f"encoder_attention={'cpp' if cpp_attention else 'torch'}")
+    assert model.packed.cpp_attention == cpp_attention
     rng = random.Random(0)
     lengths = [6] * 5 + [9, 11, 14, 17, 30, 31, 33] + [250]
     rng.shuffle(lengths)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from services.common.plan import ExecutionPlan
 from services.pooling.folder import read_spec
 from services.pooling.model import Embedder, Reranker, Sequence
 from services.pooling.packed import PackedBert
@@ -60,7 +61,7 @@ def test_packed_forward_equals_transformers(minilm):
 
 def test_packed_only_wraps_plain_bert(tiny_llama_dir):
     from transformers import AutoModel
-    assert PackedBert.wrap(AutoModel.from_pretrained(tiny_llama_dir)) is None
+    assert PackedBert.wrap(AutoModel.from_pretrained(tiny_llama_dir), ExecutionPlan()) is None
 
 
 def test_minilm_matches_sentence_transformers(minilm, minilm_st):
