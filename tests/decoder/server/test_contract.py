@@ -51,29 +51,36 @@ def test_model_info(stub, tiny_chat_model):
     assert info.vocab_size == 49152 and info.max_model_len == 256 and info.has_chat_template
     assert list(info.eos_token_ids) == [2]
     assert info.stats.total_blocks == 64
-    # The matmul path chosen at load (services/common/linear_path.py), per weight shape.
-    assert info.linear_backend.startswith(("auto float32: ", "packed float32: ", "plain float32: "))
-    assert "64x64" in info.linear_backend
-    assert info.attention_backend in ("cpp-paged", "torch-gather")
-    # Decode steps in one C++ call where that won at load (runner/fused_decode.py), or why not.
-    if info.attention_backend == "cpp-paged":
-        assert info.decode_stack.startswith(("cpp rows<=", "off (the layers were as fast)")), info.decode_stack
-        assert re.search(r"\(stack vs layers; tiles (on|off|n/a)\)$", info.decode_stack), info.decode_stack
-    else:
-        assert info.decode_stack == "off (decode attention is torch-gather)"
-    # The elementwise glue per op, timed at load (model/glue.py).
-    assert re.fullmatch(r"norm (cpp|torch) \([\d.]+ vs [\d.]+ ms\), silu\*up (cpp|torch) \([\d.]+ vs [\d.]+ ms\) "
-                        r"at 512 rows", info.glue), info.glue
     assert info.quantization == "none"
+    # Every fast path chosen at load, one structured record each (services/common/plan.py).
+    plan = {c.name: c for c in info.execution_plan.choices}
+    assert info.execution_plan.pins == "screen=on"
+    # The matmul path per weight shape (services/common/linear_path.py), timed at row counts.
+    assert plan["linear 64x64"].chosen.startswith(("packed", "plain"))
+    assert {t.candidate for t in plan["linear 64x64"].timings} <= {"plain", "packed"}
+    assert plan["attention"].chosen in ("cpp", "torch")
+    # Decode steps in one C++ call where that won at load (runner/fused_decode.py), or why not.
+    if plan["attention"].chosen == "cpp":
+        assert re.fullmatch(r"on rows<=\d+|off", plan["decode_stack"].chosen), plan["decode_stack"]
+        assert {t.candidate for t in plan["decode_stack"].timings} >= {"on", "off"}
+    else:
+        assert (plan["decode_stack"].chosen, plan["decode_stack"].reason) == \
+            ("off", "decode attention is torch-gather")
+    # The elementwise glue per op, timed at load (model/glue.py).
+    for op in ("glue.norm", "glue.act"):
+        assert plan[op].chosen in ("cpp", "torch") and {t.candidate for t in plan[op].timings} == {"cpp", "torch"}
     # Weights and KV cache in huge-page arenas (services/common/arena.py), with what the kernel granted.
     # (A kernel built without THP refuses the advice: "4 KiB pages (why)".)
     refused = r"4 KiB pages \(madvise\(MADV_HUGEPAGE\) refused: [^)]*\)"
+    assert plan["huge_pages"].chosen == "on"
     assert re.fullmatch(rf"weights: one arena of \d+ MiB, (\d+ MiB in 2 MiB pages|{refused}) "
                         rf"\(transparent_hugepage=\w+\); KV cache: one arena of \d+ MiB, "
                         rf"(2 MiB pages as it is first written|{refused}) \(transparent_hugepage=\w+\)",
-                        info.memory_pages), info.memory_pages
-    # tests/conftest.py turns the greedy argmax screen on for every fp32 model (model/screen.py).
-    assert info.argmax_screen == "bf16, every row count (TESSERA_ARGMAX_SCREEN=on)", info.argmax_screen
+                        plan["huge_pages"].reason), plan["huge_pages"].reason
+    # The server fixture pins the greedy argmax screen on (model/screen.py): not timed.
+    assert (plan["screen"].chosen, plan["screen"].reason) == ("on", "pinned by --fast-paths screen=on")
+    assert not plan["screen"].timings
+    assert plan["grammar_mask"].chosen in ("unpacked", "xgrammar")
 
 
 def test_stream_order_text_and_usage(stub, decoder_server):

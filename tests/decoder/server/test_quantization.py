@@ -40,7 +40,9 @@ def test_model_info_and_the_gateway_report_it(quantized):
     info = stub.GetModelInfo(D.GetModelInfoRequest())
     # Every projection of the tiny model has a width that is a multiple of 16, the LM head too.
     assert info.quantization.startswith("int8: ") and info.quantization.split()[1] == info.quantization.split()[3]
-    assert info.linear_backend.startswith("none: every linear is int8; gemv")
+    plan = {c.name: c for c in info.execution_plan.choices}
+    assert (plan["linear"].chosen, plan["linear"].reason) == ("none", "every linear is int8")
+    assert any(name.startswith("gemv ") for name in plan)
 
     async def card():
         backend = Backend("decoder", address, GatewayConfig(decoder=(address,)))
