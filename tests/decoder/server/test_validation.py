@@ -2,17 +2,18 @@
 field named, and the limits it publishes are the config's numbers."""
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from services.common.errors import ContextLengthExceeded, InvalidArgument, TooLarge
-from services.common.pb import decoder_pb2
+from services.common.pb import decoder_pb2, decoder_pb2_grpc
+from services.decoder.server.config import DecoderConfig
 from services.decoder.server.validation import Limits, check_images, check_messages, check_prompt, sampling_params
 
 LIMITS = Limits(max_images=2, max_image_bytes=1000, max_n=4, max_logprobs=5, max_model_len=64)
 
 
 def test_limits_come_from_the_config_and_travel_as_request_limits():
-    from services.decoder.server.config import DecoderConfig
     cfg = DecoderConfig(model="m", max_images=3, max_image_bytes=1234, max_n=7, max_logprobs=9)
     limits = Limits.of(cfg, max_model_len=256)
     assert limits.to_proto() == decoder_pb2.RequestLimits(
@@ -108,3 +109,32 @@ def test_sampling_defaults_fill_the_context():
                                 prompt_len=63, vocab_size=100, limits=LIMITS)
     assert (params.n, params.logprobs, params.top_k, params.max_tokens) == (4, 5, 0, 1)
     assert params.logit_bias == ((3, 2.0), (7, -100.0))
+
+
+def test_the_server_publishes_its_limits_and_judges_by_them(decoder_server):
+    """GetModelInfo.limits are the numbers Generate refuses by (the gateway reads them from there)."""
+    address, _ = decoder_server
+    with grpc.insecure_channel(address) as channel:
+        stub = decoder_pb2_grpc.DecoderServiceStub(channel)
+        limits = stub.GetModelInfo(decoder_pb2.GetModelInfoRequest(), timeout=10).limits
+        assert limits == decoder_pb2.RequestLimits(max_images=8, max_image_bytes=10 * 2**20, max_n=4, max_logprobs=20,
+                                                   max_model_len=256, max_stop_strings=16, max_stop_string_chars=256)
+        refusals = [
+            (decoder_pb2.GenerateRequest(text="hi", sampling=_sampling(n=limits.max_n + 1)),
+             f"between 1 and {limits.max_n}"),
+            (decoder_pb2.GenerateRequest(text="hi", sampling=_sampling(logprobs=limits.max_logprobs + 1)),
+             f"between 0 and {limits.max_logprobs}"),
+            (decoder_pb2.GenerateRequest(chat=_chat(decoder_pb2.ChatMessage(role="user", content=_text("hi"))),
+                                         images=[decoder_pb2.ImageInput()] * (limits.max_images + 1)),
+             f"at most {limits.max_images} per request"),
+            (decoder_pb2.GenerateRequest(chat=_chat(decoder_pb2.ChatMessage(role="tool", content=_text("21")))),
+             "need a tool_call_id"),
+        ]
+        for request, says in refusals:
+            with pytest.raises(grpc.RpcError) as exc:
+                list(stub.Generate(request, timeout=10))
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in exc.value.details(), \
+                exc.value.details()
+        answered = list(stub.Generate(decoder_pb2.GenerateRequest(text="hi", sampling=_sampling(max_tokens=2)),
+                                      timeout=30))
+        assert answered[-1].usage.completion_tokens == 2
