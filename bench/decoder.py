@@ -41,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.peers import llamacpp  # noqa: E402
 from bench.workload import SMOLLM2, gsm8k_messages, run_vllm_peer  # noqa: E402
 from services.common.allocator import keep_freed_memory  # noqa: E402
+from services.common.plan import DECODER as DECODER_PATHS  # noqa: E402
+from services.common.plan import Pins  # noqa: E402
 from services.decoder.engine.config import EngineConfig  # noqa: E402
 from services.decoder.engine.engine_core import EngineCore  # noqa: E402
 from services.decoder.engine.step import SamplingParams  # noqa: E402
@@ -64,9 +66,11 @@ def prompts(count: int) -> list[list[int]]:
 class Tessera:
     """The in-process engine (core + runner), as the decoder service runs it."""
 
-    def __init__(self, variant: str, num_blocks: int = 4096, budget: int = 2048, max_seqs: int = 64):
+    def __init__(self, variant: str, num_blocks: int = 4096, budget: int = 2048, max_seqs: int = 64,
+                 fast_paths: str = ""):
         dtype, quantization = VARIANTS[variant]
-        self.runner = Runner.from_folder(SMOLLM2, dtype, 16, num_blocks, quantization=quantization)
+        self.runner = Runner.from_folder(SMOLLM2, dtype, 16, num_blocks, quantization=quantization,
+                                         fast_paths=fast_paths)
         self.cfg = EngineConfig(block_size=16, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                 max_num_seqs=max_seqs, max_model_len=4096)
         self.cold()
@@ -184,6 +188,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2, help="torch threads for every engine")
+    ap.add_argument("--fast-paths", default="", help="the decoder's --fast-paths: pin paths instead of timing "
+                    "them at load, e.g. screen=off or huge_pages=off,malloc=default (A/B runs)")
     ap.add_argument("--parts", default="a,b,c,d", help="which parts to run (a,b,c,d)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="(a)/(e): run tessera and vLLM alternately this many times, each on a cold prefix "
@@ -198,7 +204,11 @@ def main() -> None:
         ap.error("--rounds must be at least 1")
     torch.set_num_threads(args.threads)
     # As the decoder service does at start; the transformers baseline shares this process.
-    print(f"malloc: {keep_freed_memory()}", flush=True)
+    try:
+        pins = Pins.parse(args.fast_paths, DECODER_PATHS)
+    except ValueError as e:
+        ap.error(str(e))
+    print(f"malloc: {keep_freed_memory(pins.get('malloc'))}", flush=True)
     parts = set(args.parts.split(","))
     peers = set(args.peer)
     batch = prompts(args.prompts)
@@ -208,10 +218,10 @@ def main() -> None:
     if "llamacpp" in peers:
         kv_modes = llamacpp.kv_modes_supported() if args.llamacpp_kv == "both" else (args.llamacpp_kv,)
     for dtype in args.dtypes.split(","):
-        ours = Tessera(dtype)
-        print(f"{dtype}: linear path {ours.runner.linear_backend}; attention {ours.runner.attention_backend}; "
-              f"quantization {ours.runner.quantization}; memory {ours.runner.memory_pages}; "
-              f"argmax screen {ours.runner.argmax_screen}")
+        ours = Tessera(dtype, fast_paths=pins)
+        print(f"{dtype}: linear path {ours.runner.linear_backend}; quantization {ours.runner.quantization}; "
+              f"memory {ours.runner.memory_pages}; argmax screen {ours.runner.argmax_screen}")
+        print(f"{dtype}: fast paths {ours.runner.plan.summary()}")
         reference = dtype in DTYPES        # transformers and vLLM run this variant too
         if "a" in parts or peers:
             vllm_here = "vllm" in peers and reference
