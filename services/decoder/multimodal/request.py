@@ -1,6 +1,6 @@
 """A GenerateRequest's images, checked against its chat parts, and placed into its prompt ids.
 
-    images = request_images(request, model_config, max_images=8, model="name")   # before rendering
+    images = request_images(request, model_config, model="name")                 # before rendering
     placed = place_images(prompt_ids, images, model_config)                        # after rendering
     engine.generate(rid, placed.token_ids, params, images=placed.images, span_keys=placed.span_keys)
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.common.errors import InvalidArgument, TooLarge, Unsupported
+from services.common.errors import InvalidArgument, Unsupported
 from services.decoder.engine.request import SpanKey
 from services.decoder.engine.step import PlacedImages
 from services.decoder.model.config import ModelConfig
@@ -39,10 +39,11 @@ def image_part_order(request) -> list[int]:
     return [p.image_index for m in request.chat.messages for p in m.content if p.WhichOneof("kind") == "image_index"]
 
 
-def request_images(request, config: ModelConfig, *, max_images: int, model: str) -> list[ImageInput]:
+def request_images(request, config: ModelConfig, *, model: str) -> list[ImageInput]:
     """The request's images in placement order, validated (rows decoded with shape checks).
 
-    Raises Unsupported (a text-only model; video), TooLarge (more than max_images), InvalidArgument
+    How many images a request may carry is the rulebook's (services/decoder/server/validation.py, checked
+    first). Raises Unsupported (a text-only model; video), InvalidArgument
     (images without a chat prompt, an image_index out of range or used twice, an unreferenced image,
     bad rows/grid/hash).
     """
@@ -52,8 +53,6 @@ def request_images(request, config: ModelConfig, *, max_images: int, model: str)
         return []
     if config.vision is None:
         raise Unsupported(f"model {model!r} is text-only and refuses image inputs", param="messages")
-    if given > max_images:
-        raise TooLarge(f"{given} images; at most {max_images} per request", param=PARAM)
     if request.WhichOneof("prompt") != "chat":
         raise InvalidArgument("images need a chat prompt whose content parts place them (image_index)", param=PARAM)
     for index in order:

@@ -212,7 +212,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         # Every semantic rule is the rulebook's (services/decoder/server/validation.py).
         limits = self._limits(st)
         check_images(len(request.images), limits)
-        images = request_images(request, st.info.model, max_images=limits.max_images, model=st.name)
+        images = request_images(request, st.info.model, model=st.name)
         placed = place_images(self._prompt(st, request), images, st.info.model)
         prompt = placed.token_ids
         check_prompt(prompt, limits)

@@ -28,7 +28,7 @@ def request(indices, n_images, hidden=64, grid=(1, 2, 2)):
 
 def test_images_follow_part_order(vl_ckpt):
     cfg = ModelConfig.from_folder(vl_ckpt)
-    got = request_images(request([2, 0, 1], 3), cfg, max_images=4, model="m")
+    got = request_images(request([2, 0, 1], 3), cfg, model="m")
     assert [im.content_hash for im in got] == ["h2", "h0", "h1"]
     assert [float(im.rows[0, 0]) for im in got] == [2.0, 0.0, 1.0]
 
@@ -37,14 +37,14 @@ def test_text_only_model_refuses_image_parts_and_images(vl_ckpt):
     text_only = dataclasses.replace(ModelConfig.from_folder(vl_ckpt), vision=None)
     for req in (request([0], 1), request([0], 0), request([], 1)):
         with pytest.raises(Unsupported, match="text-only"):
-            request_images(req, text_only, max_images=4, model="m")
-    assert request_images(request([], 0), text_only, max_images=4, model="m") == []
+            request_images(req, text_only, model="m")
+    assert request_images(request([], 0), text_only, model="m") == []
 
 
 def test_template_that_cannot_place_images_is_refused(vl_ckpt):
     cfg = ModelConfig.from_folder(vl_ckpt)
     tok = Tokenizer.from_folder(vl_ckpt)
-    images = request_images(request([0], 1), cfg, max_images=4, model="m")
+    images = request_images(request([0], 1), cfg, model="m")
     conv = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
     # Iterates the parts (so it receives the image part) but writes only text: the image would be lost.
     text_parts_only = ChatTemplate("{% for m in messages %}{% for p in m.content %}{% if p.type == 'text' %}"
