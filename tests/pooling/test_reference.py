@@ -35,14 +35,21 @@ def minilm_st(minilm_dir):
     return SentenceTransformer(str(minilm_dir), device="cpu")
 
 
+# The packed forward's fast paths pinned every way (services/common/plan.py), whatever the timing would pick.
+PLANS = ["linear=plain,encoder_attention=torch", "linear=packed,encoder_attention=cpp"]
+
+
+@pytest.mark.parametrize("fast_paths", PLANS)
 @pytest.mark.parametrize("which", ["tiny_bert_dir", "tiny_st_dir"])
-def test_tiny_bert_matches_sentence_transformers(which, request):
+def test_tiny_bert_matches_sentence_transformers(which, request, fast_paths):
     from sentence_transformers import SentenceTransformer
     folder = request.getfixturevalue(which)
     spec = read_spec(folder, kind="embedding")
     # The plain folder gets ST's defaults (mean, no normalise); the ST folder declares CLS + Normalize.
     assert (spec.pooling, spec.normalize) == (("mean", False) if which == "tiny_bert_dir" else ("cls", True))
-    ours = embed(Embedder(spec), TEXTS)
+    model = Embedder(spec, fast_paths=fast_paths)
+    assert model.plan.chosen("encoder_attention") == fast_paths.rsplit("=", 1)[1]
+    ours = embed(model, TEXTS)
     ref = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, batch_size=2)
     assert ours.shape == ref.shape
     assert_cosine(ours, ref, **TINY_SHAPE)
