@@ -340,11 +340,15 @@ def plan(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]], mode: str 
             timings = [execution.Timing(path, t, rows) for rows, q, p in measured[shape][1]
                        for path, t in (("plain", q), ("packed", p))] if shape in measured else []
             err = errors.get(shape.dtype)
-            why = err or ("" if mode == "auto" else f"linear path {mode}")
+            # A pin explains itself (ExecutionPlan.record); a mode given here by argument is said.
+            why = err or ("" if mode == "auto" or pinned != execution.AUTO else f"linear path {mode}")
             if shape in kept:
                 why = f"packed copy widened to float32 (faster at {'/'.join(map(str, COPY_ROWS))} rows)"
-            record.record(f"linear {shape}", str(rule), timings, why, level=logging.DEBUG)
-    log.info("linear path %s [%.0f ms]", result.summary, (time.perf_counter() - start) * 1e3)
+            elif rule.ever_packed and packs.get(shape.dtype) not in (None, shape.dtype):
+                why = f"packed copy widened to float32 (oneDNN packs no {str(shape.dtype)[6:]} here)"
+            record.record(f"linear {shape}", str(rule), timings, why)
+    else:   # without an execution plan to log each shape's choice, one line for all of them
+        log.info("linear path %s [%.0f ms]", result.summary, (time.perf_counter() - start) * 1e3)
     if details:
         log.debug("linear path timings, rows:plain_us/packed_us: %s", "  ".join(details))
     return result

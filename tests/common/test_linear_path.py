@@ -175,7 +175,7 @@ def test_forced_modes_do_not_time(monkeypatch):
         assert linear_path.plan([(w, torch.zeros(16))], timer=refuse, record=pinned).summary == \
             "packed float32: packed on 16x8+b"
         assert pinned.chosen("linear 16x8+b") == "packed"
-        assert pinned.get("linear 16x8+b").reason == "linear path packed"
+        assert pinned.get("linear 16x8+b").reason == "pinned by --fast-paths linear=packed"
     with pytest.raises(ValueError, match="linear path 'fastest'"):
         linear_path.resolve_mode("fastest")
 

@@ -218,7 +218,6 @@ def choose_gemv(model: nn.Module, record: execution.ExecutionPlan, timer: GemvTi
             m.gemv_rows = rows
         chosen.setdefault(rows, []).append(f"{out}x{inp}")
         record.record(f"gemv {out}x{inp}", f"on rows<={rows}" if rows else "off",
-                      [execution.Timing(path, t, r) for r, (o, k) in best.items() for path, t in (("off", o), ("on", k))],
-                      level=logging.DEBUG)
+                      [execution.Timing(path, t, r) for r, (o, k) in best.items() for path, t in (("off", o), ("on", k))])
     body = "; ".join(f"rows<={r} on {','.join(shapes)}" for r, shapes in sorted(chosen.items(), reverse=True) if r)
     return f"gemv {body}" if body else "gemv: none (the library path was as fast at every shape)"
