@@ -11,6 +11,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+NO_INSTALL = "TESSERA_CLUSTER_NO_INSTALL"
+ENGINE = "TESSERA_CLUSTER_ENGINE"
+OFFLINE_WHEELS = "TESSERA_OFFLINE_WHEELS"
+KEEP = "TESSERA_CLUSTER_KEEP"
+
 
 @dataclass(frozen=True)
 class ClusterSettings:
@@ -23,10 +28,8 @@ class ClusterSettings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> ClusterSettings:
         # Read when asked, not at import: a test or a caller may set a variable after importing the package.
         env = os.environ if env is None else env
-        return cls(no_install=bool(env.get("TESSERA_CLUSTER_NO_INSTALL")),
-                   force_podman=env.get("TESSERA_CLUSTER_ENGINE") == "podman",
-                   offline_wheels=bool(env.get("TESSERA_OFFLINE_WHEELS")),
-                   keep=bool(env.get("TESSERA_CLUSTER_KEEP")))
+        return cls(no_install=bool(env.get(NO_INSTALL)), force_podman=env.get(ENGINE) == "podman",
+                   offline_wheels=bool(env.get(OFFLINE_WHEELS)), keep=bool(env.get(KEEP)))
 
 
 def settings() -> ClusterSettings:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from .commands import ClusterError, EngineUnavailable, log, run
-from .config import ClusterSettings
+from .config import NO_INSTALL, ClusterSettings
 from .paths import WORK
 
 # golang-...-dnsname: DNS by service name on podman's CNI networks (Debian's podman 4.3 uses CNI); without it
@@ -36,7 +36,7 @@ CONF_MARK = "# Written by tessera's deploy/cluster"
 def may_install(settings: ClusterSettings) -> tuple[bool, str]:
     """(whether apt-get may install here, why not when it may not)."""
     if settings.no_install:
-        return False, "TESSERA_CLUSTER_NO_INSTALL is set"
+        return False, f"{NO_INSTALL} is set"
     if os.geteuid() != 0:
         return False, "not root, so podman cannot be installed with apt-get"
     if shutil.which("apt-get") is None:
