@@ -219,9 +219,8 @@ def main() -> None:
         kv_modes = llamacpp.kv_modes_supported() if args.llamacpp_kv == "both" else (args.llamacpp_kv,)
     for dtype in args.dtypes.split(","):
         ours = Tessera(dtype, fast_paths=pins)
-        print(f"{dtype}: linear path {ours.runner.linear_backend}; quantization {ours.runner.quantization}; "
-              f"memory {ours.runner.memory_pages}; argmax screen {ours.runner.argmax_screen}")
-        print(f"{dtype}: fast paths {ours.runner.plan.summary()}")
+        print(f"{dtype}: quantization {ours.runner.quantization}; fast paths {ours.runner.plan.summary()}; "
+              f"memory {ours.runner.plan.get('huge_pages').reason}")
         reference = dtype in DTYPES        # transformers and vLLM run this variant too
         if "a" in parts or peers:
             vllm_here = "vllm" in peers and reference
@@ -269,7 +268,7 @@ def main() -> None:
             runs = [batch1_rate(ours, one[0], args.max_tokens, str(rep)) for rep in range(3)]
             their_b1 = lc["b1"] if lc is not None else None
             print(f"(b) {dtype} batch-1 runs: tessera {', '.join(f'{r:.1f}' for r in runs)} tok/s; decode stack "
-                  f"{ours.runner.decode_stack}")
+                  f"{ours.runner.plan.chosen('decode_stack')}")
             if lc is not None and args.rounds > 1:
                 theirs, mine = llamacpp.batch1_rounds(dtype, one[0], args.max_tokens, args.threads, args.rounds,
                                                       functools.partial(batch1_rate, ours, one[0], args.max_tokens))

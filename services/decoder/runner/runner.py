@@ -50,21 +50,21 @@ class Runner:
         # step streams them all, bound by memory (services/common/arena.py).
         weight_pages = model.place_weights(huge_pages)
         # The matmul path per weight shape, chosen by timing at load (model/linear.py) unless pinned
-        # (linear=packed or plain); one line, e.g. "auto float32: packed on 576x576".
-        self.linear_backend = pack_linears(model, plan)
+        # (linear=packed or plain).
+        pack_linears(model, plan)
         # Then the few-row kernel where it beats that path (decode at batch 1 to 4), by timing.
-        self.linear_backend += "; " + choose_gemv(model, plan)
+        choose_gemv(model, plan)
         # RMSNorm and SiLU(gate) * up by the C++ row ops or torch's, per op by timing (model/glue.py).
-        self.glue = choose_glue(model, plan)
+        choose_glue(model, plan)
         self.config = cfg = model.config
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
         self.block_size, self.num_blocks = block_size, num_blocks
         self.cache = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                              self.dtype, self.device, huge_pages)
-        # Where the weights and the KV cache live (not timed: on unless pinned off).
-        self.memory_pages = f"weights: {weight_pages}; KV cache: {self.cache.pages}"
-        plan.record("huge_pages", "on" if huge_pages else "off", reason=self.memory_pages)
+        # Where the weights and the KV cache live (not timed: on unless pinned off), what the kernel granted.
+        plan.record("huge_pages", "on" if huge_pages else "off",
+                    reason=f"weights: {weight_pages}; KV cache: {self.cache.pages}")
         self.workspace = Workspace()
         # Decode attention: the C++ operator over the paged cache or the torch gather path,
         # timed at this model's heads at load (runner/attention.py); CUDA runs the torch path.
@@ -72,15 +72,15 @@ class Runner:
                                                        block_size, self.dtype, self.device)
         # Decode steps: every layer in one C++ call, up to the row count where it beat the layers at
         # load (runner/fused_decode.py).
-        self.fused_decode, self.decode_stack = FusedDecode.build(model, self.cache, self.attention_backend, plan)
+        self.fused_decode, _ = FusedDecode.build(model, self.cache, self.attention_backend, plan)
         self.sampler = Sampler(seed)
         # Greedy rows of an fp32 head: their argmax through a bf16 screen of it, where that was faster
         # at load (model/screen.py).
-        self.screen, self.argmax_screen = build_screen(
+        self.screen, _ = build_screen(
             model.lm_head, model.logits, math.sqrt(cfg.hidden_size) * float(model.model.norm.weight.abs().mean()),
             plan, huge_pages)
         # How constrained rows get their grammar masks applied, chosen by timing at the real width.
-        self.grammar_mask_path = self.sampler.grammars.choose(cfg.vocab_size, self.device, plan)
+        self.sampler.grammars.choose(cfg.vocab_size, self.device, plan)
         # The adapter bank installed on self.model, if any (attach_lora); chunks with a
         # lora_slot need it.
         self.lora: AdapterBank | None = None

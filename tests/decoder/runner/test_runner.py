@@ -158,7 +158,7 @@ def test_bf16_runner_tracks_fp32(folders, references, plan):
     name = "llama_gqa4_tied_sharded"
     runner = Runner.from_folder(folders[name], "bf16", block_size=BLOCK, num_blocks=32,
                                 fast_paths=PLANS[plan].replace("screen=on", "screen=auto"))
-    assert " bfloat16: " in runner.linear_backend and runner.cache.k[0].dtype == torch.bfloat16
+    assert any(c.name.startswith("linear ") for c in runner.plan.choices) and runner.cache.k[0].dtype == torch.bfloat16
     alloc, seq = BlockAllocator(32), Seq("a", prompt(13, 4))
     runner.logits(StepInput([seq.chunk(6, alloc, BLOCK)]))
     logits, _ = runner.logits(StepInput([seq.chunk(7, alloc, BLOCK)]))
@@ -185,16 +185,16 @@ def test_weights_and_cache_live_in_arenas(folders, quantization):
     assert weights and all(inside(t, held) for t in weights)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert all(inside(t, runner.cache.arena) for t in runner.cache.k + runner.cache.v)
-    assert runner.memory_pages.startswith("weights: one arena of ")
-    assert "; KV cache: one arena of " in runner.memory_pages
-    assert runner.plan.chosen("huge_pages") == "on" and runner.plan.get("huge_pages").reason == runner.memory_pages
+    pages = runner.plan.get("huge_pages")
+    assert pages.chosen == "on" and pages.reason.startswith("weights: one arena of ")
+    assert "; KV cache: one arena of " in pages.reason
 
 
 def test_huge_pages_pinned_off_leave_torch_allocations(folders):
     runner = Runner.from_folder(folders["llama_gqa4_tied_sharded"], "fp32", block_size=BLOCK, num_blocks=16,
                                 fast_paths="huge_pages=off")
     assert runner.model.arena is None and runner.cache.arena is None
-    assert runner.plan.chosen("huge_pages") == "off" and "huge pages off" in runner.memory_pages
+    assert runner.plan.chosen("huge_pages") == "off" and "huge pages off" in runner.plan.get("huge_pages").reason
 
 
 def test_every_choice_is_in_the_plan(folders):
@@ -216,7 +216,7 @@ def test_greedy_steps_through_the_argmax_screen_equal_the_full_head(folders):
     screened = Runner.from_folder(folder, "fp32", block_size=BLOCK, num_blocks=200, fast_paths="screen=on")
     full = Runner.from_folder(folder, "fp32", block_size=BLOCK, num_blocks=200, fast_paths="screen=off")
     assert screened.screen is not None and full.screen is None
-    assert full.argmax_screen == "off (--fast-paths screen=off)" and full.plan.chosen("screen") == "off"
+    assert full.plan.get("screen").reason == "pinned by --fast-paths screen=off" and full.plan.chosen("screen") == "off"
     calls = []
     real_argmax = screened.screen.argmax
     screened.screen.argmax = lambda h: calls.append(h.shape[0]) or real_argmax(h)
