@@ -226,7 +226,7 @@ class ExecutionPlan:
 
     def to_proto(self):
         """This plan as tessera.common.v1.ExecutionPlan (GetModelInfo of the decoder and pooling)."""
-        from services.common.pb import common_pb2   # generated code; the configs import this module without it
+        from services.common.pb import common_pb2  # generated code; the configs import this module without it
         return common_pb2.ExecutionPlan(pins=str(self.pins), choices=[
             common_pb2.FastPathChoice(name=c.name, chosen=c.chosen, reason=c.reason, timings=[
                 common_pb2.FastPathTiming(candidate=t.candidate, seconds=t.seconds, rows=t.rows) for t in c.timings])

@@ -5,10 +5,10 @@ Why: on CPU the linear layers dominate a small encoder's forward. transformers'
 BertModel runs them over the padded [B, L] grid and splits Q/K/V into three GEMMs.
 Here tokens of all rows are concatenated into one [T, H] matrix (T = real tokens),
 Q/K/V is one fused GEMM. Attention runs per sequence on the packed rows in a C++ operator
-(attention_cpu.py) where it builds and is faster at load (services/common/plan.py); otherwise it is padded only within groups of
-rows of similar length (`attention_groups`): padding every row to the batch's longest made attention
-cost B * longest^2, which took a fifth of MiniLM's forward on real sentences; grouped, the forward is
-~0.75x as long, and the operator takes attention from ~4-6 ms to ~1.7 ms per layer of 52 sentences.
+(attention_cpu.py) where it builds and is faster at load (services/common/plan.py); otherwise it is padded
+only within groups of rows of similar length (`attention_groups`): padding every row to the batch's longest
+made attention cost B * longest^2, which took a fifth of MiniLM's forward on real sentences; grouped, the
+forward is ~0.75x as long, and the operator takes attention from ~4-6 ms to ~1.7 ms per layer of 52 sentences.
 It computes exactly BertModel's function; tests compare it with transformers.
 """
 from __future__ import annotations

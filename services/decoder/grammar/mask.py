@@ -15,7 +15,8 @@ only, so unconstrained rows cost nothing, by one of two paths that compute the s
 Which is faster depends on the machine and on how sparse the masks are (the C++ kernel slows down as
 more tokens are masked, and most grammar steps allow a few tokens), so `choose` times both at the
 real shape at load with the execution plan's timer (services/common/plan.py), unless pinned. On a
-2-core Zen 4 with SmolLM2's 49,152 tokens and 64 rows of schema masks: unpacked 1.3 ms, xgrammar 8.2 ms. Filling those 64 rows takes ~0.5-1.5 ms.
+2-core Zen 4 with SmolLM2's 49,152 tokens and 64 rows of schema masks: unpacked 1.3 ms, xgrammar 8.2 ms.
+Filling those 64 rows takes ~0.5-1.5 ms.
 """
 from __future__ import annotations
 

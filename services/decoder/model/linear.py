@@ -5,8 +5,8 @@ beats F.linear depends on the CPU and the number of rows (services/common/linear
 so `pack_linears` times both at load per weight shape and each Linear keeps the `Rule`
 for its shape; forward picks the path from x.shape[0].
 
-The module stays an nn.Linear with its dense `weight` (the adapter bank wraps q/k/v/o/
-gate/up/down_proj by name and reads their shapes; the plain path reads it); the packed
+The module stays an nn.Linear with its dense `weight` (the adapter bank installs its slots
+on q/k/v/o/gate/up/down_proj by name as `Linear.lora` and reads their shapes; the plain path reads it); the packed
 tensor is an extra, opaque copy, kept only where some row count uses it. Under
 `--quantization int8` (model/quantization.py) a Linear holds an int8 weight and per-row
 scales instead, and its dense weight is released unless another module shares it (a tied
@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -36,12 +37,19 @@ from services.decoder.model import quantization
 log = logging.getLogger("tessera.linear")
 
 
+class RowCorrection(Protocol):
+    """What a projection adds to its base output row by row (the adapter bank's slots, lora/layer.py)."""
+
+    def correct(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+
+
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     rule: linear_path.Rule | None = None
     qweight: torch.Tensor | None = None     # [out, in] int8 (quantization.quantize)
     qscale: torch.Tensor | None = None      # [out]
     gemv_rows: int = 0                       # rows up to which gemv_cpu runs (choose_gemv)
+    lora: RowCorrection | None = None        # each row's adapter correction, once an adapter bank installs it
 
     @property
     def released(self) -> bool:
@@ -49,20 +57,24 @@ class Linear(nn.Linear):
         return self.weight.numel() == 0
 
     def correct(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """What this projection adds to base output y [N, out] of x [N, in]; a base Linear adds
-        nothing (LoraLinear adds each row's adapter). Lets a fused projection's slices be corrected."""
-        return y
+        """Base output y [N, out] of x [N, in] plus what `lora` adds to each row (nothing without an
+        adapter bank). Lets a fused projection's slices be corrected."""
+        lora = self.lora
+        return y if lora is None else lora.correct(x, y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in_features] -> [N, out_features]."""
-        if 0 < x.shape[0] <= self.gemv_rows:
-            return self.gemv(x)
-        if self.qweight is not None:
-            return quantization.int8_linear(x, self.qweight, self.qscale, self.bias)
         packed = self.packed
-        if packed is not None and self.rule.use_packed(x.shape[0]):
-            return linear_path.packed_linear(x, packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        if 0 < x.shape[0] <= self.gemv_rows:
+            y = self.gemv(x)
+        elif self.qweight is not None:
+            y = quantization.int8_linear(x, self.qweight, self.qscale, self.bias)
+        elif packed is not None and self.rule.use_packed(x.shape[0]):
+            y = linear_path.packed_linear(x, packed, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        lora = self.lora
+        return y if lora is None else lora.correct(x, y)
 
     def adopt(self, plan: linear_path.Plan) -> None:
         """Take plan's rule for this weight's shape; pack the weight if the rule ever uses it."""
@@ -217,7 +229,7 @@ def choose_gemv(model: nn.Module, record: execution.ExecutionPlan, timer: GemvTi
         for m in group:
             m.gemv_rows = rows
         chosen.setdefault(rows, []).append(f"{out}x{inp}")
-        record.record(f"gemv {out}x{inp}", f"on rows<={rows}" if rows else "off",
-                      [execution.Timing(path, t, r) for r, (o, k) in best.items() for path, t in (("off", o), ("on", k))])
+        timings = [execution.Timing(path, t, r) for r, (o, k) in best.items() for path, t in (("off", o), ("on", k))]
+        record.record(f"gemv {out}x{inp}", f"on rows<={rows}" if rows else "off", timings)
     body = "; ".join(f"rows<={r} on {','.join(shapes)}" for r, shapes in sorted(chosen.items(), reverse=True) if r)
     return f"gemv {body}" if body else "gemv: none (the library path was as fast at every shape)"

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decoder.model import load_model
 from services.common.plan import ExecutionPlan
+from services.decoder.model import load_model
 from services.decoder.model.glue import choose
 from services.decoder.model.layers import MLP, RMSNorm
 from tests.decoder.model.checkpoints import CASES, TINY_SHAPE, build, load_reference

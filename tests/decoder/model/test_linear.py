@@ -59,7 +59,8 @@ def test_gemv_rows_follow_the_measurements(quantized):
         model[0].gemv_rows = 3
         # int8's own path meets bf16 activations; gemv_cpu keeps them fp32
         assert_close(fast, own, dtype=torch.bfloat16 if quantized else torch.float32, k=64)
-    assert choose_gemv(model, ExecutionPlan(), fake_timer({})) == "gemv: none (the library path was as fast at every shape)"
+    assert choose_gemv(model, ExecutionPlan(), fake_timer({})) == \
+        "gemv: none (the library path was as fast at every shape)"
     assert all(m.gemv_rows == 0 for m in model)
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from services.common.plan import ExecutionPlan
 from services.decoder.kernels import tile_gemm_cpu
 from services.decoder.model import screen as screen_mod
 from services.decoder.model.linear import Linear
-from services.common.plan import ExecutionPlan
 from services.decoder.model.screen import ArgmaxScreen, build
 
 pytestmark = pytest.mark.numerics

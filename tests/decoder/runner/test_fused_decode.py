@@ -108,7 +108,8 @@ def test_the_choice_is_made_from_measurement(folders):
         fn()
         return {"stack": 1.0 + (rows >= 3) * 5, "layers": 2.0}[path]
 
-    fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, ExecutionPlan(), timer=timer)
+    fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, ExecutionPlan(),
+                                       timer=timer)
     assert fused.max_rows == 2 and summary.startswith("cpp rows<=2; timed 1 row 1000.0 vs 2000.0 ms")
     assert seen == [(path, rows) for rows in (1, 2, 3) for path in ("stack", "layers")]
     assert all(not k.any() for k in runner.cache.k) and all(not v.any() for v in runner.cache.v)
@@ -143,7 +144,8 @@ def test_the_panels_run_only_where_they_were_faster(folders, at16, at64, kept):
         fn()
         return {"stack": 1.0, "layers": 2.0, "tiles": at16 if rows < 64 else at64}[path]
 
-    fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, ExecutionPlan(), timer=timer)
+    fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, ExecutionPlan(),
+                                       timer=timer)
     assert fused.tiles == kept and fused.tiled is None and fused.max_rows == 64
     assert f"16 rows 1000.0 (tiles {at16 * 1000:.1f}) vs 2000.0 ms" in summary
     assert summary.endswith(f"tiles {'on' if kept else 'off'})")
