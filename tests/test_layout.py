@@ -262,6 +262,26 @@ def test_no_import_cycles():
     assert not cycles, f"import circles: {cycles}"
 
 
+def test_comments_cite_only_the_tree():
+    bad = citations_outside_the_tree()
+    assert not bad, "cite docs/design.md (with the invariant number) or say why instead:\n" + "\n".join(bad)
+
+
+def test_services_keep_to_themselves():
+    bad = services_reaching_into_each_other()
+    assert not bad, f"a service reaches into another service's sources (share through services/common): {bad}"
+
+
+def test_no_cpp_includes_a_cpp():
+    bad = cpp_including_cpp()
+    assert not bad, f"C++ sources pasted into others (move what they share into a header): {bad}"
+
+
+def test_modules_are_small():
+    bad = oversized_modules()
+    assert not bad, f"modules of {MAX_LINES} lines or more (split them by noun): {bad}"
+
+
 def test_only_config_modules_read_the_environment():
     bad = env_reads_outside_config()
     assert not bad, "read TESSERA_* variables in the service's config module and pass the value down:\n" + \
