@@ -17,8 +17,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Decoders these tests start as processes take greedy tokens of fp32 models through the argmax screen
 # (services/decoder/model/screen.py), whatever the load-time timing would pick on the tiny models, so that
 # each greedy parity test against transformers, peft and vLLM checks it: the option --fast-paths, read
-# from the decoder's environment. In-process runners and servers pin it where they build them
-# (tests/decoder/runner/test_runner.py runs both pins; tests/decoder/model/test_screen.py the timing).
+# from the decoder's environment. In-process runners and servers of the parity tests pin it where they
+# build them (fast_paths="screen=on"); tests/decoder/runner/test_runner.py runs both pins and
+# tests/decoder/model/test_screen.py the timing.
 os.environ.setdefault("TESSERA_DECODER_FAST_PATHS", "screen=on")
 # Without a GPU, Triton kernels run under the interpreter; this must be set before
 # any kernel module is imported (decoration reads it). CI machines have no GPU.

@@ -28,7 +28,7 @@ def expected(checkpoint):
 
 
 def run_engine(folder, *, num_blocks, budget, stagger, block_size=4, prefix_caching=True):
-    runner = Runner.from_folder(folder, "fp32", block_size, num_blocks)
+    runner = Runner.from_folder(folder, "fp32", block_size, num_blocks, fast_paths="screen=on")
     core = EngineCore(runner, EngineConfig(block_size=block_size, num_blocks=num_blocks,
                                            max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=64,
                                            enable_prefix_caching=prefix_caching))
@@ -66,7 +66,7 @@ def test_preemption_equals_transformers(checkpoint, expected):
 
 
 def test_prefix_hit_same_output_and_cached_tokens(checkpoint, expected):
-    runner = Runner.from_folder(checkpoint, "fp32", 4, 64)
+    runner = Runner.from_folder(checkpoint, "fp32", 4, 64, fast_paths="screen=on")
     core = EngineCore(runner, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=64,
                                            max_model_len=64))
     prompt = PROMPTS[2]

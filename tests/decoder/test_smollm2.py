@@ -34,7 +34,7 @@ def test_greedy_chat_equals_transformers(smollm2):
                                          tokenize=True, return_dict=False)
         assert p == list(ref)
 
-    runner = Runner.from_folder(smollm2, "fp32", 16, 128)
+    runner = Runner.from_folder(smollm2, "fp32", 16, 128, fast_paths="screen=on")
     core = EngineCore(runner, EngineConfig(block_size=16, num_blocks=128, max_num_batched_tokens=256,
                                            max_model_len=2048, eos_token_ids=tok.stop_token_ids))
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

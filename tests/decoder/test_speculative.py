@@ -33,7 +33,7 @@ def expected(checkpoint):
 
 def run_engine(folder, speculative, *, budget=512, num_blocks=256, prefix_caching=True, sampling=GREEDY):
     """Every prompt, one arrival per step; -> ({(prompt, choice): tokens}, {...: logprobs}, stats)."""
-    runner = Runner.from_folder(folder, "fp32", 4, num_blocks)
+    runner = Runner.from_folder(folder, "fp32", 4, num_blocks, fast_paths="screen=on")
     core = EngineCore(runner, EngineConfig(block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                            max_num_seqs=8, max_model_len=64, enable_prefix_caching=prefix_caching,
                                            speculative=speculative))
@@ -123,7 +123,7 @@ DIST_SAMPLES = 2000
 
 def _sample_first_three(folder, speculative, wrong_rule=False):
     """DIST_SAMPLES seeded requests at temperature 1 -> tokens [N, 3], engine stats."""
-    runner = Runner.from_folder(folder, "fp32", 4, 1024)
+    runner = Runner.from_folder(folder, "fp32", 4, 1024, fast_paths="screen=on")
     if wrong_rule:
         # A deliberately wrong verifier that always accepts every draft (and adds the bonus token).
         real = runner.sampler.run

@@ -25,7 +25,7 @@ def folder(tmp_path_factory):
 
 def run(folder, jobs: dict[str, SamplingParams], num_blocks=64, budget=64):
     """({request id: (tokens, finish reason, stop token id)}, engine stats) once every job ended."""
-    runner = Runner.from_folder(folder, "fp32", 4, num_blocks)
+    runner = Runner.from_folder(folder, "fp32", 4, num_blocks, fast_paths="screen=on")
     core = EngineCore(runner, EngineConfig(block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                            max_num_seqs=8, max_model_len=64, eos_token_ids=(EOS,)))
     for rid, params in jobs.items():

@@ -68,7 +68,8 @@ def lora_engine(base_folder: Path, *, slots: int = 4, max_rank: int = 8, cpu_lor
                 prefix_caching: bool = True, speculative=None,
                 device: str = "cpu") -> tuple[EngineCore, AdapterRegistry]:
     """EngineCore + Runner with an adapter bank, registry and leases (no adapters yet)."""
-    runner = Runner.from_folder(base_folder, "fp32", block_size, num_blocks, device)
+    runner = Runner.from_folder(base_folder, "fp32", block_size, num_blocks, device,
+                                fast_paths="screen=on" if device == "cpu" else "")   # the screen is CPU-only
     bank = AdapterBank(runner.model, targets, slots, max_rank)
     runner.attach_lora(bank)
     registry = AdapterRegistry(bank, cpu_loras)

@@ -92,7 +92,7 @@ def reference_inputs(folder: Path, msgs: list[dict], datas: list[bytes]) -> RefI
 
 def make_core(folder: Path, *, budget: int = 512, num_blocks: int = 256, block_size: int = 4,
               prefix_caching: bool = True, max_num_seqs: int = 8, speculative=None) -> EngineCore:
-    runner = Runner.from_folder(folder, "fp32", block_size, num_blocks)
+    runner = Runner.from_folder(folder, "fp32", block_size, num_blocks, fast_paths="screen=on")
     return EngineCore(runner, EngineConfig(block_size=block_size, num_blocks=num_blocks,
                                            max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                            max_model_len=1024, enable_prefix_caching=prefix_caching,

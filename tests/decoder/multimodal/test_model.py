@@ -62,7 +62,7 @@ def test_prompt_ids_and_logits_equal_transformers(vl_ckpt, reference, prepared, 
         got = model.logits(model(embeds, vp.positions, dense_attend))
     assert_close(got, want, **VL_SHAPE)
     # The same prompt through the paged runner in one chunk: its sampled (last) row.
-    runner = Runner.from_folder(vl_ckpt, "fp32", block_size=4, num_blocks=64)
+    runner = Runner.from_folder(vl_ckpt, "fp32", block_size=4, num_blocks=64, fast_paths="screen=on")
     n = len(vp.token_ids)
     chunk = ScheduledChunk("r", list(vp.token_ids), 0, list(range((n + 3) // 4)), True, greedy(1),
                            num_prompt_tokens=n, images=vp.placed())
