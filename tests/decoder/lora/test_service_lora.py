@@ -38,7 +38,7 @@ def lora_server(tiny_chat_model, tmp_path_factory):
     loop = LoopThread()
     cfg = DecoderConfig(model=str(tiny_chat_model), num_blocks=64, block_size=4, max_num_batched_tokens=32,
                         max_loras=2, max_lora_rank=8, max_cpu_loras=4, lora_root=str(root),
-                        lora=(f"pre={good}",))
+                        lora=(f"pre={good}",), fast_paths="screen=on")
     server, servicer = loop.run(start(DecoderServerConfig(host="127.0.0.1", port=0), cfg))
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         yield decoder_pb2_grpc.DecoderServiceStub(channel)

@@ -32,7 +32,7 @@ def server(vl_ckpt):
     from services.decoder.server.service import start
     loop = LoopThread()
     cfg = DecoderConfig(model=str(vl_ckpt), num_blocks=128, block_size=4, max_num_batched_tokens=32,
-                        max_model_len=MAX_LEN, max_images=2, max_loras=0)
+                        max_model_len=MAX_LEN, max_images=2, max_loras=0, fast_paths="screen=on")
     srv, servicer = loop.run(start(DecoderServerConfig(host="127.0.0.1", port=0), cfg))
     with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
         yield decoder_pb2_grpc.DecoderServiceStub(channel)

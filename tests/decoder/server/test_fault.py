@@ -18,7 +18,7 @@ def failing_server(tiny_chat_model):
     from services.decoder.server.service import start
     loop = LoopThread()
     cfg = DecoderConfig(model=str(tiny_chat_model), num_blocks=64, block_size=4, max_num_batched_tokens=32,
-                        max_loras=0, fault_fail_at_step=4)
+                        max_loras=0, fault_fail_at_step=4, fast_paths="screen=on")
     server, servicer = loop.run(start(DecoderServerConfig(host="127.0.0.1", port=0), cfg))
     yield f"127.0.0.1:{server.port}"
     loop.run(server.stop(0))
