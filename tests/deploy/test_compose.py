@@ -185,6 +185,11 @@ def test_compose_and_launcher_describe_the_same_topology(compose):
         for flag, env in row.env_flags:  # optional flags `make up` adds from the environment
             value = svc.get("environment", {}).get(topo.env_var_for(row, flag), "")
             assert f"${{{env}" in value, f"{name}: {flag} is not passed from ${env}"
+        # Every variable handed to a container is one its own service reads (per-service prefixes).
+        environment = svc.get("environment", {})
+        keys = set(environment) if isinstance(environment, dict) else {e.split("=", 1)[0] for e in environment}
+        reads = topo.env_variables().get(topo.module_of(list(row.argv)), set())
+        assert sorted(keys - reads) == [], f"{name}: sets variables its service does not read"
 
 
 def test_the_agreement_check_notices_a_changed_port(compose, monkeypatch):

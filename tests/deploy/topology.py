@@ -112,6 +112,21 @@ def env_var_for(row: launcher.Service, flag: str) -> str:
     return prefix + flag.removeprefix("--").replace("-", "_").upper()
 
 
+def env_variables() -> dict[str, set[str]]:
+    """module -> every variable its config reads (PREFIX + FIELD, or a field's own env name)."""
+    import dataclasses
+
+    from services.decoder.server.config import DecoderConfig, DecoderServerConfig
+    from services.pooling.config import PoolingConfig, PoolingServerConfig
+    from services.vision.config import VisionConfig, VisionServerConfig
+
+    classes = {"gateway": (gateway_config.GatewayConfig,), "services.decoder": (DecoderServerConfig, DecoderConfig),
+               "services.vision": (VisionServerConfig, VisionConfig),
+               "services.pooling": (PoolingServerConfig, PoolingConfig)}
+    return {module: {f.metadata.get("env") or ENV_PREFIX[module] + f.name.upper()
+                     for cls in group for f in dataclasses.fields(cls)} for module, group in classes.items()}
+
+
 def load_compose(path: Path = COMPOSE) -> dict:
     return yaml.safe_load(path.read_text())
 
