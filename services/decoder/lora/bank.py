@@ -18,7 +18,7 @@ from torch import nn
 
 from services.decoder.kernels.lora import backend_name
 from services.decoder.kernels.lora_meta import LoraBatchMeta, build_lora_meta
-from services.decoder.lora.layer import LoraLinear, LoraStep
+from services.decoder.lora.layer import LoraSlots, LoraStep
 from services.decoder.lora.weights import TARGETS, LoraWeights, leaf
 from services.decoder.model.linear import Linear
 
@@ -35,7 +35,7 @@ DENSE_MAX_WORK = 8192
 class AdapterBank:
     """num_slots device slots of rank max_rank on the `targets` projections of `model`.
 
-    layers: module name -> LoraLinear (every wrapped projection of every layer).
+    layers: module name -> LoraSlots (installed on every target projection of every layer).
     step: the LoraStep every wrapped layer reads; `activate` fills it for one forward
     with adapter rows (otherwise its meta is None and the layers do base work only).
     """
@@ -47,10 +47,10 @@ class AdapterBank:
             raise ValueError(f"LoRA targets must be a non-empty subset of {', '.join(TARGETS)}; got {list(targets)}")
         if num_slots < 1 or max_rank < 1:
             raise ValueError("the adapter bank needs at least one slot and a rank of at least 1")
-        if any(isinstance(m, LoraLinear) for m in model.modules()):
+        if any(isinstance(m, Linear) and m.lora is not None for m in model.modules()):
             raise ValueError("an adapter bank is already installed on this model")
         self.num_slots, self.max_rank, self.targets = num_slots, max_rank, tuple(t for t in TARGETS if t in targets)
-        self.layers: dict[str, LoraLinear] = {}
+        self.layers: dict[str, LoraSlots] = {}
         projections = [(name, m) for name, m in model.named_modules()
                        if leaf(name) in self.targets and isinstance(m, Linear)]
         if not projections:
@@ -59,7 +59,7 @@ class AdapterBank:
         self.backend = backend_name(self.device)
         self.step = LoraStep(self.backend)
         for name, module in projections:
-            self.layers[name] = LoraLinear.install(module, self.step, num_slots, max_rank)
+            self.layers[name] = LoraSlots.install(module, self.step, num_slots, max_rank)
         self.dense_max_work = DENSE_MAX_WORK if self.backend == "torch" else 0
 
     @property

@@ -1,10 +1,11 @@
-"""A projection that adds each row's own LoRA correction to the shared base output.
+"""Each row's own LoRA correction, added to a projection's shared base output.
 
 The base projection runs once over all rows (the matmul path chosen at load on CPU); then
 `lora_apply` adds B_s (A_s x) for every row whose slot s >= 0 (docs/design.md, invariant 6).
 The per-step grouping lives in one `LoraStep` that the bank owns, publishes into for
-each forward and shares with every layer; when no row of the step uses an adapter it
-holds no meta and this layer costs one attribute read over the plain Linear.
+each forward and shares with every layer. A projection's `LoraSlots` hang on it as the plain
+attribute `Linear.lora` (model/linear.py), which adds `correct` after the base output; when no
+row of the step uses an adapter the step holds no meta and that costs two attribute reads.
 
 On CPU, small (decode-shaped) steps take a padded per-slot form instead of one GEMM
 pair per segment: the rows are gathered slot by slot into [S, L, K] (L = the most rows
@@ -43,40 +44,35 @@ class LoraStep:
     dense_mask: torch.Tensor | None = None
 
 
-class LoraLinear(Linear):
-    """A Linear with resident slot buffers.
+class LoraSlots:
+    """The resident slot buffers of one projection, and the correction they make.
 
     lora_A [S, R, in_features], lora_B [S, out_features, R]: slot s holds one adapter,
-    rank padded to R with zeros, scale folded into B. Plain attributes, not buffers,
-    so the module's state_dict keys stay the checkpoint's.
+    rank padded to R with zeros, scale folded into B. Plain tensors on a plain object, not
+    buffers of a module, so the model's state_dict keys stay the checkpoint's.
     """
 
-    lora_A: torch.Tensor
-    lora_B: torch.Tensor
-    lora_Bt: torch.Tensor | None      # [S, R, out_features]: B transposed per slot (CPU padded path only)
-    lora_step: LoraStep
+    def __init__(self, linear: Linear, step: LoraStep, num_slots: int, max_rank: int):
+        weight = linear.weight
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.lora_A = torch.zeros((num_slots, max_rank, self.in_features), dtype=weight.dtype, device=weight.device)
+        self.lora_B = torch.zeros((num_slots, self.out_features, max_rank), dtype=weight.dtype, device=weight.device)
+        # [S, R, out_features]: B transposed per slot (CPU padded path only)
+        self.lora_Bt: torch.Tensor | None = None
+        if weight.device.type == "cpu":
+            self.lora_Bt = torch.zeros((num_slots, max_rank, self.out_features), dtype=weight.dtype)
+        self.lora_step = step
 
     @classmethod
-    def install(cls, linear: Linear, step: LoraStep, num_slots: int, max_rank: int) -> LoraLinear:
-        """Turn `linear` into a LoraLinear in place and give it zeroed slot buffers.
-
-        Swapping the class (rather than wrapping in a new module) keeps the module's
-        name and parameters, its packed oneDNN weight, and avoids one more nn.Module
-        call per projection per layer on the base-only path.
-        """
-        if type(linear) is not Linear:
-            raise ValueError(f"cannot install LoRA on {type(linear).__name__}; expected a plain Linear")
-        weight = linear.weight
-        linear.__class__ = cls
-        linear.lora_A = torch.zeros((num_slots, max_rank, linear.in_features), dtype=weight.dtype,
-                                    device=weight.device)
-        linear.lora_B = torch.zeros((num_slots, linear.out_features, max_rank), dtype=weight.dtype,
-                                    device=weight.device)
-        linear.lora_Bt = None
-        if weight.device.type == "cpu":
-            linear.lora_Bt = torch.zeros((num_slots, max_rank, linear.out_features), dtype=weight.dtype)
-        linear.lora_step = step
-        return linear
+    def install(cls, linear: Linear, step: LoraStep, num_slots: int, max_rank: int) -> LoraSlots:
+        """Give `linear` zeroed slot buffers: its forward (and a fused projection's slice of it) then
+        adds each row's adapter. The module keeps its name, parameters and packed weight."""
+        if not isinstance(linear, Linear):
+            raise ValueError(f"cannot install LoRA on {type(linear).__name__}; expected a Linear")
+        if linear.lora is not None:
+            raise ValueError("this projection already has LoRA slots")
+        linear.lora = slots = cls(linear, step, num_slots, max_rank)
+        return slots
 
     @torch.no_grad()
     def sync_slot(self, slot: int) -> None:
@@ -84,13 +80,9 @@ class LoraLinear(Linear):
         if self.lora_Bt is not None:
             self.lora_Bt[slot].copy_(self.lora_B[slot].t())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, in_features] -> [N, out_features]: W x (+ bias) + per-row B_s A_s x."""
-        return self.correct(x, super().forward(x))
-
     def correct(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Base output y [N, out_features] of x [N, in_features] (its own matmul or a fused
-        projection's slice) + per-row B_s A_s x."""
+        """Base output y [N, out_features] of x [N, in_features] (the projection's own matmul or a
+        fused projection's slice) + per-row B_s A_s x."""
         step = self.lora_step
         if step.meta is None:
             return y

@@ -87,8 +87,8 @@ class Runner:
 
     def attach_lora(self, bank: AdapterBank) -> None:
         """Use `bank` (already installed on self.model) for chunks with a lora_slot."""
-        name, layer = next(iter(bank.layers.items()))
-        if self.model.get_submodule(name) is not layer:
+        name, slots = next(iter(bank.layers.items()))
+        if self.model.get_submodule(name).lora is not slots:
             raise ValueError("the adapter bank is not installed on this runner's model")
         self.lora = bank
 
