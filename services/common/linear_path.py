@@ -335,6 +335,8 @@ def plan(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]], mode: str 
         notes.append(f"bfloat16 packed widened to float32 on {','.join(map(str, kept))}: faster at "
                      f"{'/'.join(map(str, COPY_ROWS))} rows")
     result = Plan(mode, rules, "; ".join(notes), kept)
+    if record is not None and not rules:
+        record.record("linear", "plain", reason="no CPU weights: F.linear is the only path")
     if record is not None:
         for shape, rule in rules.items():
             timings = [execution.Timing(path, t, rows) for rows, q, p in measured[shape][1]

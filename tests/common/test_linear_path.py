@@ -268,3 +268,10 @@ def test_logs_one_line_per_plan(caplog):
     caplog.set_level(logging.INFO, logger="tessera.linear_path")
     linear_path.plan([(torch.randn(8, 4), None), (torch.randn(8, 4), None)], "plain")
     assert [r.getMessage().split(" [")[0] for r in caplog.records] == ["linear path plain float32: plain on 8x4"]
+
+
+def test_weights_off_cpu_are_one_plain_choice():
+    record = ExecutionPlan()
+    plan = linear_path.plan([(torch.empty(4, 4, device="meta"), None)], record=record)
+    assert plan.rules == {} and record.chosen("linear") == "plain"
+    assert record.get("linear").reason == "no CPU weights: F.linear is the only path"

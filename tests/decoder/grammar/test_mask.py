@@ -26,3 +26,25 @@ def test_the_faster_path_is_chosen_and_kept():
     assert masks.apply_path in APPLY_PATHS
     with pytest.raises(ValueError):
         GrammarMasks("fast")
+
+
+@pytest.mark.parametrize("pin", APPLY_PATHS)
+def test_a_pinned_path_is_kept_untimed(pin, monkeypatch):
+    from services.common.plan import ExecutionPlan
+    from services.decoder.grammar import mask
+    monkeypatch.setattr(mask, "fastest", lambda *a, **k: pytest.fail("a pinned path is not timed"))
+    record = ExecutionPlan(f"grammar_mask={pin}")
+    masks = GrammarMasks()
+    assert masks.choose(4096, "cpu", record) == pin == masks.apply_path == record.chosen("grammar_mask")
+
+
+def test_the_choice_follows_the_timing(monkeypatch):
+    from services.common.plan import ExecutionPlan
+    from services.decoder.grammar import mask
+    monkeypatch.setattr(mask, "fastest", lambda calls, reps, sync=None: {"unpacked": 2.0, "xgrammar": 1.0})
+    record = ExecutionPlan()
+    assert GrammarMasks().choose(4096, "cpu", record) == "xgrammar"
+    assert {t.candidate for t in record.get("grammar_mask").timings} == set(APPLY_PATHS)
+    # Within the tie margin the unpacked path stays.
+    monkeypatch.setattr(mask, "fastest", lambda calls, reps, sync=None: {"unpacked": 1.0, "xgrammar": 0.99})
+    assert GrammarMasks().choose(4096, "cpu", ExecutionPlan()) == "unpacked"
