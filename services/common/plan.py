@@ -191,8 +191,9 @@ def path_of(choice_name: str) -> str:
 class ExecutionPlan:
     """The pins a process was started with and the choices made under them, in the order made."""
 
-    def __init__(self, pins: Pins | str | Mapping[str, str] | None = None):
-        self.pins = Pins.parse(pins)
+    def __init__(self, pins: Pins | str | Mapping[str, str] | None = None, paths: tuple[str, ...] = tuple(PATHS)):
+        """paths: the ones the service runs (DECODER, POOLING); a pin of any other is refused."""
+        self.pins = Pins.parse(pins, paths)
         self.choices: list[Choice] = []
 
     def pinned(self, name: str) -> str:

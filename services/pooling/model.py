@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from services.common import dtypes
 from services.common.errors import ContextLengthExceeded, InvalidArgument
+from services.common.plan import POOLING as POOLING_PATHS
 from services.common.plan import ExecutionPlan, Pins
 
 from . import packed
@@ -114,7 +115,7 @@ class Embedder(_Base):
         # packed forward's bf16 result is as close to fp32 as transformers' own bf16 forward is
         # (tests/pooling/test_reference.py), at ~0.6x its CPU time on MiniLM.
         # Its fast paths, chosen at load under what --fast-paths pins (services/common/plan.py).
-        self.plan = ExecutionPlan(fast_paths)
+        self.plan = ExecutionPlan(fast_paths, POOLING_PATHS)
         self.packed = packed.PackedBert.wrap(self.module, self.plan) if fast else None
         log.info("embedding model %s: %s pooling=%s normalize=%s max_len=%d fast=%s fast paths: %s",
                  spec.name, type(self.module).__name__, spec.pooling, spec.normalize, spec.max_model_len,

@@ -97,3 +97,9 @@ def test_the_plan_goes_on_the_wire():
     assert [(c.name, c.chosen) for c in msg.choices] == [("linear 8x4", "plain"), ("gemv 8x4", "on rows<=2")]
     assert msg.choices[0].reason == "pinned by --fast-paths linear=plain"
     assert [(t.candidate, t.rows, t.seconds) for t in msg.choices[1].timings] == [("off", 1, 2e-6), ("on", 1, 1e-6)]
+
+
+def test_a_plan_refuses_a_pin_of_another_service():
+    with pytest.raises(ValueError, match="unknown path 'encoder_attention'"):
+        ExecutionPlan("encoder_attention=cpp", plan.DECODER)
+    assert ExecutionPlan("encoder_attention=cpp", plan.POOLING).pinned("encoder_attention") == "cpp"

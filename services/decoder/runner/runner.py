@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.common.errors import InvalidArgument, TesseraError, Unsupported
+from services.common.plan import DECODER as DECODER_PATHS
 from services.common.plan import ExecutionPlan, Pins
 from services.decoder.engine.step import ScheduledChunk, StepInput, StepOutput
 from services.decoder.model.decoder import CausalLM
@@ -41,7 +42,7 @@ class Runner:
         """fast_paths: what --fast-paths pins (services/common/plan.py); every other path is timed here."""
         self.model = model
         # Every load-time choice of a fast path, made under the pins and reported by GetModelInfo.
-        self.plan = plan = ExecutionPlan(fast_paths)
+        self.plan = plan = ExecutionPlan(fast_paths, DECODER_PATHS)
         huge_pages = plan.pinned("huge_pages") != "off"
         model.fuse_projections()
         # Weight-only int8 first (model/quantization.py): the Linears it takes need no matmul path.
