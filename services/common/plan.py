@@ -53,9 +53,9 @@ PATHS: dict[str, tuple[str, ...]] = {
     "screen": ("off", "on"),
     # decoder: how grammar masks are applied to the logits (services/decoder/grammar/mask.py)
     "grammar_mask": ("unpacked", "xgrammar"),
-    # decoder and pooling: weights and KV cache in 2 MiB pages (services/common/arena.py)
+    # decoder: weights and KV cache in 2 MiB pages (services/common/arena.py); not timed
     "huge_pages": ("on", "off"),
-    # decoder and pooling: glibc keeps freed pages for the next forward (services/common/allocator.py)
+    # decoder and pooling: glibc keeps freed pages for the next forward (services/common/allocator.py); not timed
     "malloc": ("keep", "default"),
     # pooling: encoder attention by the C++ operator or grouped SDPA (services/pooling/packed.py)
     "encoder_attention": ("torch", "cpp"),
@@ -68,8 +68,9 @@ POOLING = ("linear", "encoder_attention", "malloc")
 
 def help_for(paths: tuple[str, ...]) -> str:
     """The --fast-paths help of a service that runs `paths`."""
-    return ("pin fast paths instead of timing them at load, e.g. 'linear=plain,attention=torch'; each is auto "
-            "(timed, the default) or one of: " + "; ".join(f"{name} {'|'.join(PATHS[name])}" for name in paths))
+    example = ",".join(f"{name}={PATHS[name][0]}" for name in paths[:2])
+    return (f"pin fast paths instead of timing them at load, e.g. '{example}'; each is auto (timed, the default) "
+            "or one of: " + "; ".join(f"{name} {'|'.join(PATHS[name])}" for name in paths))
 
 
 @dataclass(frozen=True)
