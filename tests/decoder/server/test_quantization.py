@@ -7,7 +7,7 @@ import pytest
 
 from services.common import config as cfg_mod
 from services.common.pb import decoder_pb2, decoder_pb2_grpc
-from services.decoder.server.config import DecoderConfig, DecoderServerConfig
+from services.decoder.server.config import ENV_PREFIX, DecoderConfig, DecoderServerConfig
 from tests.decoder.idle import wait_idle
 from tests.decoder.server.test_contract import chat
 from tests.loops import LoopThread
@@ -22,7 +22,7 @@ def quantized(tiny_chat_model):
     server_cfg, cfg = cfg_mod.load((DecoderServerConfig, DecoderConfig),
                                    ["--model", str(tiny_chat_model), "--quantization", "int8", "--port", "0",
                                     "--host", "127.0.0.1", "--num-blocks", "64", "--block-size", "4"],
-                                   prog="decoder", description="")
+                                   prog="decoder", description="", env_prefix=ENV_PREFIX)
     loop = LoopThread()
     server, servicer = loop.run(start(server_cfg, cfg))
     address = f"127.0.0.1:{server.port}"
@@ -74,5 +74,5 @@ def test_greedy_streams_complete_and_repeat(quantized):
 def test_bad_quantization_is_a_usage_error_at_start(capsys):
     with pytest.raises(SystemExit) as info:
         cfg_mod.load((DecoderServerConfig, DecoderConfig), ["--model", "/m", "--quantization", "int4"],
-                     prog="decoder", description="")
+                     prog="decoder", description="", env_prefix=ENV_PREFIX)
     assert info.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
