@@ -87,7 +87,7 @@ class Server:
         self.serving = False
 
     async def start(self) -> int:
-        """Bind and start; health says NOT_SERVING until set_serving(True). Returns the port."""
+        """Bind and start (and the /metrics endpoint); health says NOT_SERVING until ready(). Returns the port."""
         address = f"{self.cfg.host}:{self.cfg.port}"
         if self.cfg.tls_cert:
             creds = server_credentials(self.cfg.tls_cert, self.cfg.tls_key, self.cfg.tls_client_ca)
