@@ -25,6 +25,7 @@ from typing import Any
 
 from . import allocator, logs
 from . import config as config_mod
+from .errors import TesseraError
 from .plan import Pins
 from .server import ServerConfig, Started
 
@@ -74,8 +75,9 @@ def main(service: Service, argv=None) -> int:
         torch.set_num_threads(server_cfg.threads)
     try:
         asyncio.run(compute.serially(serve(service, server_cfg, cfg)))
-    except (ValueError, OSError) as exc:
-        # A folder the service cannot serve faithfully, or a port it cannot bind: say why, exit non-zero.
+    except (ValueError, OSError, TesseraError) as exc:
+        # A folder the service cannot serve faithfully (or a dtype this device lacks), or a port it cannot
+        # bind: say why, exit non-zero.
         log.error("cannot start: %s", exc)
         return 1
     return 0

@@ -152,7 +152,11 @@ async def start(server_cfg: VisionServerConfig, cfg: VisionConfig) -> tuple[Serv
     server = Server(server_cfg, lambda s: vision_pb2_grpc.add_VisionServiceServicer_to_server(servicer, s),
                     [SERVICE_NAME])
     await server.start()
-    await compute.in_own_thread(servicer.load)   # its OpenMP team leaves with it (services/common/compute.py)
+    try:
+        await compute.in_own_thread(servicer.load)   # its OpenMP team leaves with it (services/common/compute.py)
+    except BaseException:
+        await server.stop(0)    # an encoder that cannot be served: unbind before the error ends the process
+        raise
     if cfg.redis_url:
         servicer.cache = FeatureCache(cfg.redis_url, budget_bytes=cfg.cache_bytes, ttl_s=cfg.cache_ttl_s,
                                       prefix=cfg.cache_prefix, timeout_s=cfg.redis_timeout_s,

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,6 +20,7 @@ from services.common.server import Server, ServerConfig, Started
 from tests.conftest import free_port
 
 NAME = "tessera.test.v1.Nothing"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def services() -> dict[str, process.Service]:
@@ -114,9 +116,17 @@ def test_serve_reports_serving_exports_metrics_drains_on_sigterm_then_closes():
     assert closed == [False]    # released after the server reported NOT_SERVING and stopped
 
 
-def test_a_folder_the_service_cannot_serve_is_one_logged_line_and_status_1(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "services.pooling", "--embedding-model", str(tmp_path / "none"),
-                           "--port", "0"], capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if not k.startswith("TESSERA_POOLING_")})
+@pytest.mark.parametrize("module, argv", [
+    ("services.pooling", ["--embedding-model", "{tmp}/none"]),
+    ("services.vision", ["--model", "{tmp}/none"]),
+    ("services.decoder", ["--model", "{models}/SmolLM2-135M-Instruct", "--dtype", "fp16"]),  # no fp16 on CPU
+])
+def test_what_the_service_cannot_serve_is_one_logged_line_and_status_1(module, argv, tmp_path):
+    argv = [a.format(tmp=tmp_path, models=ROOT / "models") for a in argv]
+    done = subprocess.run([sys.executable, "-m", module, *argv, "--host", "127.0.0.1", "--port", "0"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")})
     assert done.returncode == 1, done.stderr[-2000:]
-    assert "cannot start:" in done.stderr and "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "cannot start:" in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-2000:]

@@ -377,7 +377,11 @@ async def start(server_cfg: DecoderServerConfig, cfg: DecoderConfig) -> tuple[Se
     server = Server(server_cfg, lambda s: decoder_pb2_grpc.add_DecoderServiceServicer_to_server(servicer, s),
                     [SERVICE_NAME])
     await server.start()
-    state = await compute.in_own_thread(load, cfg)   # its OpenMP team leaves with it (services/common/compute.py)
+    try:
+        state = await compute.in_own_thread(load, cfg)   # its OpenMP team leaves with it (services/common/compute.py)
+    except BaseException:
+        await server.stop(0)    # a model that cannot be served: unbind before the error ends the process
+        raise
     # A dead engine must not look healthy to a load balancer.
     state.engine.on_failure = lambda reason: asyncio.ensure_future(server.set_serving(False))
     state.engine.start()
