@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import os
 import signal
@@ -130,3 +131,19 @@ def test_what_the_service_cannot_serve_is_one_logged_line_and_status_1(module, a
     errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and "cannot start:" in errors[0], done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-2000:]
+
+
+def test_no_former_name_is_a_variable_of_today():
+    """Every container of the k8s ConfigMap receives every service's keys: a key another service reads must
+    never look like a former name this service refuses."""
+    from gateway.config import ENV_PREFIX as GATEWAY_PREFIX
+    from gateway.config import GatewayConfig
+    from services.common.config import FORMER_PREFIX
+
+    current = {GATEWAY_PREFIX + f.name.upper() for f in dataclasses.fields(GatewayConfig)}
+    former = set()
+    for service in services().values():
+        fields = [*dataclasses.fields(service.server_config), *dataclasses.fields(service.config)]
+        current |= {service.env_prefix + f.name.upper() for f in fields if not f.metadata.get("env")}
+        former |= {FORMER_PREFIX + f.name.upper() for f in fields if not f.metadata.get("env")}
+    assert former and current and not former & current
