@@ -23,7 +23,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import allocator, logs
+import torch
+
+from . import allocator, compute, logs
 from . import config as config_mod
 from .errors import TesseraError
 from .plan import Pins
@@ -66,11 +68,6 @@ def main(service: Service, argv=None) -> int:
     logs.setup(server_cfg.log_level)
     config_mod.log_config(server_cfg, cfg)
     allocator.keep_freed_memory(Pins.parse(getattr(cfg, "fast_paths", "")).get("malloc"))
-    # torch only now: --help and a bad flag above answer without importing it.
-    import torch
-
-    from . import compute
-
     if server_cfg.threads:
         torch.set_num_threads(server_cfg.threads)
     try:
