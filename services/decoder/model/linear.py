@@ -212,7 +212,7 @@ def choose_gemv(model: nn.Module, record: execution.ExecutionPlan, timer: GemvTi
         key = (m.out_features, m.in_features, m.qweight is not None, m.weight.dtype, m.bias is not None)
         groups.setdefault(key, []).append(m)
     chosen: dict[int, list[str]] = {}
-    for (out, inp, *_), group in groups.items():
+    for (out, inp, int8, _, bias), group in groups.items():
         best = {r: [math.inf, math.inf] for r in range(1, gemv_cpu.MAX_ROWS + 1)}
         # A first pass, discarded. In a fresh process it once kept a 49152x576 bf16 LM head off gemv_cpu,
         # which then ran it at 1 row in 1.4-1.7 ms against the library's 1.9-2.4 (Zen 4, 2 threads); the
@@ -230,6 +230,8 @@ def choose_gemv(model: nn.Module, record: execution.ExecutionPlan, timer: GemvTi
             m.gemv_rows = rows
         chosen.setdefault(rows, []).append(f"{out}x{inp}")
         timings = [execution.Timing(path, t, r) for r, (o, k) in best.items() for path, t in (("off", o), ("on", k))]
-        record.record(f"gemv {out}x{inp}", f"on rows<={rows}" if rows else "off", timings)
+        # Named as linear_path names shapes, so that two groups of one size stay two choices.
+        name = f"gemv {out}x{inp}{'+b' if bias else ''}{' int8' if int8 else ''}"
+        record.record(name, f"on rows<={rows}" if rows else "off", timings)
     body = "; ".join(f"rows<={r} on {','.join(shapes)}" for r, shapes in sorted(chosen.items(), reverse=True) if r)
     return f"gemv {body}" if body else "gemv: none (the library path was as fast at every shape)"

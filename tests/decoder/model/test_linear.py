@@ -44,12 +44,12 @@ def test_gemv_rows_follow_the_measurements(quantized):
     model = nn.Sequential(Linear(64, 96), Linear(64, 96), Linear(96, 32, bias=True), Linear(32, 160))
     if quantized:
         quantize_linears(model, "int8")
-    record = ExecutionPlan()
+    record, q = ExecutionPlan(), " int8" if quantized else ""
     summary = choose_gemv(model, record, fake_timer({96: 3, 32: 1}))
     assert [m.gemv_rows for m in model] == [3, 3, 1, 0]
     assert summary == "gemv rows<=3 on 96x64; rows<=1 on 32x96"
     assert [(c.name, c.chosen) for c in record.choices] == [
-        ("gemv 96x64", "on rows<=3"), ("gemv 32x96", "on rows<=1"), ("gemv 160x32", "off")]
+        (f"gemv 96x64+b{q}", "on rows<=3"), (f"gemv 32x96+b{q}", "on rows<=1"), (f"gemv 160x32+b{q}", "off")]
     # Both paths give the same results within the shared bound, at every row count either runs.
     for rows in range(1, 6):
         x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
