@@ -112,8 +112,10 @@ def build(head: torch.nn.Module, head_fn, hidden_norm: float, record: execution.
           huge_pages: bool = True) -> tuple[ArgmaxScreen | None, str]:
     """(the screen or None, a one-line summary) for the `screen` path of record. head_fn(h) -> fp32 logits
     is the full head it replaces for greedy rows; hidden_norm, the typical norm of a final hidden state
-    (for timing). Pinned on, the screen serves every row count; auto keeps it for the row counts up to
-    where it beat head_fn (plan.beats) at every timed count."""
+    (for timing). Pinned on, the screen serves every row count of a head it applies to (a bf16, int8 or
+    biased head keeps the full head, said at WARNING and in the record: one pin can serve a fleet of
+    models); auto keeps it for the row counts up to where it beat head_fn (plan.beats) at every timed
+    count. Pinned on where the screen's operator cannot be built: native.BuildError."""
     want = record.pinned("screen")
     weight = head.weight
     if want == "off":
@@ -121,9 +123,10 @@ def build(head: torch.nn.Module, head_fn, hidden_norm: float, record: execution.
         return None, "off (--fast-paths screen=off)"
     if getattr(head, "qweight", None) is not None or weight.dtype != torch.float32 or weight.device.type != "cpu" \
             or head.bias is not None:
-        if want == "on":
-            raise ValueError("--fast-paths screen=on: the argmax screen is only for an fp32 head without bias on CPU")
-        record.record("screen", "off", reason="only for an fp32 head without bias on CPU")
+        pinned = want == "on"
+        record.record("screen", "off", reason="only for an fp32 head without bias on CPU" +
+                      (" (pinned on: not applicable to this model)" if pinned else ""),
+                      level=logging.WARNING if pinned else logging.INFO)
         return None, "off (only for an fp32 head without bias on CPU)"
     try:
         screen_cpu.load()
