@@ -1,4 +1,4 @@
-"""Test doubles for the engine core: a checking FakeRunner, counting leases, a workload driver.
+"""Test doubles for the engine core: a checking FakeRunner, one that refuses requests, counting leases, a driver.
 
 FakeRunner keeps a fake KV cache (slot -> (token, position, salt)) and picks the
 next token from the context it READS BACK from that cache, so an output is right
@@ -144,6 +144,21 @@ class FakeRunner:
             if self.kv.get(self._slot(c.block_table, p)) != (known[p], p, salt):
                 self._violate(f"{rid}: KV at position {p} is {self.kv.get(self._slot(c.block_table, p))}, "
                               f"expected {(known[p], p, salt)}")
+
+
+class RefusingRunner(FakeRunner):
+    """Refuses, as the real runner does (runner/runner.py), every chunk holding a token id outside the
+    vocabulary: it names the request in StepOutput.failed and runs the step's other chunks alone."""
+
+    def execute(self, step: StepInput) -> StepOutput:
+        failed = {c.request_id: "InvalidArgument: token ids must be in [0, 13)" for c in step.chunks
+                  if max(c.token_ids) >= VOCAB}
+        kept = [c for c in step.chunks if c.request_id not in failed]
+        if not kept:
+            self.finished.update(step.finished_request_ids)
+            return StepOutput({}, failed=failed)
+        out = super().execute(StepInput(kept, step.finished_request_ids))
+        return StepOutput(out.sampled, out.accepted, failed)
 
 
 class CountingLeases:

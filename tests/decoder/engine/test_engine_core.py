@@ -7,9 +7,9 @@ import pytest
 from services.common.errors import AdapterNotFound, ContextLengthExceeded, InvalidArgument
 from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.engine_core import EngineCore
-from services.decoder.engine.step import SamplingParams, StepInput, StepOutput
+from services.decoder.engine.step import SamplingParams, StepOutput
 
-from .fakes import VOCAB, CountingLeases, FakeRunner, Job, drive, next_token
+from .fakes import VOCAB, CountingLeases, FakeRunner, Job, RefusingRunner, drive, next_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -162,21 +162,6 @@ def test_lease_hook_error_fails_the_request_cleanly():
     res = drive(core, runner, [Job("a", [1, 2, 3], max_tokens=2)])
     assert res.reasons[("a", 0)] == "error"
     core.check_idle()
-
-
-class RefusingRunner(FakeRunner):
-    """Refuses, as the real runner does (runner/runner.py), every chunk holding a token id outside the
-    vocabulary: it names the request in StepOutput.failed and runs the step's other chunks alone."""
-
-    def execute(self, step: StepInput) -> StepOutput:
-        failed = {c.request_id: "InvalidArgument: token ids must be in [0, 13)" for c in step.chunks
-                  if max(c.token_ids) >= VOCAB}
-        kept = [c for c in step.chunks if c.request_id not in failed]
-        if not kept:
-            self.finished.update(step.finished_request_ids)
-            return StepOutput({}, failed=failed)
-        out = super().execute(StepInput(kept, step.finished_request_ids))
-        return StepOutput(out.sampled, out.accepted, failed)
 
 
 def test_a_request_the_runner_refuses_fails_alone_and_the_core_keeps_serving():
