@@ -15,7 +15,7 @@ from services.decoder.lora.registry import AdapterRegistry
 def adapter_request(name: str, digest: str) -> tuple[AdapterRef, tuple]:
     """(adapter, extra_keys) for a request using adapter `name` with content `digest`.
 
-    The digest, never the name or a slot, salts every block hash (docs/design.md): a reload under the
+    The digest, never the name or a slot, salts every block hash (docs/design.md, invariant 4): a reload under the
     same name with other weights can never hit the old weights' cached KV.
     """
     return AdapterRef(name, digest), (("lora", digest),)

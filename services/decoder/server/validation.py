@@ -10,7 +10,7 @@ Callers in front of the decoder check JSON shape and their own size limits only;
 model's meaning (ranges, roles, lengths) is judged here, so a rule has one wording and one error kind
 wherever it is hit. A caller that must check early, before spending work elsewhere (the gateway, before
 it sends images to the vision service), reads these numbers from GetModelInfo rather than keeping
-defaults of its own (docs/design.md). Every refusal is a TesseraError naming the request's field
+defaults of its own (docs/design.md, invariant 11). Every refusal is a TesseraError naming the request's field
 (param), which the server turns into its gRPC status; nothing here touches the engine.
 """
 from __future__ import annotations
