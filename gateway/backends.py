@@ -10,7 +10,6 @@ call goes to is chosen once, by gateway/routing.py.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import time
@@ -18,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.errors import InvalidArgument, ModelNotFound, TesseraError, Unavailable, from_rpc_error
@@ -156,7 +156,8 @@ class Backend:
                 # The format tool_choice "auto" is parsed in; None: the decoder has auto tool choice off.
                 "tool_call_parser": info.tool_call_parser or None,
                 # n-gram speculative decoding's settings; None: off.
-                "speculative": json.loads(info.speculative) if info.speculative else None,
+                "speculative": MessageToDict(info.speculative_decoding, preserving_proto_field_name=True)
+                if info.HasField("speculative_decoding") else None,
                 # Weight-only quantization, e.g. "int8: 211 of 211 linears"; None: the --dtype weights.
                 "quantization": None if info.quantization in ("", "none") else info.quantization},
                 limits=info.limits)

@@ -29,7 +29,7 @@ from services.common.errors import (
 from services.common.metrics import LATENCY_BUCKETS
 from services.common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
 from services.common.server import Server, Started
-from services.decoder.engine.config import EngineConfig
+from services.decoder.engine.config import EngineConfig, SpeculativeConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.output import EngineStats, RequestOutput
 from services.decoder.engine.request import AdapterRef
@@ -155,6 +155,11 @@ def load(cfg: DecoderConfig) -> Loaded:
     return Loaded(name, engine, tokenizer, template, engine_cfg, engine.describe(), grammars, adapters)
 
 
+def _speculative(spec: SpeculativeConfig | None) -> decoder_pb2.SpeculativeDecoding | None:
+    """GetModelInfo's speculative_decoding: the config's keys as typed fields; None (unset) when off."""
+    return None if spec is None else decoder_pb2.SpeculativeDecoding(**{k: getattr(spec, k) for k in spec.KEYS})
+
+
 class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     def __init__(self, cfg: DecoderConfig):
         self.cfg = cfg
@@ -276,7 +281,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             supports_images=st.info.model.vision is not None, block_size=st.engine_config.block_size,
             dtype=self.cfg.dtype,
             lora_backend=st.info.lora_backend, execution_plan=st.info.plan.to_proto(),
-            speculative=st.engine_config.speculative.to_json() if st.engine_config.speculative else "",
+            speculative_decoding=_speculative(st.engine_config.speculative),
             tool_call_parser=self.cfg.tool_call_parser, quantization=st.info.quantization,
             max_loras=self.cfg.max_loras if st.adapters else 0, max_lora_rank=self.cfg.max_lora_rank,
             limits=self._limits(st).to_proto(),

@@ -2,8 +2,6 @@
 logprobs, stop strings and usage equal the same server without speculation."""
 from __future__ import annotations
 
-import json
-
 import grpc
 import pytest
 
@@ -70,10 +68,10 @@ def collect(stub, req):
 
 def test_model_info_reports_the_config_and_the_counters(servers):
     plain, spec = servers
-    assert plain.GetModelInfo(D.GetModelInfoRequest()).speculative == ""
-    info = spec.GetModelInfo(D.GetModelInfoRequest())
-    assert json.loads(info.speculative) == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-                                            "prompt_lookup_min": 1, "disable_by_batch_size": 4}
+    assert not plain.GetModelInfo(D.GetModelInfoRequest()).HasField("speculative_decoding")
+    info = spec.GetModelInfo(D.GetModelInfoRequest()).speculative_decoding
+    assert (info.method, info.num_speculative_tokens, info.prompt_lookup_max, info.prompt_lookup_min,
+            info.disable_by_batch_size) == ("ngram", 4, 3, 1, 4)
 
 
 def test_the_gateway_lists_whether_speculation_is_on(servers):
