@@ -4,8 +4,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
-import os
 import json
+import os
 import shutil
 import signal
 import subprocess

@@ -127,14 +127,13 @@ def parse(raw: dict) -> tuple[RopeScaling, tuple[int, int, int] | None]:
         # then the recipe's own, then max_position_embeddings.
         original = int(raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
                        or max_pos)
-    rope = RopeScaling(
-        kind=kind, theta=float(theta), max_position_embeddings=max_pos,
-        factor=_number(params, "factor", key), original_max_position_embeddings=original,
-        low_freq_factor=_number(params, "low_freq_factor", key), high_freq_factor=_number(params, "high_freq_factor", key),
-        attention_factor=_number(params, "attention_factor", key), beta_fast=_number(params, "beta_fast", key),
-        beta_slow=_number(params, "beta_slow", key), mscale=_number(params, "mscale", key),
-        mscale_all_dim=_number(params, "mscale_all_dim", key), truncate=bool(params.get("truncate", True)),
-        short_factor=_factors(params, "short_factor", key), long_factor=_factors(params, "long_factor", key))
+    numbers = {name: _number(params, name, key) for name in ("factor", "low_freq_factor", "high_freq_factor",
+                                                             "attention_factor", "beta_fast", "beta_slow",
+                                                             "mscale", "mscale_all_dim")}
+    rope = RopeScaling(kind=kind, theta=float(theta), max_position_embeddings=max_pos,
+                       original_max_position_embeddings=original, truncate=bool(params.get("truncate", True)),
+                       short_factor=_factors(params, "short_factor", key),
+                       long_factor=_factors(params, "long_factor", key), **numbers)
     return rope, sections
 
 

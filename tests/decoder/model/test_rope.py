@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -113,6 +114,25 @@ def test_logits_match_transformers(folders, name):
         got = model.logits(model(model.embed(ids), torch.arange(n), causal_attention))
     assert_close(got, expected, **TINY_SHAPE)
     assert expected.std() > 0.5
+
+
+def test_qwen25_yarn_as_its_model_card_writes_it(folders, tmp_path):
+    """Qwen2.5's long-context instructions add rope_scaling {"type": "yarn", ...} to config.json, next to a
+    top-level rope_theta: transformers and the decoder read that spelling into the same model."""
+    folder = shutil.copytree(folders["qwen25_yarn"], tmp_path / "legacy")
+    raw = json.loads((folder / "config.json").read_text())
+    params = raw.pop("rope_parameters")
+    raw.update(rope_theta=params["rope_theta"], rope_scaling={
+        "type": "yarn", "factor": params["factor"],
+        "original_max_position_embeddings": params["original_max_position_embeddings"]})
+    (folder / "config.json").write_text(json.dumps(raw))
+    model, ref = load_model(folder, "fp32"), load_reference(folder)
+    assert model.config.rope.kind == "yarn" and model.rotary.scale > 1.0
+    ids = torch.randint(4, 160, (40,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = ref(ids[None]).logits[0]
+        got = model.logits(model(model.embed(ids), torch.arange(40), causal_attention))
+    assert_close(got, expected, **TINY_SHAPE)
 
 
 def test_llama3_checkpoints_read_as_llama_3(folders):
