@@ -101,7 +101,7 @@ def _kind(folder: Path, recipe: str) -> str:
         raise ValueError(f"{folder}: recipe demo needs a {demo.MODEL_TYPE} folder, not {model_type!r}")
     if kind == "qwen2_vl" and model_type not in ("qwen2_vl", ""):
         raise ValueError(f"{folder}: config.json model_type {model_type!r} is not supported "
-                         f"(supported: qwen2_vl, {demo.MODEL_TYPE})")
+                         + (f"(supported: qwen2_vl, {demo.MODEL_TYPE})" if recipe == "auto" else "by recipe qwen2_vl"))
     return kind
 
 
