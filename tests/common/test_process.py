@@ -129,10 +129,7 @@ def run_service(module: str, argv: list[str]) -> subprocess.CompletedProcess:
 
 def without_weights(src: Path, dst: Path, **config) -> Path:
     """src's files but its weights: one tensor no model has; config.json keys changed as given."""
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy(f, dst / f.name)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
     save_file({"nothing.weight": torch.zeros(1)}, str(dst / "model.safetensors"))
     raw = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**raw, **config}))
