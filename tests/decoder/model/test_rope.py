@@ -116,6 +116,17 @@ def test_logits_match_transformers(folders, name):
     assert expected.std() > 0.5
 
 
+@pytest.mark.parametrize("name", list(ROPE_CASES))
+def test_bf16_follows_the_recipe(folders, name):
+    """bf16 serving casts the recipe's fp32 tables (attention factor included) as transformers does."""
+    model, ref = load_model(folders[name], "bf16"), load_reference(folders[name])
+    ids = torch.randint(4, 160, (16,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = ref(ids[None]).logits[0]
+        got = model.logits(model(model.embed(ids), torch.arange(16), causal_attention))
+    assert_close(got, expected, dtype=torch.bfloat16, **TINY_SHAPE)
+
+
 def test_qwen25_yarn_as_its_model_card_writes_it(folders, tmp_path):
     """Qwen2.5's long-context instructions add rope_scaling {"type": "yarn", ...} to config.json, next to a
     top-level rope_theta: transformers and the decoder read that spelling into the same model."""
