@@ -12,13 +12,17 @@ rest happens here, in the same order for all three:
 6. start, then serve until SIGTERM/SIGINT (Server.serve_until_signal: NOT_SERVING, drain, stop), then
    release what the service holds (Started.close).
 
-Health, reflection, the /metrics endpoint, TLS and draining are the Server's (services/common/server.py).
-A model folder or address the service cannot serve ends the process with one logged line and status 1.
+Before all of that, the service's `check` reads the model folders its flags name, without loading a weight:
+a folder it cannot serve (no such folder, a missing file, an unknown model_type or RoPE type...) is a usage
+error, like a bad flag value: one line on stderr naming the missing piece and the config key, status 2, and
+nothing else printed. What fails once it runs (a port it cannot bind, a dtype the device lacks, weights
+that do not match their config) ends the process with one logged line and status 1.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +48,9 @@ class Service:
     server_config: type[ServerConfig]
     config: type                   # the service's own frozen options dataclass
     start: Callable[[Any, Any], Awaitable[Started]]   # (server_cfg, cfg) -> Started, once SERVING
+    # cfg -> None: reads the model folders cfg names and raises (ValueError, OSError, TesseraError, KeyError
+    # for a config key that is not there) what the service cannot serve, before anything starts.
+    check: Callable[[Any], None] | None = None
 
 
 def load_config(service: Service, argv=None, environ=None) -> tuple[ServerConfig, Any]:
@@ -65,6 +72,10 @@ async def serve(service: Service, server_cfg: ServerConfig, cfg) -> None:
 def main(service: Service, argv=None) -> int:
     """The whole life of a service process; returns its exit status."""
     server_cfg, cfg = load_config(service, argv)
+    refusal = refused(service, cfg)
+    if refusal is not None:
+        print(f"{service.prog}: cannot serve: {refusal}", file=sys.stderr)
+        return 2
     logs.setup(server_cfg.log_level)
     config_mod.log_config(server_cfg, cfg)
     allocator.keep_freed_memory(Pins.parse(getattr(cfg, "fast_paths", "")).get("malloc"))
@@ -78,3 +89,16 @@ def main(service: Service, argv=None) -> int:
         log.error("cannot start: %s", exc)
         return 1
     return 0
+
+
+def refused(service: Service, cfg) -> str | None:
+    """Why the service cannot serve the folders cfg names, in one line; None when its check passes."""
+    if service.check is None:
+        return None
+    try:
+        service.check(cfg)
+    except KeyError as exc:
+        return f"a config file has no {exc.args[0]!r}"
+    except (ValueError, OSError, TesseraError) as exc:
+        return " ".join(str(exc).split()) or type(exc).__name__
+    return None

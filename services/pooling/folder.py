@@ -104,6 +104,26 @@ def _context_limit(folder: Path, config: dict) -> int:
     return min(limits)
 
 
+def _check_model_type(folder: Path, config: dict) -> None:
+    """The models are transformers' own (AutoModel): a model_type it does not know is refused here, in one
+    line, instead of by from_pretrained's paragraph."""
+    from transformers import __version__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    kind = config.get("model_type")
+    if kind not in CONFIG_MAPPING_NAMES:
+        raise ValueError(f"{folder}: config.json model_type {kind!r} is not supported "
+                         f"(transformers {__version__} has no such model)")
+
+
+def check(cfg) -> None:
+    """The folders a PoolingConfig names, read before anything starts (services/common/process.py): every
+    refusal read_spec makes, without loading a weight."""
+    read_spec(cfg.embedding_model, kind="embedding", pooling=cfg.pooling, normalize=cfg.normalize,
+              max_model_len=cfg.max_model_len)
+    if cfg.reranker_model:
+        read_spec(cfg.reranker_model, kind="rerank", max_model_len=cfg.max_model_len)
+
+
 def read_spec(folder: str | Path, *, name: str = "", kind: str, pooling: str = "",
               normalize: bool | None = None, max_model_len: int = 0) -> ModelSpec:
     """Resolve a folder into a ModelSpec. kind is what the flag asked for ("embedding" or
@@ -116,6 +136,7 @@ def read_spec(folder: str | Path, *, name: str = "", kind: str, pooling: str = "
         raise ValueError(f"{folder}: no tokenizer.json (a fast tokenizer file is required)")
     if not list(folder.glob("*.safetensors")):
         raise ValueError(f"{folder}: no *.safetensors weights")
+    _check_model_type(folder, config)
     archs = config.get("architectures") or []
     is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
     if kind == "rerank" and not is_classifier:

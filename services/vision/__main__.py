@@ -5,11 +5,11 @@ import sys
 
 from services.common.process import Service, main
 from services.vision.config import ENV_PREFIX, VisionConfig, VisionServerConfig
-from services.vision.service import launch
+from services.vision.service import check, launch
 
 SERVICE = Service(
     prog="python -m services.vision", env_prefix=ENV_PREFIX, server_config=VisionServerConfig,
-    config=VisionConfig, start=launch,
+    config=VisionConfig, start=launch, check=check,
     description="tessera vision: PNG/JPEG/WebP/GIF bytes -> projected decoder rows, grid and content hash "
                 "(Qwen2-VL vision tower or the demo ViT), with a bounded Redis feature cache (tessera.vision.v1).")
 

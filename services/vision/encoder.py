@@ -90,17 +90,43 @@ class Encoder:
         return [p.float().cpu().contiguous() for p in parts]
 
 
-def load(folder: str | Path, dtype: str = "fp32", device: str = "cpu", recipe: str = "auto") -> Encoder:
-    """Load a Qwen2-VL checkpoint's vision tower or a demo encoder folder (blocking)."""
-    folder = Path(folder)
+def _kind(folder: Path, recipe: str) -> str:
+    """"demo" or "qwen2_vl" for a folder's config.json model_type (or the --recipe that names it)."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json")
     model_type = json.loads(config_path.read_text()).get("model_type", "")
     kind = recipe if recipe != "auto" else ("demo" if model_type == demo.MODEL_TYPE else "qwen2_vl")
+    if kind == "demo" and model_type != demo.MODEL_TYPE:
+        raise ValueError(f"{folder}: recipe demo needs a {demo.MODEL_TYPE} folder, not {model_type!r}")
+    if kind == "qwen2_vl" and model_type not in ("qwen2_vl", ""):
+        raise ValueError(f"{folder}: config.json model_type {model_type!r} is not supported "
+                         + (f"(supported: qwen2_vl, {demo.MODEL_TYPE})" if recipe == "auto" else "by recipe qwen2_vl"))
+    return kind
+
+
+def check(folder: str | Path, recipe: str = "auto") -> None:
+    """What load refuses about a folder, without reading a weight (services/common/process.py)."""
+    folder = Path(folder)
+    kind = _kind(folder, recipe)
     if kind == "demo":
-        if model_type != demo.MODEL_TYPE:
-            raise ValueError(f"{folder}: recipe demo needs a {demo.MODEL_TYPE} folder, not {model_type!r}")
+        demo.DemoConfig.from_config_json(folder / "config.json")
+    else:
+        cfg = qwen2_vl.TowerConfig.from_config_json(folder / "config.json")
+        rec = Qwen2VLRecipe.from_folder(folder)
+        if (rec.patch_size, rec.temporal_patch_size, rec.merge_size) != \
+                (cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size):
+            raise ValueError(f"{folder}: preprocessor patch/merge sizes do not match vision_config")
+    if not list(folder.glob("*.safetensors")):
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights")
+
+
+def load(folder: str | Path, dtype: str = "fp32", device: str = "cpu", recipe: str = "auto") -> Encoder:
+    """Load a Qwen2-VL checkpoint's vision tower or a demo encoder folder (blocking)."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    kind = _kind(folder, recipe)
+    if kind == "demo":
         cfg = demo.DemoConfig.from_config_json(config_path)
         tensors = read_tensors(folder)
         model = demo.DemoEncoder(cfg)
@@ -109,8 +135,6 @@ def load(folder: str | Path, dtype: str = "fp32", device: str = "cpu", recipe: s
                       model.to(device=device, dtype=dtypes.to_torch(dtype)).eval(), weights_digest(tensors),
                       cfg.output_width, 1)
     else:
-        if model_type not in ("qwen2_vl", ""):
-            raise ValueError(f"{folder}: model_type {model_type!r} is not a Qwen2-VL checkpoint")
         cfg = qwen2_vl.TowerConfig.from_config_json(config_path)
         rec = Qwen2VLRecipe.from_folder(folder)
         if (rec.patch_size, rec.temporal_patch_size, rec.merge_size) != \

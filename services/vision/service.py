@@ -146,6 +146,11 @@ class VisionServicer(vision_pb2_grpc.VisionServiceServicer):
                                                max_pixels=self.cfg.max_pixels)
 
 
+def check(cfg: VisionConfig) -> None:
+    """--model read before anything starts (services/common/process.py): encoder.check's refusals."""
+    encoder_mod.check(cfg.model, cfg.recipe)
+
+
 async def start(server_cfg: VisionServerConfig, cfg: VisionConfig) -> tuple[Server, VisionServicer]:
     """Start the server (NOT_SERVING), load the encoder off the loop, then report SERVING."""
     servicer = VisionServicer(cfg)

@@ -4,7 +4,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,8 +15,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter
+from safetensors.torch import save_file
 
 from services.common import process
 from services.common.server import Server, ServerConfig, Started
@@ -117,20 +121,80 @@ def test_serve_reports_serving_exports_metrics_drains_on_sigterm_then_closes():
     assert closed == [False]    # released after the server reported NOT_SERVING and stopped
 
 
+def run_service(module: str, argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *argv, "--host", "127.0.0.1", "--port", "0"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")})
+
+
+def without_weights(src: Path, dst: Path, **config) -> Path:
+    """src's files but its weights: one tensor no model has; config.json keys changed as given."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({"nothing.weight": torch.zeros(1)}, str(dst / "model.safetensors"))
+    raw = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**raw, **config}))
+    return dst
+
+
 @pytest.mark.parametrize("module, argv", [
-    ("services.pooling", ["--embedding-model", "{tmp}/none"]),
-    ("services.vision", ["--model", "{tmp}/none"]),
+    ("services.pooling", ["--embedding-model", "{tmp}/minilm"]),      # no trained weights
+    ("services.vision", ["--model", "{tmp}/vl"]),                     # no vision tower
     ("services.decoder", ["--model", "{models}/SmolLM2-135M-Instruct", "--dtype", "fp16"]),  # no fp16 on CPU
 ])
 def test_what_the_service_cannot_serve_is_one_logged_line_and_status_1(module, argv, tmp_path):
-    argv = [a.format(tmp=tmp_path, models=ROOT / "models") for a in argv]
-    done = subprocess.run([sys.executable, "-m", module, *argv, "--host", "127.0.0.1", "--port", "0"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")})
+    without_weights(ROOT / "models" / "all-MiniLM-L6-v2", tmp_path / "minilm")
+    without_weights(ROOT / "models" / "qwen2-vl-random", tmp_path / "vl")
+    done = run_service(module, [a.format(tmp=tmp_path, models=ROOT / "models") for a in argv])
     assert done.returncode == 1, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and "cannot start:" in errors[0], done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-2000:]
+
+
+# A tiny Llama config.json (no weights needed: the refusals come before any is read).
+LLAMA = {"model_type": "llama", "vocab_size": 160, "hidden_size": 64, "intermediate_size": 96,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 256}
+
+
+def folder_with(path: Path, config: dict | None, *files: str) -> Path:
+    path.mkdir()
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config))
+    for name in files:
+        (path / name).write_bytes(b"")
+    return path
+
+
+@pytest.mark.parametrize("module, flag, make, words", [
+    ("services.decoder", "--model", lambda t: t / "absent", "absent is not a folder"),
+    ("services.decoder", "--model", lambda t: folder_with(t / "m", {"model_type": "gemma9"}),
+     "config.json model_type 'gemma9' is not supported (supported: llama, qwen2, qwen3, qwen2_vl)"),
+    ("services.decoder", "--model",
+     lambda t: folder_with(t / "m", {**LLAMA, "rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}}),
+     "config.json rope_parameters.rope_type 'proportional' is not supported"),
+    ("services.decoder", "--model", lambda t: folder_with(t / "m", {**LLAMA, "rope_scaling": {"type": "linear"}}),
+     "config.json rope_scaling lacks 'factor', which rope_type 'linear' requires"),
+    ("services.decoder", "--model", lambda t: folder_with(t / "m", LLAMA, "tokenizer.json"),
+     "has no model.safetensors or model.safetensors.index.json"),
+    ("services.decoder", "--model", lambda t: folder_with(t / "m", LLAMA, "model.safetensors"),
+     "has no tokenizer.json"),
+    ("services.pooling", "--embedding-model", lambda t: t / "absent", "absent: no config.json"),
+    ("services.pooling", "--embedding-model",
+     lambda t: without_weights(ROOT / "models" / "all-MiniLM-L6-v2", t / "m", model_type="nonesuch"),
+     "config.json model_type 'nonesuch' is not supported"),
+    ("services.vision", "--model", lambda t: t / "absent", "absent: no config.json"),
+    ("services.vision", "--model", lambda t: folder_with(t / "m", {"model_type": "gemma9"}),
+     "config.json model_type 'gemma9' is not supported (supported: qwen2_vl, tessera_demo_vision)"),
+])
+def test_a_folder_the_service_cannot_serve_is_one_line_and_status_2(module, flag, make, words, tmp_path):
+    """A usage error, before anything starts: one line on stderr naming the missing piece and its config key
+    or file, no log lines, no traceback, no event-loop noise."""
+    folder = make(tmp_path)
+    done = run_service(module, [flag, str(folder)])
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines() == [done.stderr.strip()], done.stderr[-2000:]
+    assert done.stderr.startswith(f"python -m {module}: cannot serve: ") and words in done.stderr, done.stderr
+    assert done.stdout == ""
 
 
 def test_no_former_name_is_a_variable_of_today():

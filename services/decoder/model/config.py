@@ -1,9 +1,9 @@
 """The decoder checkpoint's config.json (and generation_config.json), read and validated.
 
 We implement exactly: Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) decoders with
-SiLU-gated MLPs, full causal attention and unscaled RoPE (optionally M-RoPE sections).
-Anything else a config asks for is refused with Unsupported at load, because silently
-ignoring e.g. a RoPE scaling recipe would compute a different model.
+SiLU-gated MLPs, full causal attention and RoPE under transformers' recipes (model/rope.py; unscaled
+RoPE optionally with M-RoPE sections). Anything else a config asks for is refused with Unsupported at
+load, in one line naming the config key, because silently ignoring it would compute a different model.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import InvalidArgument, Unsupported
+from services.decoder.model import rope as rope_recipes
+from services.decoder.model.rope import RopeScaling
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 # Vision-language checkpoints whose text model is one of FAMILIES: model_type -> text family.
@@ -56,6 +58,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     vision: VisionTokens | None = None    # set for vision-language checkpoints (images accepted)
+    rope: RopeScaling | None = None       # the RoPE recipe (model/rope.py); None: unscaled at rope_theta
 
     @staticmethod
     def from_folder(folder: str | Path) -> ModelConfig:
@@ -63,29 +66,38 @@ class ModelConfig:
         path = folder / "config.json"
         if not path.is_file():
             raise InvalidArgument(f"{folder} has no config.json")
-        raw = json.loads(path.read_text())
+        raw = _json(path)
         gen_path = folder / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        gen = _json(gen_path) if gen_path.is_file() else {}
         return ModelConfig.from_dict(raw, gen)
 
     @staticmethod
     def from_dict(raw: dict, generation: dict | None = None) -> ModelConfig:
+        try:
+            return ModelConfig._from_dict(raw, generation)
+        except KeyError as exc:     # a key every family needs: say which, in one line
+            raise InvalidArgument(f"config.json has no {exc.args[0]!r}") from None
+
+    @staticmethod
+    def _from_dict(raw: dict, generation: dict | None) -> ModelConfig:
         vision = None
         if raw.get("model_type") in VISION_LANGUAGE:
             raw, vision = _text_of_vision_language(raw)
         family = raw.get("model_type")
         if family not in FAMILIES:
-            raise Unsupported(f"model_type {family!r} is not supported (supported: {', '.join(FAMILIES)})")
+            raise Unsupported(f"config.json model_type {family!r} is not supported "
+                              f"(supported: {', '.join(FAMILIES + tuple(VISION_LANGUAGE))})")
         act = raw.get("hidden_act", "silu")
         if act != "silu":
-            raise Unsupported(f"hidden_act {act!r} is not supported (only silu)")
+            raise Unsupported(f"config.json hidden_act {act!r} is not supported (only silu)")
         _refuse_sliding_window(raw)
-        theta, sections = _rope(raw)
+        rope, sections = rope_recipes.parse(raw)
         heads = int(raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         if heads % kv_heads:
             raise InvalidArgument(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         head_dim = int(raw.get("head_dim") or raw["hidden_size"] // heads)
+        rope_recipes.check_dims(rope, head_dim)
         if sections is not None and 2 * sum(sections) != head_dim:
             raise InvalidArgument(f"mrope_section {sections} must total head_dim/2 = {head_dim // 2} pairs")
         attention_bias = bool(raw.get("attention_bias", False))
@@ -104,7 +116,7 @@ class ModelConfig:
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
+            rope_theta=rope.theta,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
@@ -115,6 +127,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             vision=vision,
+            rope=rope,
         )
 
 
@@ -134,7 +147,7 @@ def _text_of_vision_language(raw: dict) -> tuple[dict, VisionTokens]:
         if "tie_word_embeddings" in raw:
             flat["tie_word_embeddings"] = raw["tie_word_embeddings"]
     flat["model_type"] = VISION_LANGUAGE[kind]
-    if _rope(flat)[1] is None:
+    if rope_recipes.parse(flat)[1] is None:
         # Without sections an image's [3, T] positions could not be applied; refuse at load, not per request.
         raise InvalidArgument(f"{kind} config has no rope mrope_section")
     image = raw.get("image_token_id", flat.get("image_token_id"))
@@ -151,35 +164,19 @@ def _text_of_vision_language(raw: dict) -> tuple[dict, VisionTokens]:
                               vision_end_token_id=_id("vision_end_token_id"), spatial_merge_size=merge)
 
 
+def _json(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as exc:
+        raise InvalidArgument(f"{path.name} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise InvalidArgument(f"{path.name} is not a JSON object")
+    return raw
+
+
 def _refuse_sliding_window(raw: dict) -> None:
     if raw.get("use_sliding_window"):
-        raise Unsupported("sliding-window attention (use_sliding_window) is not supported")
+        raise Unsupported("config.json use_sliding_window (sliding-window attention) is not supported")
     kinds = set(raw.get("layer_types") or ["full_attention"])
     if kinds != {"full_attention"}:
-        raise Unsupported(f"layer_types {sorted(kinds)} are not supported (only full_attention)")
-
-
-def _rope(raw: dict) -> tuple[float, tuple[int, int, int] | None]:
-    """(theta, M-RoPE sections) from transformers 5's rope_parameters, or the legacy keys.
-
-    Only the unscaled ("default") recipe is implemented; every scaling recipe and every
-    parameter we would not apply is refused instead of being dropped.
-    """
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
-    if kind not in ("default", "mrope"):
-        raise Unsupported(f"RoPE scaling {kind!r} is not supported (only unscaled RoPE / M-RoPE)")
-    theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
-    sections = params.pop("mrope_section", None)
-    if params.pop("partial_rotary_factor", 1.0) != 1.0 or raw.get("partial_rotary_factor", 1.0) != 1.0:
-        raise Unsupported("partial_rotary_factor != 1 is not supported")
-    if params.pop("mrope_interleaved", False):
-        raise Unsupported("interleaved M-RoPE is not supported")
-    if params:
-        raise Unsupported(f"RoPE parameters {sorted(params)} are not supported by unscaled RoPE")
-    if sections is not None:
-        if len(sections) != 3 or min(sections) < 0:
-            raise InvalidArgument(f"mrope_section must be three non-negative pair counts, got {sections}")
-        sections = tuple(int(s) for s in sections)
-    return float(theta), sections
+        raise Unsupported(f"config.json layer_types {sorted(kinds)} are not supported (only full_attention)")

@@ -68,7 +68,7 @@ class CausalLM(nn.Module):
 
     def setup_rotary(self, device: torch.device | str) -> None:
         cfg = self.config
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.mrope_sections, device=device)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope or cfg.rope_theta, cfg.mrope_sections, device=device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [N] -> embeddings [N, hidden] (the runner may replace image rows)."""

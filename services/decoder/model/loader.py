@@ -15,7 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from services.common import dtypes
-from services.common.errors import InvalidArgument, Unsupported
+from services.common.errors import InvalidArgument, TesseraError, Unsupported
 from services.decoder.model.config import ModelConfig
 from services.decoder.model.decoder import CausalLM
 
@@ -42,6 +42,23 @@ def checkpoint_files(folder: Path) -> list[Path]:
     if single.is_file():
         return [single]
     raise InvalidArgument(f"{folder} has no model.safetensors or model.safetensors.index.json")
+
+
+def check_folder(folder: str | Path) -> ModelConfig:
+    """What load_model refuses about a folder before it reads a weight: no folder, no config.json, a config
+    it does not implement (model/config.py), no safetensors files. Each refusal is one line that names the
+    folder and the file or the config key."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InvalidArgument(f"{folder} is not a folder")
+    if not (folder / "config.json").is_file():
+        raise InvalidArgument(f"{folder} has no config.json (is it a Hugging Face model folder?)")
+    try:
+        cfg = ModelConfig.from_folder(folder)
+    except TesseraError as exc:
+        raise type(exc)(f"{folder}: {exc.message}", param=exc.param) from None
+    checkpoint_files(folder)
+    return cfg
 
 
 def load_model(folder: str | Path, dtype: str | torch.dtype = "fp32",

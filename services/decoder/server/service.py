@@ -38,6 +38,7 @@ from services.decoder.grammar.compiler import GrammarCompiler
 from services.decoder.grammar.spec import GrammarSpec
 from services.decoder.lora.registry import check_name
 from services.decoder.model.config import ModelConfig
+from services.decoder.model.loader import check_folder
 from services.decoder.multimodal.request import place_images, request_images
 from services.decoder.runner.runner import Runner
 from services.decoder.server.adapters import Adapters, adapter_info
@@ -111,6 +112,14 @@ class Loaded:
     adapters: Adapters | None = None     # None with --max-loras 0
 
 
+def check(cfg: DecoderConfig) -> None:
+    """--model read before anything starts (services/common/process.py): a folder the decoder cannot serve
+    (model/loader.py check_folder, or no tokenizer.json) is refused in one line naming the file or the key."""
+    check_folder(cfg.model)
+    if not (Path(cfg.model) / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{cfg.model} has no tokenizer.json (the decoder reads a tokenizers-format file)")
+
+
 def load(cfg: DecoderConfig) -> Loaded:
     """Build tokenizer, runner and engine core (blocking; run it off the event loop)."""
     folder = Path(cfg.model)
@@ -143,8 +152,9 @@ def load(cfg: DecoderConfig) -> Loaded:
     if cfg.fault_fail_at_step:
         engine.inject_fault(cfg.fault_fail_at_step)
     name = cfg.served_model_name or folder.resolve().name
-    log.info("loaded %s (%s, %s): %d KV blocks of %d tokens, max_model_len %d, chat template: %s, "
-             "speculative decoding: %s", name, model_cfg.family, cfg.dtype, num_blocks, cfg.block_size,
+    log.info("loaded %s (%s, %s, RoPE %s): %d KV blocks of %d tokens, max_model_len %d, chat template: %s, "
+             "speculative decoding: %s", name, model_cfg.family, cfg.dtype,
+             model_cfg.rope.describe() if model_cfg.rope else "default", num_blocks, cfg.block_size,
              engine_cfg.max_model_len, template is not None,
              engine_cfg.speculative.to_json() if engine_cfg.speculative else "off")
     if adapters is not None:

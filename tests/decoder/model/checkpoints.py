@@ -40,10 +40,40 @@ CASES = {
                                              tie_word_embeddings=False), {}),
 }
 
+# RoPE recipes (services/decoder/model/rope.py), sized so each recipe's parts are exercised at head_dim 16
+# (8 rotary pairs) and these short contexts: llama3's three frequency bands, YaRN's ramp, and dynamic's and
+# longrope's switch positions (16) inside a prompt plus its generation. Llama 3.1 is untied, 3.2 tied.
+_LONG = [1.0, 1.2, 1.7, 2.5, 4.0, 6.5, 9.0, 12.0]
+ROPE_CASES = {
+    "llama31_llama3_rope": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                          max_position_embeddings=2048, rope_parameters=dict(
+                                              rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                              low_freq_factor=1.0, high_freq_factor=4.0,
+                                              original_max_position_embeddings=256)), {}),
+    "llama32_llama3_rope_tied": ("llama", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+                                               max_position_embeddings=2048, rope_parameters=dict(
+                                                   rope_type="llama3", rope_theta=500000.0, factor=32.0,
+                                                   low_freq_factor=1.0, high_freq_factor=4.0,
+                                                   original_max_position_embeddings=128)), {}),
+    "qwen25_yarn": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                  rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                       original_max_position_embeddings=32)), {}),
+    "llama_linear_rope": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters=dict(
+        rope_type="linear", rope_theta=10000.0, factor=2.0)), {}),
+    "qwen3_dynamic_rope": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=16, rope_parameters=dict(
+                                             rope_type="dynamic", rope_theta=10000.0, factor=3.0)), {}),
+    "llama_longrope": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                          original_max_position_embeddings=16,
+                                                          short_factor=[1.0] * 4 + [1.1, 1.3, 1.6, 2.0],
+                                                          long_factor=_LONG)), {}),
+}
+
 
 def build(root: Path, name: str, seed: int = 0, vocab_size: int = VOCAB) -> Path:
     """Write checkpoint `name` (with another vocabulary size if given) under root and return its folder."""
-    family, overrides, save_kwargs = CASES[name]
+    family, overrides, save_kwargs = {**CASES, **ROPE_CASES}[name]
     config_cls, model_cls = _CLASSES[family]
     kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
