@@ -193,3 +193,37 @@ def test_the_docs_table_lists_the_registry():
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines()
             if line.startswith("| `")]
     assert {row[0].strip("`"): row[2] == "yes" for row in rows} == {t: f.rerank for t, f in FAMILIES.items()}
+
+
+def test_served_over_grpc_as_a_user_calls_them(qwen3_dir, xlmr_reranker_dir):
+    """A Qwen3 embedder and an XLM-R cross-encoder in one pooling service: Embed and Rerank equal
+    sentence-transformers, and GetModelInfo reports which forward each runs."""
+    import grpc
+    from sentence_transformers import CrossEncoder
+
+    from services.common import tensors
+    from services.common.pb import pooling_pb2 as pb
+    from services.common.pb import pooling_pb2_grpc
+    from tests.pooling.conftest import RunningServer
+    running = RunningServer(embedding_model=str(qwen3_dir), embedding_name="qwen3",
+                            reranker_model=str(xlmr_reranker_dir), reranker_name="xlmr-rerank")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = pooling_pb2_grpc.PoolingServiceStub(channel)
+            reply = stub.Embed(pb.EmbedRequest(model="qwen3", inputs=[pb.EmbedInput(text=t) for t in TEXTS]),
+                               timeout=60)
+            assert_cosine(tensors.from_proto(reply.embeddings), reference(qwen3_dir, TEXTS), **SHAPE)
+            query, docs = "what is a panda?", ["Paris is in France.", "The giant panda is a bear.", "hi"]
+            ranked = stub.Rerank(pb.RerankRequest(model="xlmr-rerank", query=query, documents=docs), timeout=60)
+            scores = torch.as_tensor(CrossEncoder(str(xlmr_reranker_dir), device="cpu").predict(
+                [(query, d) for d in docs]))
+            order = [r.index for r in ranked.results]
+            assert sorted(order) == [0, 1, 2]
+            assert_close([r.relevance_score for r in ranked.results], scores[order], **SHAPE)
+            assert all(a.relevance_score >= b.relevance_score for a, b in zip(ranked.results, ranked.results[1:]))
+            models = {m.name: m for m in stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).models}
+            [choice] = models["qwen3"].execution_plan.choices
+            assert (choice.name, choice.chosen) == ("forward", "transformers") and "qwen3" in choice.reason
+            assert (models["qwen3"].pooling, models["qwen3"].normalize) == ("last", True)
+    finally:
+        running.close()
