@@ -4,6 +4,7 @@ last-token pooling and a ModernBERT encoder (transformers' forward, with the rea
 one-line refusal of a model_type the service does not serve."""
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -220,7 +221,7 @@ def test_served_over_grpc_as_a_user_calls_them(qwen3_dir, xlmr_reranker_dir):
             order = [r.index for r in ranked.results]
             assert sorted(order) == [0, 1, 2]
             assert_close([r.relevance_score for r in ranked.results], scores[order], **SHAPE)
-            assert all(a.relevance_score >= b.relevance_score for a, b in zip(ranked.results, ranked.results[1:]))
+            assert all(a.relevance_score >= b.relevance_score for a, b in itertools.pairwise(ranked.results))
             models = {m.name: m for m in stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).models}
             [choice] = models["qwen3"].execution_plan.choices
             assert (choice.name, choice.chosen) == ("forward", "transformers") and "qwen3" in choice.reason
