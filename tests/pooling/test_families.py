@@ -228,3 +228,19 @@ def test_served_over_grpc_as_a_user_calls_them(qwen3_dir, xlmr_reranker_dir):
             assert (models["qwen3"].pooling, models["qwen3"].normalize) == ("last", True)
     finally:
         running.close()
+
+
+@pytest.mark.parametrize("which, fast", [("xlmr_dir", True), ("xlmr_dir", False), ("qwen3_dir", True),
+                                         ("modernbert_dir", True)],
+                         ids=["xlm-roberta-packed", "xlm-roberta-transformers", "qwen3", "modernbert"])
+def test_bfloat16_within_the_bf16_bound_of_sentence_transformers_fp32(which, fast, request):
+    """--dtype bfloat16 (weights and activations, pooling in fp32) of each family, through the forward it
+    runs, against the fp32 reference, bounded by tests/tolerance.py for bf16 at the families' shape."""
+    folder = request.getfixturevalue(which)
+    model = Embedder(read_spec(folder, kind="embedding"), dtype="bf16", fast=fast,
+                     fast_paths="linear=plain,encoder_attention=torch")
+    assert next(model.module.parameters()).dtype == torch.bfloat16
+    assert (model.packed is not None) == (fast and which == "xlmr_dir")
+    ours = embed(model, TEXTS)
+    assert ours.dtype == torch.float32
+    assert_cosine(ours, reference(folder, TEXTS), dtype=torch.bfloat16, **SHAPE, what="bf16 vs fp32")
