@@ -25,10 +25,12 @@ class Family:
 FAMILIES = {f.model_type: f for f in (
     Family("bert", causal=False, rerank=True),
     # RoBERTa's embeddings: positions count from pad_token_id + 1 and skip pad tokens.
+    Family("roberta", causal=False, rerank=True),
     Family("xlm-roberta", causal=False, rerank=True),
     # Alternating global and sliding-window attention, RoPE, GeGLU, no biases.
     Family("modernbert", causal=False, rerank=False),
     Family("llama", causal=True, rerank=False),
+    Family("qwen2", causal=True, rerank=False),
     Family("qwen3", causal=True, rerank=False),
 )}
 

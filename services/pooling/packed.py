@@ -1,5 +1,5 @@
-"""A packed forward (fp32, or bf16 with --dtype bfloat16) for BERT and XLM-RoBERTa encoders: no padding in
-any linear layer.
+"""A packed forward (fp32, or bf16 with --dtype bfloat16) for BERT, RoBERTa and XLM-RoBERTa encoders: no
+padding in any linear layer.
 
 Why: on CPU the linear layers dominate a small encoder's forward. transformers'
 BertModel runs them over the padded [B, L] grid and splits Q/K/V into three GEMMs.
@@ -9,8 +9,8 @@ Q/K/V is one fused GEMM. Attention runs per sequence on the packed rows in a C++
 only within groups of rows of similar length (`attention_groups`): padding every row to the batch's longest
 made attention cost B * longest^2, which took a fifth of MiniLM's forward on real sentences; grouped, the
 forward is ~0.75x as long, and the operator takes attention from ~4-6 ms to ~1.7 ms per layer of 52 sentences.
-It computes exactly BertModel's and XLMRobertaModel's function (the same layers; only the position ids
-differ); tests compare it with transformers. Every other family runs transformers' forward (`unsupported`).
+It computes exactly BertModel's, RobertaModel's and XLMRobertaModel's function (the same layers; only the
+position ids differ); tests compare it with transformers. Every other family runs transformers' forward (`unsupported`).
 """
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ class _Group:
 
 # The encoders whose function the packed forward computes -> whether positions are RoBERTa's (counted from
 # pad_token_id + 1, pad tokens skipped) rather than BERT's 0, 1, 2...
-_ENCODERS = {"BertModel": False, "XLMRobertaModel": True}
+_ENCODERS = {"BertModel": False, "RobertaModel": True, "XLMRobertaModel": True}
 
 
 def unsupported(model: torch.nn.Module) -> str:
@@ -144,7 +144,7 @@ def unsupported(model: torch.nn.Module) -> str:
     cfg = model.config
     name = type(model).__name__
     if name not in _ENCODERS:
-        return f"it computes {' and '.join(_ENCODERS)} only, not {name}"
+        return f"it computes {', '.join(_ENCODERS)} only, not {name}"
     if getattr(cfg, "is_decoder", False):
         return "config is_decoder: causal attention"
     if getattr(cfg, "position_embedding_type", "absolute") != "absolute":

@@ -53,13 +53,14 @@ def write_sentence_transformer(source: Path, folder: Path, pooling: str, normali
 XLMR_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 
 
-def _xlmr_config(ids: dict[str, int], **extra):
-    from transformers import XLMRobertaConfig
+def _xlmr_config(ids: dict[str, int], model_type: str = "xlm-roberta", **extra):
+    from transformers import RobertaConfig, XLMRobertaConfig
     # Positions count from pad_token_id + 1, so the table holds MAX_SEQ + 2 rows and more.
-    return XLMRobertaConfig(vocab_size=256 + len(ids), hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-                            num_attention_heads=HEADS, intermediate_size=INTERMEDIATE,
-                            max_position_embeddings=MAX_SEQ + 8, type_vocab_size=1, pad_token_id=ids["<pad>"],
-                            bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], **extra)
+    config = XLMRobertaConfig if model_type == "xlm-roberta" else RobertaConfig
+    return config(vocab_size=256 + len(ids), hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, intermediate_size=INTERMEDIATE,
+                  max_position_embeddings=MAX_SEQ + 8, type_vocab_size=1, pad_token_id=ids["<pad>"],
+                  bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], **extra)
 
 
 def _xlmr_tokenizer(folder: Path) -> dict[str, int]:
@@ -70,33 +71,39 @@ def _xlmr_tokenizer(folder: Path) -> dict[str, int]:
                            model_input_names=["input_ids", "attention_mask"])
 
 
-def write_xlm_roberta(folder: Path, seed: int = 0) -> Path:
-    from transformers import XLMRobertaModel
+def write_xlm_roberta(folder: Path, seed: int = 0, model_type: str = "xlm-roberta") -> Path:
+    """An XLMRobertaModel, or with model_type "roberta" a RobertaModel (the same layers and tokenizer template)."""
+    from transformers import RobertaModel, XLMRobertaModel
     ids = _xlmr_tokenizer(folder)
     torch.manual_seed(seed)
-    XLMRobertaModel(_xlmr_config(ids)).save_pretrained(folder)
+    model = XLMRobertaModel if model_type == "xlm-roberta" else RobertaModel
+    model(_xlmr_config(ids, model_type)).save_pretrained(folder)
     return folder
 
 
-def write_xlm_roberta_reranker(folder: Path, seed: int = 1) -> Path:
-    from transformers import XLMRobertaForSequenceClassification
+def write_xlm_roberta_reranker(folder: Path, seed: int = 1, model_type: str = "xlm-roberta") -> Path:
+    from transformers import RobertaForSequenceClassification, XLMRobertaForSequenceClassification
     ids = _xlmr_tokenizer(folder)
     torch.manual_seed(seed)
-    XLMRobertaForSequenceClassification(_xlmr_config(ids, num_labels=1)).save_pretrained(folder)
+    model = XLMRobertaForSequenceClassification if model_type == "xlm-roberta" else RobertaForSequenceClassification
+    model(_xlmr_config(ids, model_type, num_labels=1)).save_pretrained(folder)
     return folder
 
 
-def write_qwen3(folder: Path, seed: int = 2) -> Path:
-    """A Qwen3ForCausalLM whose tokenizer appends <|endoftext|> and pads on the left, as Qwen3-Embedding's."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def write_qwen3(folder: Path, seed: int = 2, model_type: str = "qwen3") -> Path:
+    """A Qwen3ForCausalLM whose tokenizer appends <|endoftext|> and pads on the left, as Qwen3-Embedding's; with
+    model_type "qwen2" a Qwen2ForCausalLM (gte-Qwen2's family: biased Q/K/V, no q/k norms) with the same."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    config, model = (Qwen3Config, Qwen3ForCausalLM) if model_type == "qwen3" else (Qwen2Config, Qwen2ForCausalLM)
     ids = write_tokenizer(folder, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "$A <|endoftext|>", None,
                           first=False, eos_token="<|endoftext|>", pad_token="<|endoftext|>", padding_side="left")
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=256 + len(ids), hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                      num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=MAX_SEQ + 8, pad_token_id=ids["<|endoftext|>"],
-                      eos_token_id=ids["<|endoftext|>"], tie_word_embeddings=True)
-    Qwen3ForCausalLM(cfg).save_pretrained(folder)
+    cfg = config(vocab_size=256 + len(ids), hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                 num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=2,
+                 max_position_embeddings=MAX_SEQ + 8, pad_token_id=ids["<|endoftext|>"],
+                 eos_token_id=ids["<|endoftext|>"], tie_word_embeddings=True,
+                 **({"head_dim": 16} if model_type == "qwen3" else {}))
+    model(cfg).save_pretrained(folder)
     return folder
 
 

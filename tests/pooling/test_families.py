@@ -1,6 +1,6 @@
-"""The pooling service's families against sentence-transformers on tiny random checkpoints: XLM-RoBERTa
-embeddings (packed forward pinned every way, and off) and cross-encoder scores, a Qwen3 decoder with
-last-token pooling and a ModernBERT encoder (transformers' forward, with the reason in the plan); and the
+"""The pooling service's families against sentence-transformers on tiny random checkpoints: XLM-RoBERTa and
+RoBERTa embeddings (packed forward pinned every way, and off) and cross-encoder scores, Qwen3 and Qwen2
+decoders with last-token pooling and a ModernBERT encoder (transformers' forward, with the reason in the plan); and the
 one-line refusal of a model_type the service does not serve."""
 from __future__ import annotations
 
@@ -32,21 +32,25 @@ PLANS = [("linear=plain,encoder_attention=torch", True), ("linear=packed,encoder
          (None, False)]
 
 
-@pytest.fixture(scope="module")
-def xlmr_dir(tmp_path_factory) -> Path:
-    source = checkpoints.write_xlm_roberta(tmp_path_factory.mktemp("xlmr-hf"))
-    return checkpoints.write_sentence_transformer(source, tmp_path_factory.mktemp("xlmr-st"), "mean")
+@pytest.fixture(scope="module", params=["xlm-roberta", "roberta"])
+def xlmr_dir(tmp_path_factory, request) -> Path:
+    """An XLM-RoBERTa (and a RoBERTa) sentence-transformers folder: mean pooling, Normalize."""
+    source = checkpoints.write_xlm_roberta(tmp_path_factory.mktemp(f"{request.param}-hf"), model_type=request.param)
+    return checkpoints.write_sentence_transformer(source, tmp_path_factory.mktemp(f"{request.param}-st"), "mean")
 
 
-@pytest.fixture(scope="module")
-def xlmr_reranker_dir(tmp_path_factory) -> Path:
-    return checkpoints.write_xlm_roberta_reranker(tmp_path_factory.mktemp("xlmr-reranker"))
+@pytest.fixture(scope="module", params=["xlm-roberta", "roberta"])
+def xlmr_reranker_dir(tmp_path_factory, request) -> Path:
+    return checkpoints.write_xlm_roberta_reranker(tmp_path_factory.mktemp(f"{request.param}-reranker"),
+                                                  model_type=request.param)
 
 
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory) -> Path:
-    source = checkpoints.write_qwen3(tmp_path_factory.mktemp("qwen3-hf"))
-    return checkpoints.write_sentence_transformer(source, tmp_path_factory.mktemp("qwen3-st"), "lasttoken")
+@pytest.fixture(scope="module", params=["qwen3", "qwen2"])
+def qwen3_dir(tmp_path_factory, request) -> Path:
+    """A Qwen3 (and a Qwen2) decoder as a sentence-transformers folder: last-token pooling, Normalize."""
+    source = checkpoints.write_qwen3(tmp_path_factory.mktemp(f"{request.param}-hf"), model_type=request.param)
+    return checkpoints.write_sentence_transformer(source, tmp_path_factory.mktemp(f"{request.param}-st"),
+                                                  "lasttoken")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,8 @@ def reference(folder: Path, texts) -> torch.Tensor:
 @pytest.mark.parametrize("fast_paths, fast", PLANS, ids=["plain-torch", "packed-cpp", "no-packed"])
 def test_xlm_roberta_embeddings_match_sentence_transformers(xlmr_dir, fast_paths, fast):
     spec = read_spec(xlmr_dir, kind="embedding")
-    assert (spec.model_type, spec.pooling, spec.normalize, spec.causal) == ("xlm-roberta", "mean", True, False)
+    assert spec.model_type in ("xlm-roberta", "roberta")
+    assert (spec.pooling, spec.normalize, spec.causal) == ("mean", True, False)
     model = Embedder(spec, fast=fast, fast_paths=fast_paths)
     assert (model.packed is not None) == fast
     if fast:
@@ -98,7 +103,7 @@ def test_packed_xlm_roberta_positions_skip_pad_tokens_as_transformers_does(xlmr_
 def test_xlm_roberta_cross_encoder_matches_sentence_transformers(xlmr_reranker_dir):
     from sentence_transformers import CrossEncoder
     model = Reranker(read_spec(xlmr_reranker_dir, kind="rerank"))
-    assert (model.spec.model_type, model.spec.activation) == ("xlm-roberta", "sigmoid")
+    assert model.spec.model_type in ("xlm-roberta", "roberta") and model.spec.activation == "sigmoid"
     query, docs = "what is a panda?", ["The giant panda is a bear.", "Paris is in France.", "hi"]
     seqs = model.tokenize(query, docs, truncate=False)
     # XLM-R's pair template: <s> q </s> </s> d </s> (one byte token each), one segment.
@@ -119,10 +124,12 @@ PINS = [None, "linear=packed,encoder_attention=cpp"]
 @pytest.mark.parametrize("fast_paths", PINS, ids=["auto", "pinned"])
 def test_qwen3_last_token_embeddings_match_sentence_transformers(qwen3_dir, fast_paths, caplog):
     spec = read_spec(qwen3_dir, kind="embedding")
-    assert (spec.model_type, spec.pooling, spec.normalize, spec.causal) == ("qwen3", "last", True, True)
+    assert spec.model_type in ("qwen3", "qwen2")
+    assert (spec.pooling, spec.normalize, spec.causal) == ("last", True, True)
     with caplog.at_level(logging.INFO, logger="tessera.plan"):
         model = Embedder(spec, fast_paths=fast_paths)
-    _assert_reference_forward(model, "Qwen3Model", fast_paths, caplog)
+    _assert_reference_forward(model, "Qwen3Model" if spec.model_type == "qwen3" else "Qwen2Model", fast_paths,
+                              caplog)
     # The folder's tokenizer appends <|endoftext|>, whose hidden state is the embedding; sentence-transformers
     # pads on the left (as Qwen3-Embedding does), we on the right: the last real token is the same either way.
     ids = model.tokenize(["Hi"], truncate=False)[0].ids
@@ -150,8 +157,8 @@ def _assert_reference_forward(model: Embedder, module: str, fast_paths, caplog) 
     assert model.packed is None
     choice = model.plan.get("forward")
     assert choice.chosen == "transformers"
-    assert f"packed forward not for {model.spec.model_type}: it computes BertModel and XLMRobertaModel only, " \
-           f"not {module}" in choice.reason
+    assert f"packed forward not for {model.spec.model_type}: it computes BertModel, RobertaModel, XLMRobertaModel " \
+           f"only, not {module}" in choice.reason
     [record] = [r for r in caplog.records if "fast path forward: transformers" in r.getMessage()]
     assert record.levelno == (logging.WARNING if fast_paths else logging.INFO)
     assert ("not applicable to this model" in choice.reason) == bool(fast_paths)
@@ -167,12 +174,12 @@ def _relabel(source: Path, folder: Path, **changes) -> Path:
 
 def test_a_family_not_served_is_refused_in_one_line_naming_model_type(tmp_path, xlmr_dir, qwen3_dir):
     with pytest.raises(ValueError, match=r"config.json model_type 'gpt2' is not a family the pooling service "
-                                         r"serves \(bert, xlm-roberta, modernbert, llama, qwen3\)$"):
+                                         r"serves \(bert, roberta, xlm-roberta, modernbert, llama, qwen2, qwen3\)$"):
         read_spec(_relabel(xlmr_dir, tmp_path / "gpt2", model_type="gpt2"), kind="embedding")
     qwen3_classifier = _relabel(qwen3_dir, tmp_path / "qwen3-cls", architectures=["Qwen3ForSequenceClassification"],
                                 id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
-    with pytest.raises(ValueError, match=r"model_type 'qwen3' is not served as a reranker \(rerankers: bert, "
-                                         r"xlm-roberta\)$"):
+    with pytest.raises(ValueError, match=r"model_type 'qwen[23]' is not served as a reranker \(rerankers: bert, "
+                                         r"roberta, xlm-roberta\)$"):
         read_spec(qwen3_classifier, kind="rerank")
 
 
@@ -224,23 +231,31 @@ def test_served_over_grpc_as_a_user_calls_them(qwen3_dir, xlmr_reranker_dir):
             assert all(a.relevance_score >= b.relevance_score for a, b in itertools.pairwise(ranked.results))
             models = {m.name: m for m in stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).models}
             [choice] = models["qwen3"].execution_plan.choices
-            assert (choice.name, choice.chosen) == ("forward", "transformers") and "qwen3" in choice.reason
+            assert (choice.name, choice.chosen) == ("forward", "transformers") and "qwen" in choice.reason
             assert (models["qwen3"].pooling, models["qwen3"].normalize) == ("last", True)
     finally:
         running.close()
 
 
-@pytest.mark.parametrize("which, fast", [("xlmr_dir", True), ("xlmr_dir", False), ("qwen3_dir", True),
-                                         ("modernbert_dir", True)],
-                         ids=["xlm-roberta-packed", "xlm-roberta-transformers", "qwen3", "modernbert"])
-def test_bfloat16_within_the_bf16_bound_of_sentence_transformers_fp32(which, fast, request):
-    """--dtype bfloat16 (weights and activations, pooling in fp32) of each family, through the forward it
-    runs, against the fp32 reference, bounded by tests/tolerance.py for bf16 at the families' shape."""
-    folder = request.getfixturevalue(which)
+def _assert_bfloat16_within_bound(folder: Path, fast: bool, packed: bool) -> None:
+    """--dtype bfloat16 (weights and activations, pooling in fp32) through the forward the family runs, against
+    sentence-transformers fp32, bounded by tests/tolerance.py for bf16 at the families' shape."""
     model = Embedder(read_spec(folder, kind="embedding"), dtype="bf16", fast=fast,
                      fast_paths="linear=plain,encoder_attention=torch")
-    assert next(model.module.parameters()).dtype == torch.bfloat16
-    assert (model.packed is not None) == (fast and which == "xlmr_dir")
+    assert next(model.module.parameters()).dtype == torch.bfloat16 and (model.packed is not None) == packed
     ours = embed(model, TEXTS)
     assert ours.dtype == torch.float32
     assert_cosine(ours, reference(folder, TEXTS), dtype=torch.bfloat16, **SHAPE, what="bf16 vs fp32")
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["packed", "transformers"])
+def test_roberta_bfloat16_within_the_bf16_bound(xlmr_dir, fast):
+    _assert_bfloat16_within_bound(xlmr_dir, fast, packed=fast)
+
+
+def test_decoder_bfloat16_within_the_bf16_bound(qwen3_dir):
+    _assert_bfloat16_within_bound(qwen3_dir, True, packed=False)
+
+
+def test_modernbert_bfloat16_within_the_bf16_bound(modernbert_dir):
+    _assert_bfloat16_within_bound(modernbert_dir, True, packed=False)
