@@ -172,19 +172,19 @@ def _relabel(source: Path, folder: Path, **changes) -> Path:
     return folder
 
 
-def test_a_family_not_served_is_refused_in_one_line_naming_model_type(tmp_path, xlmr_dir, qwen3_dir):
+def test_a_family_not_served_is_refused_in_one_line_naming_model_type(tmp_path, tiny_bert_dir, tiny_llama_dir):
     with pytest.raises(ValueError, match=r"config.json model_type 'gpt2' is not a family the pooling service "
                                          r"serves \(bert, roberta, xlm-roberta, modernbert, llama, qwen2, qwen3\)$"):
-        read_spec(_relabel(xlmr_dir, tmp_path / "gpt2", model_type="gpt2"), kind="embedding")
-    qwen3_classifier = _relabel(qwen3_dir, tmp_path / "qwen3-cls", architectures=["Qwen3ForSequenceClassification"],
-                                id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
-    with pytest.raises(ValueError, match=r"model_type 'qwen[23]' is not served as a reranker \(rerankers: bert, "
+        read_spec(_relabel(tiny_bert_dir, tmp_path / "gpt2", model_type="gpt2"), kind="embedding")
+    classifier = _relabel(tiny_llama_dir, tmp_path / "llama-cls", architectures=["LlamaForSequenceClassification"],
+                          id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    with pytest.raises(ValueError, match=r"model_type 'llama' is not served as a reranker \(rerankers: bert, "
                                          r"roberta, xlm-roberta\)$"):
-        read_spec(qwen3_classifier, kind="rerank")
+        read_spec(classifier, kind="rerank")
 
 
-def test_the_service_refuses_an_unknown_family_with_one_logged_line(tmp_path, xlmr_dir):
-    folder = _relabel(xlmr_dir, tmp_path / "mystery", model_type="mystery")
+def test_the_service_refuses_an_unknown_family_with_one_logged_line(tmp_path, tiny_bert_dir):
+    folder = _relabel(tiny_bert_dir, tmp_path / "mystery", model_type="mystery")
     done = subprocess.run([sys.executable, "-m", "services.pooling", "--embedding-model", str(folder),
                            "--host", "127.0.0.1", "--port", "0"], capture_output=True, text=True, timeout=300,
                           cwd=ROOT, env={k: v for k, v in os.environ.items() if not k.startswith("TESSERA_POOLING")})
