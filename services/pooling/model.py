@@ -105,7 +105,7 @@ def _reference_forward(plan: ExecutionPlan, why_not: str) -> None:
     does not apply to this model, said at WARNING (one pin can serve a fleet of models)."""
     pinned = [f"{p}={plan.pinned(p)}" for p in ("linear", "encoder_attention") if plan.pinned(p) != "auto"]
     plan.record("forward", "transformers",
-                reason=why_not + (f" (pinned {', '.join(pinned)}: not applicable to this model)" if pinned else ""),
+                reason=why_not + (f"; pinned {', '.join(pinned)}: not applicable to this model" if pinned else ""),
                 level=logging.WARNING if pinned else logging.INFO)
 
 
