@@ -185,9 +185,10 @@ class Reranker(_Base):
             raise ValueError(f"{spec.path}: a reranker needs one label, not {module.config.num_labels}")
         _check_missing(spec, info)
         super().__init__(spec, module, dtype)
-        log.info("reranker %s: %s (%s) activation=%s max_len=%d, transformers' forward (the packed forward "
-                 "is for embeddings)", spec.name, type(self.module).__name__, spec.model_type, spec.activation,
-                 spec.max_model_len)
+        self.plan = ExecutionPlan()
+        self.plan.record("forward", "transformers", reason="the packed forward serves embedding models only")
+        log.info("reranker %s: %s (%s) activation=%s max_len=%d", spec.name, type(self.module).__name__,
+                 spec.model_type, spec.activation, spec.max_model_len)
 
     def tokenize(self, query: str, documents: list[str], truncate: bool) -> list[Sequence]:
         """One (query, document) pair per document, with the tokenizer's own pair template."""
