@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .families import family
 from .pooling import MODES
 
 # sentence-transformers pooling names -> ours; other modes (max, weightedmean...) are refused.
@@ -31,6 +32,7 @@ class ModelSpec:
     path: Path
     name: str
     kind: str                      # "embedding" | "rerank"
+    model_type: str                # config.json's, one of families.FAMILIES
     causal: bool                   # decoder backbone (causal attention)
     pooling: str                   # mean | cls | last (embeddings only)
     normalize: bool
@@ -143,7 +145,7 @@ def read_spec(folder: str | Path, *, name: str = "", kind: str, pooling: str = "
         raise ValueError(f"{folder}: a reranker must be a *ForSequenceClassification folder, got {archs}")
     if kind == "embedding" and is_classifier:
         raise ValueError(f"{folder}: {archs} is a cross-encoder; serve it with --reranker-model")
-    causal = bool(config.get("is_decoder")) or any(a.endswith("ForCausalLM") for a in archs)
+    causal = family(config, folder, kind).causal or bool(config.get("is_decoder"))
 
     st_pooling, st_normalize = None, None
     modules = _read(folder / "modules.json")
@@ -175,8 +177,8 @@ def read_spec(folder: str | Path, *, name: str = "", kind: str, pooling: str = "
         activation = _activation(folder, config)
     text_cfg = config.get("text_config") or config
     return ModelSpec(
-        path=folder, name=name or folder.name, kind=kind, causal=causal, pooling=pooling,
-        normalize=normalize, max_model_len=max_model_len or limit,
+        path=folder, name=name or folder.name, kind=kind, model_type=config["model_type"], causal=causal,
+        pooling=pooling, normalize=normalize, max_model_len=max_model_len or limit,
         lowercase=bool((_read(folder / "sentence_bert_config.json") or {}).get("do_lower_case")),
         matryoshka=matryoshka, activation=activation,
         vocab_size=int(text_cfg["vocab_size"]), hidden_size=int(text_cfg["hidden_size"]))

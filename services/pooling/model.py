@@ -100,6 +100,15 @@ class _Base:
         return batch
 
 
+def _reference_forward(plan: ExecutionPlan, why_not: str) -> None:
+    """Record (and log) that transformers' forward runs and why; a fast path pinned for the packed forward
+    does not apply to this model, said at WARNING (one pin can serve a fleet of models)."""
+    pinned = [f"{p}={plan.pinned(p)}" for p in ("linear", "encoder_attention") if plan.pinned(p) != "auto"]
+    plan.record("forward", "transformers",
+                reason=why_not + (f"; pinned {', '.join(pinned)}: not applicable to this model" if pinned else ""),
+                level=logging.WARNING if pinned else logging.INFO)
+
+
 class Embedder(_Base):
     """An encoder or decoder backbone (AutoModel) plus our pooling."""
 
@@ -116,10 +125,15 @@ class Embedder(_Base):
         # (tests/pooling/test_reference.py), at ~0.6x its CPU time on MiniLM.
         # Its fast paths, chosen at load under what --fast-paths pins (services/common/plan.py).
         self.plan = ExecutionPlan(fast_paths, POOLING_PATHS)
-        self.packed = packed.PackedBert.wrap(self.module, self.plan) if fast else None
-        log.info("embedding model %s: %s pooling=%s normalize=%s max_len=%d fast=%s fast paths: %s",
-                 spec.name, type(self.module).__name__, spec.pooling, spec.normalize, spec.max_model_len,
-                 self.packed is not None, self.plan.summary() or "transformers' forward")
+        why_not = packed.unsupported(self.module)
+        why_not = "packed forward off (--no-packed)" if not fast else \
+            why_not and f"packed forward not for {spec.model_type}: {why_not}"
+        self.packed = None if why_not else packed.PackedBert(self.module, self.plan)
+        if why_not:
+            _reference_forward(self.plan, why_not)
+        log.info("embedding model %s: %s (%s) pooling=%s normalize=%s max_len=%d fast=%s fast paths: %s",
+                 spec.name, type(self.module).__name__, spec.model_type, spec.pooling, spec.normalize,
+                 spec.max_model_len, self.packed is not None, self.plan.summary())
 
     def tokenize(self, inputs: list[str | list[int]], truncate: bool) -> list[Sequence]:
         """Validate and tokenise request inputs (text, or token ids) in order."""
@@ -171,8 +185,10 @@ class Reranker(_Base):
             raise ValueError(f"{spec.path}: a reranker needs one label, not {module.config.num_labels}")
         _check_missing(spec, info)
         super().__init__(spec, module, dtype)
-        log.info("reranker %s: %s activation=%s max_len=%d", spec.name, type(self.module).__name__,
-                 spec.activation, spec.max_model_len)
+        self.plan = ExecutionPlan()
+        self.plan.record("forward", "transformers", reason="the packed forward serves embedding models only")
+        log.info("reranker %s: %s (%s) activation=%s max_len=%d", spec.name, type(self.module).__name__,
+                 spec.model_type, spec.activation, spec.max_model_len)
 
     def tokenize(self, query: str, documents: list[str], truncate: bool) -> list[Sequence]:
         """One (query, document) pair per document, with the tokenizer's own pair template."""

@@ -1,5 +1,5 @@
-"""A packed forward (fp32, or bf16 with --dtype bfloat16) for BERT-family encoders: no padding in any
-linear layer.
+"""A packed forward (fp32, or bf16 with --dtype bfloat16) for BERT, RoBERTa and XLM-RoBERTa encoders: no
+padding in any linear layer.
 
 Why: on CPU the linear layers dominate a small encoder's forward. transformers'
 BertModel runs them over the padded [B, L] grid and splits Q/K/V into three GEMMs.
@@ -9,7 +9,8 @@ Q/K/V is one fused GEMM. Attention runs per sequence on the packed rows in a C++
 only within groups of rows of similar length (`attention_groups`): padding every row to the batch's longest
 made attention cost B * longest^2, which took a fifth of MiniLM's forward on real sentences; grouped, the
 forward is ~0.75x as long, and the operator takes attention from ~4-6 ms to ~1.7 ms per layer of 52 sentences.
-It computes exactly BertModel's function; tests compare it with transformers.
+It computes exactly BertModel's, RobertaModel's and XLMRobertaModel's function (the same layers; only the
+position ids differ); tests compare it with transformers. Every other family runs transformers' forward (`unsupported`).
 """
 from __future__ import annotations
 
@@ -133,25 +134,42 @@ class _Group:
         out[self.first:self.last] = ctx if self.valid is None else ctx.index_select(0, self.valid)
 
 
+# The encoders whose function the packed forward computes -> whether positions are RoBERTa's (counted from
+# pad_token_id + 1, pad tokens skipped) rather than BERT's 0, 1, 2...
+_ENCODERS = {"BertModel": False, "RobertaModel": True, "XLMRobertaModel": True}
+
+
+def unsupported(model: torch.nn.Module) -> str:
+    """Why the packed forward does not compute model's function, in a few words; "" where it does."""
+    cfg = model.config
+    name = type(model).__name__
+    if name not in _ENCODERS:
+        return f"it computes {', '.join(_ENCODERS)} only, not {name}"
+    if getattr(cfg, "is_decoder", False):
+        return "config is_decoder: causal attention"
+    if getattr(cfg, "position_embedding_type", "absolute") != "absolute":
+        return f"config position_embedding_type {cfg.position_embedding_type!r}: only absolute positions"
+    if not isinstance(cfg.hidden_act, str) or cfg.hidden_act not in _GELU:
+        return f"config hidden_act {cfg.hidden_act!r}: only {', '.join(_GELU)}"
+    return ""
+
+
 class PackedBert:
     """Callable: list of Sequence -> (hidden [B, L, H] right-padded, mask [B, L])."""
 
     @classmethod
     def wrap(cls, model: torch.nn.Module, record: execution.ExecutionPlan) -> PackedBert | None:
-        """A PackedBert over model's weights, or None when model is not a plain BertModel.
+        """A PackedBert over model's weights, or None where it would not compute model's function
+        (`unsupported` says why).
 
         record: the execution plan its paths are chosen in (linear, encoder_attention)."""
-        cfg = model.config
-        if (type(model).__name__ != "BertModel" or getattr(cfg, "is_decoder", False)
-                or getattr(cfg, "position_embedding_type", "absolute") != "absolute"
-                or not isinstance(cfg.hidden_act, str) or cfg.hidden_act not in _GELU):
-            return None
-        return cls(model, record)
+        return None if unsupported(model) else cls(model, record)
 
     def __init__(self, model: torch.nn.Module, record: execution.ExecutionPlan):
         cfg = model.config
         self.heads = cfg.num_attention_heads
         self.approximate = _GELU[cfg.hidden_act]
+        self.pad = cfg.pad_token_id if _ENCODERS[type(model).__name__] else None
         emb = model.embeddings
         self.word = emb.word_embeddings.weight
         self.position = emb.position_embeddings.weight
@@ -176,6 +194,15 @@ class PackedBert:
             qkv, out, up, down = (linear_path.Projection(w, b, plan) for w, b in projections)
             self.layers.append((qkv, out, layer.attention.output.LayerNorm, up, down, layer.output.LayerNorm))
 
+    def _positions(self, ids: tuple[int, ...]) -> torch.Tensor:
+        """One sequence's position ids: 0, 1, 2... for BERT; for RoBERTa what transformers'
+        create_position_ids_from_input_ids gives: pad_token_id + the count of non-pad tokens so far, and
+        pad_token_id itself at a pad token (token ids given by a caller may hold one)."""
+        if self.pad is None:
+            return torch.arange(len(ids))
+        real = torch.tensor(ids).ne(self.pad).long()
+        return real.cumsum(0) * real + self.pad
+
     def __call__(self, seqs) -> tuple[torch.Tensor, torch.Tensor]:
         # Rows run sorted by length, so that each attention group is a contiguous token range; the
         # result is scattered back in the callers' order.
@@ -184,7 +211,7 @@ class PackedBert:
         batch, width = len(seqs), lengths[-1]
         ids = torch.tensor([t for r in order for t in seqs[r].ids])
         types = torch.tensor([t for r in order for t in (seqs[r].type_ids or (0,) * len(seqs[r]))])
-        positions = torch.cat([torch.arange(n) for n in lengths])
+        positions = torch.cat([self._positions(seqs[r].ids) for r in order])
         slots = torch.cat([torch.arange(n) + r * width for r, n in zip(order, lengths, strict=True)])  # [T] in B*L
         offsets = torch.tensor([0] + lengths).cumsum(0) if self.cpp_attention else None
         groups = [] if self.cpp_attention else _groups(lengths)

@@ -148,12 +148,14 @@ def test_model_info(stub):
     assert embed.max_model_len == 64 and embed.max_batch_size == 8
     assert rerank.kind == pb.MODEL_KIND_RERANK and rerank.activation == "sigmoid"
     # The packed BERT forward's fast paths: the matmul path per weight shape, and the attention (the C++
-    # operator or the grouped SDPA, whichever timed faster at load); the reranker runs transformers' forward.
+    # operator or the grouped SDPA, whichever timed faster at load); the reranker runs transformers' forward, and
+    # its plan says so.
     choices = {c.name: c for c in embed.execution_plan.choices}
     assert any(name.startswith("linear ") for name in choices)
     assert choices["encoder_attention"].chosen in ("cpp", "torch")
     assert {t.candidate for t in choices["encoder_attention"].timings} == {"cpp", "torch"}
-    assert not rerank.execution_plan.choices
+    [forward] = rerank.execution_plan.choices
+    assert (forward.name, forward.chosen) == ("forward", "transformers") and "embedding models only" in forward.reason
 
 
 BAD_EMBEDS = [
