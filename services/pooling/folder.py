@@ -106,17 +106,6 @@ def _context_limit(folder: Path, config: dict) -> int:
     return min(limits)
 
 
-def _check_model_type(folder: Path, config: dict) -> None:
-    """The models are transformers' own (AutoModel): a model_type it does not know is refused here, in one
-    line, instead of by from_pretrained's paragraph."""
-    from transformers import __version__
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    kind = config.get("model_type")
-    if kind not in CONFIG_MAPPING_NAMES:
-        raise ValueError(f"{folder}: config.json model_type {kind!r} is not supported "
-                         f"(transformers {__version__} has no such model)")
-
-
 def check(cfg) -> None:
     """The folders a PoolingConfig names, read before anything starts (services/common/process.py): every
     refusal read_spec makes, without loading a weight."""
@@ -138,14 +127,14 @@ def read_spec(folder: str | Path, *, name: str = "", kind: str, pooling: str = "
         raise ValueError(f"{folder}: no tokenizer.json (a fast tokenizer file is required)")
     if not list(folder.glob("*.safetensors")):
         raise ValueError(f"{folder}: no *.safetensors weights")
-    _check_model_type(folder, config)
+    served = family(config, folder, kind)     # an unknown model_type is refused here, in one line
     archs = config.get("architectures") or []
     is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
     if kind == "rerank" and not is_classifier:
         raise ValueError(f"{folder}: a reranker must be a *ForSequenceClassification folder, got {archs}")
     if kind == "embedding" and is_classifier:
         raise ValueError(f"{folder}: {archs} is a cross-encoder; serve it with --reranker-model")
-    causal = family(config, folder, kind).causal or bool(config.get("is_decoder"))
+    causal = served.causal or bool(config.get("is_decoder"))
 
     st_pooling, st_normalize = None, None
     modules = _read(folder / "modules.json")

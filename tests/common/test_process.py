@@ -181,7 +181,7 @@ def folder_with(path: Path, config: dict | None, *files: str) -> Path:
     ("services.pooling", "--embedding-model", lambda t: t / "absent", "absent: no config.json"),
     ("services.pooling", "--embedding-model",
      lambda t: without_weights(ROOT / "models" / "all-MiniLM-L6-v2", t / "m", model_type="nonesuch"),
-     "config.json model_type 'nonesuch' is not supported"),
+     "config.json model_type 'nonesuch' is not a family the pooling service serves"),
     ("services.vision", "--model", lambda t: t / "absent", "absent: no config.json"),
     ("services.vision", "--model", lambda t: folder_with(t / "m", {"model_type": "gemma9"}),
      "config.json model_type 'gemma9' is not supported (supported: qwen2_vl, tessera_demo_vision)"),
