@@ -10,6 +10,7 @@ import dataclasses
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.step import SamplingParams, StepInput
 from services.decoder.model import ModelConfig, load_model
-from services.decoder.model.config import FAMILIES
+from services.decoder.model.config import FAMILIES, VISION_LANGUAGE
 from services.decoder.model.families import MODELS
 from services.decoder.model.granite import Granite
 from services.decoder.model.olmo2 import Olmo2
@@ -279,3 +280,12 @@ def test_prefix_hit_same_output_and_cached_tokens(folders, expected, family):
         results.append((toks, cached))
     assert results == [(expected[family][2], 0), (expected[family][2], 20)]   # 5 full blocks of 4
     core.check_idle()
+
+
+def test_models_doc_lists_every_family():
+    """docs/models.md's table of decoder families names exactly the model types the decoder accepts."""
+    text = (Path(__file__).resolve().parents[3] / "docs" / "models.md").read_text()
+    section = text.split("## Decoder families", 1)[1].split("\n## ", 1)[0]
+    rows = {line.split("|")[1].strip().strip("`") for line in section.splitlines()
+            if line.startswith("| `")}
+    assert rows == set(FAMILIES) | set(VISION_LANGUAGE)

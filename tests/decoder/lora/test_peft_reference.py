@@ -28,7 +28,8 @@ WORKLOAD = [(0, "alpha"), (1, None), (2, "beta"), (0, "gamma"), (3, "alpha"), (2
             (3, "gamma"), (0, None), (2, "alpha")]
 
 
-@pytest.fixture(scope="module", params=["llama_mha_untied", "qwen2_gqa2_odd_tied"])
+@pytest.fixture(scope="module", params=["llama_mha_untied", "qwen2_gqa2_odd_tied", "granite_gqa2_multipliers",
+                                        "olmo2_gqa4_postnorm"])
 def setup(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("peftref")
     base = build(root, request.param)
