@@ -286,6 +286,7 @@ def test_models_doc_lists_every_family():
     """docs/models.md's table of decoder families names exactly the model types the decoder accepts."""
     text = (Path(__file__).resolve().parents[3] / "docs" / "models.md").read_text()
     section = text.split("## Decoder families", 1)[1].split("\n## ", 1)[0]
-    rows = {line.split("|")[1].strip().strip("`") for line in section.splitlines()
-            if line.startswith("| `")}
+    header, *rows = [line.split("|")[1].strip().strip("`") for line in section.splitlines() if line.startswith("| `")]
+    assert header == "model_type"
+    rows = set(rows)
     assert rows == set(FAMILIES) | set(VISION_LANGUAGE)
