@@ -82,7 +82,7 @@ def test_registry_names_every_family_the_config_accepts():
 def test_config_reads_the_family_keys(folders):
     g = ModelConfig.from_folder(folders["granite"])
     assert (g.family, g.embedding_multiplier, g.residual_multiplier, g.attention_scale, g.logits_scaling) == \
-        ("granite", 3.0, 0.4, 0.07, 2.5)
+        ("granite", 3.0, 0.4, 0.07, 1.5)
     assert g.qkv_bias and g.o_bias and g.mlp_bias and g.tie_word_embeddings and not g.qk_norm
     o = ModelConfig.from_folder(folders["olmo2"])
     assert (o.family, o.num_heads, o.num_kv_heads, o.head_dim) == ("olmo2", 8, 2, 8)

@@ -48,7 +48,7 @@ CASES = {
     "granite_gqa2_multipliers": ("granite", dict(num_attention_heads=4, num_key_value_heads=2,
                                                  tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
                                                  embedding_multiplier=3.0, residual_multiplier=0.4,
-                                                 attention_multiplier=0.07, logits_scaling=2.5), {}),
+                                                 attention_multiplier=0.07, logits_scaling=1.5), {}),
     "olmo2_gqa4_postnorm": ("olmo2", dict(num_attention_heads=8, num_key_value_heads=2, attention_bias=True,
                                           tie_word_embeddings=False), {}),
 }
