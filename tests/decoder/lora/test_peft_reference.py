@@ -77,7 +77,10 @@ def test_mixed_batch_logits_match_peft(setup, path):
             assert not is_close(want[i], base_only[i], **TINY_SHAPE), n
     # Invariant 6: base rows of the mixed step equal the same step with no adapter at all, bit for bit.
     plain = [Seq(str(i), prompts[i].tolist()) for i in range(len(rows))]
-    alone, _ = runner.logits(StepInput([s.chunk(9, BlockAllocator(128), 4) for s in plain]))
+    # One allocator for the step: sequences sharing blocks would overwrite each other's KV, which the
+    # in-place attention operator reads back even for a first chunk (runner/attention.py).
+    fresh = BlockAllocator(128)
+    alone, _ = runner.logits(StepInput([s.chunk(9, fresh, 4) for s in plain]))
     for i in (1, 5):
         assert torch.equal(got[i], alone[i])
 
