@@ -1,9 +1,11 @@
 """The decoder checkpoint's config.json (and generation_config.json), read and validated.
 
-We implement exactly: Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) decoders with
-SiLU-gated MLPs, full causal attention and RoPE under transformers' recipes (model/rope.py; unscaled
-RoPE optionally with M-RoPE sections). Anything else a config asks for is refused with Unsupported at
-load, in one line naming the config key, because silently ignoring it would compute a different model.
+We implement exactly: Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Granite
+(embedding, residual, attention and logit multipliers) and OLMo 2 (post-norm blocks, q/k RMSNorm over
+the whole projection) decoders with SiLU-gated MLPs, full causal attention and RoPE under transformers'
+recipes (model/rope.py; unscaled RoPE optionally with M-RoPE sections). Each family's module is named
+in model/families.py. Anything else a config asks for is refused with Unsupported at load, in one line
+naming the config key, because silently ignoring it would compute a different model.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from services.common.errors import InvalidArgument, Unsupported
 from services.decoder.model import rope as rope_recipes
 from services.decoder.model.rope import RopeScaling
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "granite", "olmo2")
 # Vision-language checkpoints whose text model is one of FAMILIES: model_type -> text family.
 # The decoder loads only the text model; the vision service loads the tower from the same folder.
 VISION_LANGUAGE = {"qwen2_vl": "qwen2"}
@@ -53,7 +55,12 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool
+    qk_norm: bool                         # Qwen3's per-head q/k RMSNorm (OLMo 2's are model/olmo2.py's)
+    # Granite's multipliers (model/granite.py); every other family keeps these identities.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None  # softmax(scale * q.k); None: 1/sqrt(head_dim)
+    logits_scaling: float = 1.0           # the logits are the head's output divided by this
     mrope_sections: tuple[int, int, int] | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -101,7 +108,7 @@ class ModelConfig:
         if sections is not None and 2 * sum(sections) != head_dim:
             raise InvalidArgument(f"mrope_section {sections} must total head_dim/2 = {head_dim // 2} pairs")
         attention_bias = bool(raw.get("attention_bias", False))
-        # Qwen2 always has q/k/v bias and never o bias; Llama/Qwen3 use attention_bias for all four.
+        # Qwen2 always has q/k/v bias and never o bias; the other families use attention_bias for all four.
         qkv_bias = True if family == "qwen2" else attention_bias
         o_bias = False if family == "qwen2" else attention_bias
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
@@ -121,8 +128,9 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            mlp_bias=bool(raw.get("mlp_bias", False)) if family == "llama" else False,
+            mlp_bias=bool(raw.get("mlp_bias", False)) if family in ("llama", "granite") else False,
             qk_norm=family == "qwen3",
+            **(_granite_multipliers(raw) if family == "granite" else {}),
             mrope_sections=sections,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
@@ -172,6 +180,20 @@ def _json(path: Path) -> dict:
     if not isinstance(raw, dict):
         raise InvalidArgument(f"{path.name} is not a JSON object")
     return raw
+
+
+def _granite_multipliers(raw: dict) -> dict:
+    """Granite's four multipliers (transformers' defaults 1.0), as ModelConfig fields. Its
+    attention_multiplier replaces 1/sqrt(head_dim) as the attention scale."""
+    values = {}
+    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        value = raw.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise InvalidArgument(f"granite config key {key} must be a positive number, got {value!r}")
+        values[key] = float(value)
+    return dict(embedding_multiplier=values["embedding_multiplier"],
+                residual_multiplier=values["residual_multiplier"],
+                attention_scale=values["attention_multiplier"], logits_scaling=values["logits_scaling"])
 
 
 def _refuse_sliding_window(raw: dict) -> None:

@@ -3,6 +3,10 @@
 `CausalLM.model.*` and `CausalLM.lm_head` mirror transformers' names, so a checkpoint's
 keys are our state_dict keys. The forward pass runs every token of a step at once:
 one [N, hidden] matmul per projection per layer, whatever mix of requests the step has.
+
+Another family subclasses CausalLM in its own module (model/granite.py, model/olmo2.py; the
+registry is model/families.py): its layer and norm classes, its embedding and logits, and the
+fast paths that do not compute its math (`unsupported`).
 """
 from __future__ import annotations
 
@@ -17,18 +21,24 @@ from services.decoder.model.rotary import Rotary
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: type[nn.Module], norm: type[nn.Module]):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
+    """Llama, Qwen2 and Qwen3 (and Qwen2-VL's text model)."""
+
+    # A family's decoder layer (cfg, index) and final norm (width, eps); see model/families.py.
+    Layer: type[nn.Module] = DecoderLayer
+    Norm: type[nn.Module] = RMSNorm
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
+        self.model = Backbone(cfg, self.Layer, self.Norm)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Plain object, not a buffer: it is not in checkpoints and must not be created on meta.
         self.rotary: Rotary | None = None
@@ -65,6 +75,12 @@ class CausalLM(nn.Module):
                 m.native = norm
             elif isinstance(m, MLP):
                 m.native = act
+
+    def unsupported(self) -> dict[str, str]:
+        """Fast path (a --fast-paths name, or glue.norm / glue.act) -> why it does not compute this family's
+        math, for each that does not: those run the reference path and the plan says why. Llama's layer is
+        what every fast path computes, so none here."""
+        return {}
 
     def setup_rotary(self, device: torch.device | str) -> None:
         cfg = self.config

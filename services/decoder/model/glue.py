@@ -57,10 +57,19 @@ def choose(model: CausalLM, record: execution.ExecutionPlan, timer: Timer | None
         for op in ("norm", "act"):
             record.record(f"glue.{op}", "torch", reason=f"unavailable: {str(e).splitlines()[0]}")
         return f"torch (unavailable: {str(e).splitlines()[0]})"
+    # An op whose C++ form does not compute the family's math (CausalLM.unsupported) keeps torch's, pinned
+    # or not; pinned, that is said at WARNING (one pin can serve a fleet of models).
+    refused = {op: model.unsupported().get(f"glue.{op}", "") for op in ("norm", "act")}
+    for op, why in refused.items():
+        if why:
+            record.record(f"glue.{op}", "torch", reason=why + (" (pinned on: not applicable to this model)"
+                                                               if pin == "cpp" else ""),
+                          level=logging.WARNING if pin == "cpp" else logging.INFO)
     if pin == "cpp":
         for op in ("norm", "act"):
-            record.record(f"glue.{op}", "cpp")
-        model.use_native_glue(norm=True, act=True)
+            if not refused[op]:
+                record.record(f"glue.{op}", "cpp")
+        model.use_native_glue(norm=not refused["norm"], act=not refused["act"])
         return "cpp (--fast-paths glue=cpp)"
     timer = timer or best_of
     cfg, dtype = model.config, model.model.norm.weight.dtype
@@ -74,9 +83,12 @@ def choose(model: CausalLM, record: execution.ExecutionPlan, timer: Timer | None
                  "torch": lambda: glue_cpu.rms_norm_ref(x, norm.weight, norm.eps, y)},
         "act": {"cpp": lambda: glue_cpu.silu_mul(gate, up), "torch": lambda: glue_cpu.silu_mul_ref(gate, up)},
     }
-    wins, parts = {}, []
+    wins, parts = {"norm": False, "act": False}, []
     with torch.inference_mode():
         for op, calls in ops.items():
+            if refused[op]:
+                parts.append(f"{'norm' if op == 'norm' else 'silu*up'} torch ({refused[op]})")
+                continue
             took = timer(op, calls)
             chosen = execution.pick(took, "torch")
             wins[op] = chosen == "cpp"

@@ -20,8 +20,11 @@ from services.decoder.model.rotary import apply_rotary
 
 
 class AttentionFn(Protocol):
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [N, H, D], k/v [N, KVH, D] of this step's tokens -> attention output [N, H, D]."""
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float | None = None) -> torch.Tensor:
+        """q [N, H, D], k/v [N, KVH, D] of this step's tokens -> attention output [N, H, D]; softmax of
+        scale * q.k, scale 1/sqrt(D) when None. Layers pass scale only when their family sets one (Granite's
+        attention_multiplier), so an AttentionFn that cannot apply a scale fails loudly for such a family."""
 
 
 class RMSNorm(nn.Module):
@@ -60,6 +63,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_width, cfg.hidden_size, bias=cfg.o_bias)
         self.widths = (q_width, kv_width, kv_width)
         self.qkv: Linear | None = None        # q|k|v side by side, once fuse() ran
+        self.scale = cfg.attention_scale      # None: the attend's 1/sqrt(head_dim)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -70,27 +74,37 @@ class Attention(nn.Module):
         """Q, K and V as one matmul from now on (see CausalLM.fuse_projections)."""
         self.qkv = fuse([self.q_proj, self.k_proj, self.v_proj])
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [N, hidden] -> q [N, H*D], k, v [N, KVH*D] (adapter corrections applied), and q|k as one
+        [N, (H+KVH)*D] view of the fused matmul's output when no adapter changed them (else None)."""
+        if self.qkv is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x), None
+        qkv = self.qkv(x)
+        q0, k0, v = qkv.split(self.widths, dim=1)
+        q, k, v = self.q_proj.correct(x, q0), self.k_proj.correct(x, k0), self.v_proj.correct(x, v)
+        joint = qkv[:, :self.widths[0] + self.widths[1]] if q is q0 and k is k0 else None
+        return q, k, v, joint
+
+    def attend(self, attend: AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Rotated q [N, H, D], k/v [N, KVH, D] -> o_proj of their attention [N, hidden]."""
+        out = attend(self.layer, q, k, v) if self.scale is None else attend(self.layer, q, k, v, scale=self.scale)
+        return self.o_proj(out.reshape(q.shape[0], self.num_heads * self.head_dim))
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""
         n, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv is not None:
-            qkv = self.qkv(x)
-            q0, k0, v = qkv.split(self.widths, dim=1)
-            q, k, v = self.q_proj.correct(x, q0), self.k_proj.correct(x, k0), self.v_proj.correct(x, v)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v, joint = self.project(x)
         v = v.view(n, kv_heads, d)
-        if self.qkv is not None and self.q_norm is None and q is q0 and k is k0:
+        if joint is not None and self.q_norm is None:
             # q and k still lie side by side in qkv (no per-head norm, no adapter): rotate both at once.
-            qk = apply_rotary(qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d), cos, sin)
+            qk = apply_rotary(joint.view(n, heads + kv_heads, d), cos, sin)
             q, k = qk.split((heads, kv_heads), dim=1)
         else:
             q, k = q.view(n, heads, d), k.view(n, kv_heads, d)
             if self.q_norm is not None:      # Qwen3 normalises each head before rotary
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attend(self.layer, q, k, v)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return self.attend(attend, q, k, v)
 
 
 class MLP(nn.Module):

@@ -18,6 +18,7 @@ from services.common import dtypes
 from services.common.errors import InvalidArgument, TesseraError, Unsupported
 from services.decoder.model.config import ModelConfig
 from services.decoder.model.decoder import CausalLM
+from services.decoder.model.families import model_class
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -67,7 +68,7 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "fp32",
     dtype = resolve_dtype(dtype, device)
     cfg = ModelConfig.from_folder(folder)
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = model_class(cfg)(cfg)
     expected = {name: p.shape for name, p in model.named_parameters()}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight")

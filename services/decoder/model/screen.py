@@ -109,18 +109,24 @@ def _tiles(low: torch.Tensor) -> bool:
 
 
 def build(head: torch.nn.Module, head_fn, hidden_norm: float, record: execution.ExecutionPlan,
-          huge_pages: bool = True) -> tuple[ArgmaxScreen | None, str]:
+          huge_pages: bool = True, refused: str = "") -> tuple[ArgmaxScreen | None, str]:
     """(the screen or None, a one-line summary) for the `screen` path of record. head_fn(h) -> fp32 logits
     is the full head it replaces for greedy rows; hidden_norm, the typical norm of a final hidden state
-    (for timing). Pinned on, the screen serves every row count of a head it applies to (a bf16, int8 or
-    biased head keeps the full head, said at WARNING and in the record: one pin can serve a fleet of
-    models); auto keeps it for the row counts up to where it beat head_fn (plan.beats) at every timed
-    count. Pinned on where the screen's operator cannot be built: native.BuildError."""
+    (for timing); refused: why the model's logits are not the head's own (a family's, CausalLM.unsupported),
+    or "". Pinned on, the screen serves every row count of a head it applies to (a bf16, int8 or
+    biased head, or a refused one, keeps the full head, said at WARNING and in the record: one pin can serve
+    a fleet of models); auto keeps it for the row counts up to where it beat head_fn (plan.beats) at every
+    timed count. Pinned on where the screen's operator cannot be built: native.BuildError."""
     want = record.pinned("screen")
     weight = head.weight
     if want == "off":
         record.record("screen", "off")
         return None, "off (--fast-paths screen=off)"
+    if refused:
+        pinned = want == "on"
+        record.record("screen", "off", level=logging.WARNING if pinned else logging.INFO,
+                      reason=refused + (" (pinned on: not applicable to this model)" if pinned else ""))
+        return None, f"off ({refused})"
     if getattr(head, "qweight", None) is not None or weight.dtype != torch.float32 or weight.device.type != "cpu" \
             or head.bias is not None:
         pinned = want == "on"

@@ -248,23 +248,25 @@ class PagedAttention:
     def __init__(self, cache: KVCache, plan: AttentionPlan, workspace: Workspace):
         self.cache, self.plan, self.workspace = cache, plan, workspace
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [N, H, D], k/v [N, KVH, D] -> [N, H, D]."""
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float | None = None) -> torch.Tensor:
+        """q [N, H, D], k/v [N, KVH, D] -> [N, H, D]; softmax scale (None: 1/sqrt(D)) as model/layers.py's
+        AttentionFn."""
         k_flat, v_flat = self.cache.flat(layer)
         k_flat.index_copy_(0, self.plan.slot_mapping, k)
         v_flat.index_copy_(0, self.plan.slot_mapping, v)
         out = torch.empty_like(q)
         for span in self.plan.prefills:
-            out[span.lo:span.hi] = self._prefill(span, q, k, v, k_flat, v_flat)
+            out[span.lo:span.hi] = self._prefill(span, q, k, v, k_flat, v_flat, scale)
         if self.plan.decode_rows is not None:
             d = self.plan.decode_rows
             paged_attention_cpu.paged_decode(q, self.cache.k[layer], self.cache.v[layer], d.block_tables,
-                                             d.context_lens, rows=d.rows, out=out)
+                                             d.context_lens, scale, rows=d.rows, out=out)
         for group in self.plan.decode:
-            out.index_copy_(0, group.rows, self._decode(group, layer, q))
+            out.index_copy_(0, group.rows, self._decode(group, layer, q, scale))
         return out
 
-    def _prefill(self, span: PrefillSpan, q, k, v, k_flat, v_flat) -> torch.Tensor:
+    def _prefill(self, span: PrefillSpan, q, k, v, k_flat, v_flat, scale: float | None) -> torch.Tensor:
         qs = q[span.lo:span.hi].transpose(0, 1)[None]                        # [1, H, L, D]
         if span.context_slots is None:
             ks, vs = k[span.lo:span.hi], v[span.lo:span.hi]
@@ -272,10 +274,10 @@ class PagedAttention:
             ks, vs = k_flat[span.context_slots], v_flat[span.context_slots]   # [S, KVH, D]
         out = F.scaled_dot_product_attention(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
                                              attn_mask=span.mask, is_causal=span.mask is None,
-                                             enable_gqa=True)
+                                             scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)                                         # [L, H, D]
 
-    def _decode(self, group: DecodeGroup, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def _decode(self, group: DecodeGroup, layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
         b, nb = len(group.rows), group.num_blocks
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]           # [blocks, bs, KVH, D]
         _, bs, kvh, d = k_cache.shape
@@ -287,7 +289,7 @@ class PagedAttention:
         # Query heads of one KV group become that KV head's query rows: q head h reads KV head
         # h // G, so [B, H, D] -> [B, KVH, G, D]; SDPA then reads each K/V once, not G times.
         qs = q.index_select(0, group.rows).view(b, kvh, -1, d)
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=group.mask)
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=group.mask, scale=scale)
         return out.reshape(b, -1, d)                                          # [B, H, D]
 
 

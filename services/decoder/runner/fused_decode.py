@@ -181,7 +181,9 @@ Timer = Callable[[str, int, Callable[[], object]], float]
 
 def _ineligible(model: CausalLM, attention_backend: str, record: execution.ExecutionPlan) -> str:
     """Why the stack cannot run this model here, or "" when it can."""
-    reason = glue.ineligible(model)
+    # The stack computes Llama's layer (and Qwen's biases and per-head q/k norms): a family whose math
+    # differs says so (CausalLM.unsupported) and decodes through its own layers.
+    reason = model.unsupported().get("decode_stack", "") or glue.ineligible(model)
     if reason:
         return reason
     if attention_backend != CPP:

@@ -79,7 +79,7 @@ class Runner:
         # at load (model/screen.py).
         self.screen, _ = build_screen(
             model.lm_head, model.logits, math.sqrt(cfg.hidden_size) * float(model.model.norm.weight.abs().mean()),
-            plan, huge_pages)
+            plan, huge_pages, model.unsupported().get("screen", ""))
         # How constrained rows get their grammar masks applied, chosen by timing at the real width.
         self.sampler.grammars.choose(cfg.vocab_size, self.device, plan)
         # The adapter bank installed on self.model, if any (attach_lora); chunks with a

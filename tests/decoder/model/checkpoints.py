@@ -11,8 +11,12 @@ from pathlib import Path
 import torch
 from transformers import (
     GenerationConfig,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -21,7 +25,8 @@ from transformers import (
 
 VOCAB = 160
 _CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-            "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),
+            "olmo2": (Olmo2Config, Olmo2ForCausalLM)}
 
 # Accumulation shape of these checkpoints (and the tiny chat models of the other decoder tests)
 # for tests/tolerance.py: the longest dot product of a layer is the MLP's (intermediate size at
@@ -29,7 +34,9 @@ _CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwe
 TINY_SHAPE = {"k": 128, "depth": 3}
 
 # name -> (family, config overrides, save kwargs). Covers GQA ratios 1, 2, 4 (and 3), tied and
-# untied, an odd head count, qk-norm, a head_dim unequal to hidden/heads, and sharded files.
+# untied, an odd head count, qk-norm, a head_dim unequal to hidden/heads, and sharded files; Granite
+# with all four multipliers away from 1 (an attention scale unlike 1/sqrt(head_dim)) and every bias,
+# OLMo 2's post-norm blocks and whole-projection q/k norms with biases.
 CASES = {
     "llama_mha_untied": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False), {}),
     "llama_gqa4_tied_sharded": ("llama", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8,
@@ -38,6 +45,12 @@ CASES = {
                                           tie_word_embeddings=True), {}),
     "qwen3_odd3_gqa3_qknorm": ("qwen3", dict(num_attention_heads=3, num_key_value_heads=1, head_dim=32,
                                              tie_word_embeddings=False), {}),
+    "granite_gqa2_multipliers": ("granite", dict(num_attention_heads=4, num_key_value_heads=2,
+                                                 tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+                                                 embedding_multiplier=3.0, residual_multiplier=0.4,
+                                                 attention_multiplier=0.07, logits_scaling=1.5), {}),
+    "olmo2_gqa4_postnorm": ("olmo2", dict(num_attention_heads=8, num_key_value_heads=2, attention_bias=True,
+                                          tie_word_embeddings=False), {}),
 }
 
 # RoPE recipes (services/decoder/model/rope.py), sized so each recipe's parts are exercised at head_dim 16

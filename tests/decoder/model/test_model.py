@@ -24,10 +24,10 @@ def folders(tmp_path_factory):
     return {name: build(root, name, seed=i) for i, name in enumerate(CASES)}
 
 
-def causal_attention(layer, q, k, v):
+def causal_attention(layer, q, k, v, scale=None):
     """One sequence, no cache: q [N, H, D], k/v [N, KVH, D] -> [N, H, D]."""
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                         v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+                                         v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 
