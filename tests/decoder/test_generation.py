@@ -11,6 +11,7 @@ from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.step import SamplingParams
 from services.decoder.runner.runner import Runner
+from tests.decoder.drive import drive, token_ids
 from tests.decoder.model.checkpoints import build, greedy_reference
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -32,21 +33,7 @@ def run_engine(folder, *, num_blocks, budget, stagger, block_size=4, prefix_cach
     core = EngineCore(runner, EngineConfig(block_size=block_size, num_blocks=num_blocks,
                                            max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=64,
                                            enable_prefix_caching=prefix_caching))
-    tokens = {str(i): [] for i in range(len(PROMPTS))}
-    pending = list(enumerate(PROMPTS))
-    steps = 0
-    while pending or core.has_unfinished():
-        # One new request every `stagger` steps.
-        if pending and steps % stagger == 0:
-            i, p = pending.pop(0)
-            core.add_request(str(i), p, GREEDY)
-        for out in core.step():
-            assert out.finish_reason in (None, "length"), out
-            tokens[out.request_id].extend(out.new_token_ids)
-        steps += 1
-        assert steps < 2000
-    core.check_idle()
-    return [tokens[str(i)] for i in range(len(PROMPTS))], core.stats()
+    return token_ids(drive(core, PROMPTS, GREEDY, stagger=stagger), len(PROMPTS)), core.stats()
 
 
 def test_unconstrained_equals_transformers(checkpoint, expected):

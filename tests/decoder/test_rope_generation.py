@@ -15,6 +15,7 @@ from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.step import SamplingParams
 from services.decoder.runner.runner import Runner
+from tests.decoder.drive import drive, token_ids
 from tests.decoder.model.checkpoints import ROPE_CASES, build, greedy_reference
 from tests.decoder.runner.test_runner import PLANS
 
@@ -50,16 +51,8 @@ def run_engine(folder, plan: str, *, num_blocks=256, budget=512, prefix_caching=
         runner.fused_decode._run = lambda *a: fused_steps.append(1) or run(*a)
     core = EngineCore(runner, EngineConfig(block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                            max_num_seqs=8, max_model_len=64, enable_prefix_caching=prefix_caching))
-    for i, p in enumerate(PROMPTS):
-        core.add_request(str(i), p, GREEDY)
-    tokens = {str(i): [] for i in range(len(PROMPTS))}
-    for _ in range(2000):
-        if not core.has_unfinished():
-            break
-        for out in core.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-    core.check_idle()
-    return [tokens[str(i)] for i in range(len(PROMPTS))], core.stats(), len(fused_steps)
+    tokens = drive(core, PROMPTS, GREEDY, stagger=0)
+    return token_ids(tokens, len(PROMPTS)), core.stats(), len(fused_steps)
 
 
 @pytest.mark.parametrize("plan", ["fast", "reference"])

@@ -10,6 +10,7 @@ from services.decoder.engine.config import EngineConfig, SpeculativeConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.step import SamplingParams
 from services.decoder.runner.runner import Runner
+from tests.decoder.drive import drive
 from tests.decoder.model.checkpoints import TINY_SHAPE, build, greedy_reference, load_reference
 from tests.tolerance import assert_close
 
@@ -37,18 +38,9 @@ def run_engine(folder, speculative, *, budget=512, num_blocks=256, prefix_cachin
     core = EngineCore(runner, EngineConfig(block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                            max_num_seqs=8, max_model_len=64, enable_prefix_caching=prefix_caching,
                                            speculative=speculative))
-    tokens, logprobs = {}, {}
-    pending = list(enumerate(PROMPTS))
-    while pending or core.has_unfinished():
-        if pending:
-            i, p = pending.pop(0)
-            core.add_request(str(i), p, sampling)
-        for out in core.step():
-            assert out.finish_reason in (None, "length"), out
-            key = (int(out.request_id), out.index)
-            tokens.setdefault(key, []).extend(out.new_token_ids)
-            logprobs.setdefault(key, []).extend(t.logprob for t in out.new_tokens)
-    core.check_idle()
+    emitted = drive(core, PROMPTS, sampling)
+    tokens = {key: [t.token_id for t in run] for key, run in emitted.items()}
+    logprobs = {key: [t.logprob for t in run] for key, run in emitted.items()}
     return tokens, logprobs, core.stats()
 
 

@@ -3,13 +3,11 @@
 transformers' greedy generate on the same folder, as text."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from tokenizers import Tokenizer
 
-from tests.decoder.server.conftest import TOKENIZER_FILES, need_smollm2
+from tests.decoder.server.conftest import write_tiny_chat_llama
 from tests.gateway.chat_fleet import MODEL, chat_fleet, wait_idle
 
 # Llama 3.2's recipe scaled to head_dim 16: with theta 500000 and 64 pretraining positions, the 8 rotary pairs
@@ -23,23 +21,11 @@ NEW = 16
 @pytest.fixture(scope="module")
 def llama32(tmp_path_factory):
     """A random 2-layer Llama 3.2-style model on SmolLM2's vocabulary, tokenizer and chat template."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-    src = need_smollm2()
-    folder = tmp_path_factory.mktemp("llama32") / "tiny-llama32"
-    torch.manual_seed(1)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, rope_parameters=ROPE)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
-    model.save_pretrained(folder)
-    GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(folder)
-    for name in TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copy(src / name, folder / name)
-    return folder
+    def init(name, p):
+        p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+
+    return write_tiny_chat_llama(tmp_path_factory.mktemp("llama32") / "tiny-llama32", seed=1, init=init,
+                                 num_key_value_heads=1, max_position_embeddings=1024, rope_parameters=ROPE)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from services.decoder.model.families import MODELS
 from services.decoder.model.granite import Granite
 from services.decoder.model.olmo2 import Olmo2
 from services.decoder.runner import Runner
+from tests.decoder.drive import drive
 from tests.decoder.model.checkpoints import TINY_SHAPE, build, greedy_reference, load_reference
 from tests.decoder.model.test_model import causal_attention
 from tests.decoder.model.test_quantization import dequantized_reference
@@ -234,19 +235,8 @@ def run_engine(folder, *, num_blocks=256, budget=512, stagger=1, prefix_caching=
     core = EngineCore(runner, EngineConfig(block_size=BLOCK, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                            max_num_seqs=8, max_model_len=64, enable_prefix_caching=prefix_caching))
     sampling = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True, n=n)
-    tokens = {(str(i), c): [] for i in range(len(PROMPTS)) for c in range(n)}
-    pending, steps = list(enumerate(PROMPTS)), 0
-    while pending or core.has_unfinished():
-        if pending and steps % stagger == 0:
-            i, p = pending.pop(0)
-            core.add_request(str(i), p, sampling)
-        for out in core.step():
-            assert out.finish_reason in (None, "length"), out
-            tokens[(out.request_id.split("#")[0], out.index)].extend(out.new_token_ids)
-        steps += 1
-        assert steps < 2000
-    core.check_idle()
-    return [[tokens[(str(i), c)] for c in range(n)] for i in range(len(PROMPTS))], core.stats()
+    tokens = drive(core, PROMPTS, sampling, stagger=stagger)
+    return [[[t.token_id for t in tokens[(i, c)]] for c in range(n)] for i in range(len(PROMPTS))], core.stats()
 
 
 @pytest.mark.parametrize("family", CASES)

@@ -20,26 +20,32 @@ def need_smollm2() -> Path:
     return SMOLLM2
 
 
-@pytest.fixture(scope="session")
-def tiny_chat_model(tmp_path_factory) -> Path:
-    """Random 2-layer Llama whose vocabulary is SmolLM2's, so the real tokenizer and template apply."""
+def write_tiny_chat_llama(folder: Path, seed: int, init=None, **config) -> Path:
+    """A random 2-layer Llama on SmolLM2's vocabulary (hidden 64, 4 heads; `config` overrides LlamaConfig's
+    keys), with SmolLM2's tokenizer and chat template, saved to folder. init(name, param) fills each weight
+    in place under torch.no_grad (default: normal(0, 0.2))."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
     src = need_smollm2()
-    folder = tmp_path_factory.mktemp("decoder") / "tiny-chat"
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
-    model = LlamaForCausalLM(config).eval()
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{
+        "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True, **config})).eval()
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
+        for name, p in model.named_parameters():
+            init(name, p) if init is not None else p.normal_(0, 0.2)
     model.save_pretrained(folder)
     GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(folder)
     for name in TOKENIZER_FILES:
         if (src / name).exists():
             shutil.copy(src / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory) -> Path:
+    """Random 2-layer Llama whose vocabulary is SmolLM2's, so the real tokenizer and template apply."""
+    return write_tiny_chat_llama(tmp_path_factory.mktemp("decoder") / "tiny-chat", seed=0)
 
 
 
