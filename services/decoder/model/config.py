@@ -66,6 +66,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     vision: VisionTokens | None = None    # set for vision-language checkpoints (images accepted)
     rope: RopeScaling | None = None       # the RoPE recipe (model/rope.py); None: unscaled at rope_theta
+    # Per layer, the sliding window in keys (a query at position p sees keys p - w + 1 .. p, as transformers'
+    # sliding mask), or None for full attention; () when every layer attends to its whole context.
+    layer_windows: tuple[int | None, ...] = ()
+    attn_softcap: float | None = None     # scores become softcap * tanh(scores / softcap) (Gemma 2)
 
     @staticmethod
     def from_folder(folder: str | Path) -> ModelConfig:
