@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models
 
 from services.common.errors import Unsupported
 from services.decoder.engine.config import EngineConfig, SpeculativeConfig
@@ -36,8 +36,9 @@ from services.decoder.model.decoder import DECLINABLE
 from services.decoder.model.families import MODELS
 from services.decoder.runner import Runner
 from tests.decoder.drive import drive, token_ids
+from tests.decoder.families.tokenizer import SPECIALS, STOP_IDS, char_tokenizer
 from tests.decoder.lora.adapters import Spec, lora_engine, peft_mixed, register, write_adapter
-from tests.decoder.model.checkpoints import CASES, TINY_SHAPE, build, greedy_reference, load_reference
+from tests.decoder.model.checkpoints import CASES, TINY_SHAPE, VOCAB, build, greedy_reference, load_reference
 from tests.decoder.model.test_quantization import dequantized_reference
 from tests.decoder.runner.driver import BlockAllocator, Seq
 from tests.tolerance import assert_close
@@ -261,21 +262,9 @@ def test_mixed_adapter_batch_equals_peft(folder, adapters, speculative):
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "c": {"enum": ["red", "blue"]}}, "required": ["n", "c"]}
 REGEX = r"[a-z]{3,8}@[a-z]{2,6}\.(com|org)"
-SPECIALS = ["<pad>", "<s>", "</s>", "<|end|>"]          # ids 0..3: the checkpoints' pad, bos and eos ids 2, 3
-
-
-def char_tokenizer() -> Tokenizer:
-    """The checkpoints' first 99 ids as characters: the four specials, then printable ASCII."""
-    vocab = {t: i for i, t in enumerate(SPECIALS + [chr(c) for c in range(32, 127)])}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIALS)
-    return tok
-
-
 @pytest.fixture(scope="module")
 def grammars():
-    compiler = GrammarCompiler(char_tokenizer(), vocab_size=160, stop_token_ids=(2, 3),
+    compiler = GrammarCompiler(char_tokenizer(), vocab_size=VOCAB, stop_token_ids=STOP_IDS,
                                special_token_ids=frozenset(range(len(SPECIALS))), cache_size=8)
     yield {"schema": compiler.compile_now(GrammarSpec.json_schema(json.dumps(SCHEMA))),
            "regex": compiler.compile_now(GrammarSpec.regex(REGEX))}
@@ -296,8 +285,9 @@ def test_structured_outputs_parse_and_match(runners, grammars):
         ("greedy", SamplingParams(temperature=0.0, max_tokens=40)),
         ("seeded", SamplingParams(temperature=1.0, seed=3, max_tokens=40, n=2)))}
     results = []
-    for core in (engine(runners["fast"], eos=(2, 3), max_len=128),
-                 engine(runners["reference"], num_blocks=20, budget=5, prefix_caching=False, eos=(2, 3), max_len=128)):
+    squeezed = dict(num_blocks=20, budget=5, prefix_caching=False)
+    for core in (engine(runners["fast"], eos=STOP_IDS, max_len=128),
+                 engine(runners["reference"], **squeezed, eos=STOP_IDS, max_len=128)):
         got = {}
         for rid, (grammar, params) in jobs.items():
             core.add_request(rid, prompt, params, grammar=grammar)
@@ -358,6 +348,36 @@ def test_int8_matches_the_dequantized_reference(folder, declined):
     for i, got in enumerate(rows):
         assert_close(got, want[i], dtype=torch.int8, **TINY_SHAPE, what=f"row {i}")
     drive(engine(runner, num_blocks=64, budget=5), PROMPTS, GREEDY)
+
+
+# -- docs/models.md's table of features per family ---------------------------------------------------------
+
+# Its columns: each feature this file tests, in the table's order.
+COLUMNS = ("chunked prefill", "prefix caching", "preemption", "n > 1", "seeded sampling", "logprobs", "LoRA",
+           "structured outputs", "speculative decoding", "bf16", "int8")
+DECLINABLE_COLUMNS = {"LoRA": "lora", "bf16": "bf16", "int8": "int8"}
+
+
+def features_table() -> dict[str, list[str]]:
+    """docs/models.md's features table: model_type -> its cells, after checking the header."""
+    text = (Path(__file__).resolve().parents[3] / "docs" / "models.md").read_text()
+    section = text.split("## Engine features per decoder family", 1)[1].split("\n## ", 1)[0]
+    lines = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in section.splitlines()
+             if line.startswith("| `")]
+    (header, *rows) = lines
+    assert tuple(header) == ("`model_type`", *COLUMNS)
+    return {row[0].strip("`"): row[1:] for row in rows}
+
+
+def test_features_table_names_every_family():
+    assert set(features_table()) == set(FAMILY_CASES)
+
+
+def test_features_table_row_says_what_the_family_declines(family, declined):
+    assert set(DECLINABLE_COLUMNS.values()) == set(DECLINABLE)
+    want = [f"no: {declined[DECLINABLE_COLUMNS[c]]}" if DECLINABLE_COLUMNS.get(c) in declined else "yes"
+            for c in COLUMNS]
+    assert features_table()[family] == want
 
 
 # -- what a family declines -------------------------------------------------------------------------------
