@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from services.common.errors import Unsupported
-
 from services.decoder.kernels.lora import backend_name
 from services.decoder.kernels.lora_meta import LoraBatchMeta, build_lora_meta
 from services.decoder.lora.layer import LoraSlots, LoraStep

@@ -19,7 +19,6 @@ from services.decoder.model.layers import MLP, AttentionFn, DecoderLayer, RMSNor
 from services.decoder.model.linear import Linear
 from services.decoder.model.rotary import Rotary
 
-
 # Engine features a family may decline in refused_features(), each refused at load with the family's
 # reason: the bf16 dtype and int8 weights (runner/runner.py) and LoRA adapters (lora/bank.py). The rest
 # (chunked prefill, prefix caching, preemption, n > 1, sampling, logprobs, structured outputs, speculative
