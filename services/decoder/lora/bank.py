@@ -48,7 +48,7 @@ class AdapterBank:
             raise ValueError(f"LoRA targets must be a non-empty subset of {', '.join(TARGETS)}; got {list(targets)}")
         declined = getattr(model, "refused_features", dict)().get("lora")
         if declined:
-            raise Unsupported(f"LoRA adapters: {declined}")
+            raise Unsupported(f"LoRA adapters: {declined} (serve this model with --max-loras 0)", param="max_loras")
         if num_slots < 1 or max_rank < 1:
             raise ValueError("the adapter bank needs at least one slot and a rank of at least 1")
         if any(isinstance(m, Linear) and m.lora is not None for m in model.modules()):
