@@ -189,9 +189,9 @@ def test_seeded_choices_are_reproducible_and_logprobs_equal_transformers(runners
 
 # -- speculative decoding ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("budget", [512, 5])
-def test_speculation_gives_the_greedy_tokens(runners, expected, budget):
-    core = engine(runners["fast"], budget=budget, speculative=SPEC)
+@pytest.mark.parametrize("plan,budget", [("fast", 512), ("reference", 5)])
+def test_speculation_gives_the_greedy_tokens(runners, expected, plan, budget):
+    core = engine(runners[plan], budget=budget, speculative=SPEC)
     assert greedy_tokens(core) == expected
     stats = core.stats()
     assert stats.num_accepted_tokens > 0, stats
