@@ -169,7 +169,8 @@ def test_seeded_choices_are_reproducible_and_logprobs_equal_transformers(runners
     sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=11, n=3, max_tokens=8, ignore_eos=True,
                               logprobs=0)
     roomy = drive(engine(runners["fast"]), PROMPTS[:3], sampling)
-    squeezed_core = engine(runners["reference"], num_blocks=12, budget=5, prefix_caching=False)
+    # Chunks of at most 16 tokens in a pool small enough to preempt, even where sliding windows return blocks.
+    squeezed_core = engine(runners["reference"], num_blocks=12, budget=16, prefix_caching=False)
     squeezed = drive(squeezed_core, PROMPTS[:3], sampling)
     assert squeezed_core.stats().num_preemptions > 0
     ids = {key: [t.token_id for t in run] for key, run in roomy.items()}
@@ -199,26 +200,46 @@ def test_speculation_gives_the_greedy_tokens(runners, expected, plan, budget):
 
 # -- LoRA adapters ----------------------------------------------------------------------------------------
 
-def family_targets(reference) -> tuple[str, ...]:
-    """The adapter-bank projections this family's transformers model has (by their leaf names)."""
-    leaves = {name.rsplit(".", 1)[-1] for name, m in reference.model.named_modules() if isinstance(m, torch.nn.Linear)}
-    return tuple(t for t in TARGETS if t in leaves)
+def adapter_modules(reference, family: str) -> list[str]:
+    """The full names of the projections a PEFT adapter may target in this family's transformers model: each
+    nn.Linear whose name is one of the bank's TARGETS, or a fused checkpoint projection the family splits into
+    them (CausalLM.checkpoint_fused, where a family has one). Full names, so that peft adapts exactly these
+    modules (not, say, a mixture's stacked experts under a shared leaf name)."""
+    fused = dict(getattr(MODELS[family], "checkpoint_fused", {}))
+    kinds = {t for t in TARGETS if not any(t in parts for parts in fused.values())} | set(fused)
+    return [name for name, m in reference.named_modules()
+            if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in kinds]
 
 
 @pytest.fixture(scope="module")
-def adapters(folder, reference, declined, tmp_path_factory):
-    """Two PEFT adapters on the family's own projections (the attention's, then the rest), and peft's
-    model holding both; None when the family declines LoRA (and is refused it)."""
+def adapters(family, folder, reference, declined, tmp_path_factory):
+    """Two PEFT adapters on the family's own projections (the attention's, then the rest) and their
+    expected greedy tokens per LORA_WORK request, from peft one request at a time; None when the family
+    declines LoRA (and is refused it)."""
     if refuses(folder, declined, "lora"):
         return None
-    targets = family_targets(reference)
-    assert {"q_proj", "v_proj"} <= set(targets), targets
-    attention = tuple(t for t in targets if t in ("q_proj", "k_proj", "v_proj"))
-    rest = tuple(t for t in targets if t not in attention)
+    modules = adapter_modules(reference, family)
+    attention = tuple(m for m in modules if ".self_attn." in m)
+    rest = tuple(m for m in modules if m not in attention)
+    assert attention, modules
     specs = [Spec("attn", 4, 8.0, attention, 31), Spec("rest", 2, 4.0, rest or attention, 32)]
-    out = tmp_path_factory.mktemp("features_adapters")
-    folders = {s.name: write_adapter(folder, out, s) for s in specs}
-    return targets, folders, peft_mixed(folder, folders)
+    folders = {s.name: write_adapter(folder, tmp_path_factory.mktemp("features_adapters"), s) for s in specs}
+    peft = peft_mixed(folder, folders)
+    want = []
+    with torch.no_grad():
+        for p, a in LORA_WORK:
+            ids = torch.tensor([PROMPTS[p]])
+            kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+            if a is None:
+                with peft.disable_adapter():
+                    gen = peft.generate(**kwargs)
+            else:
+                peft.set_adapter(a)
+                gen = peft.generate(**kwargs)
+            want.append(gen[0, ids.shape[1]:].tolist())
+    assert want[0] != want[3], "the adapter does not change the tokens: the test could not see it lost"
+    return folders, want
 
 
 LORA_WORK = [(0, "attn"), (1, None), (2, "rest"), (0, None), (4, "attn"), (3, "rest")]
@@ -228,16 +249,8 @@ LORA_WORK = [(0, "attn"), (1, None), (2, "rest"), (0, None), (4, "attn"), (3, "r
 def test_mixed_adapter_batch_equals_peft(folder, adapters, speculative):
     if adapters is None:
         return                               # declined, and refused with the reason (the fixture checked)
-    targets, folders, peft = adapters
-    want = []
-    with torch.no_grad():
-        for p, a in LORA_WORK:
-            ids = torch.tensor([PROMPTS[p]])
-            gen = peft.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                do_sample=False, eos_token_id=None, pad_token_id=0, adapter_names=[a or "__base__"])
-            want.append(gen[0, ids.shape[1]:].tolist())
-    assert want[0] != want[3], "the adapter does not change the tokens: the test could not see it lost"
-    core, registry = lora_engine(folder, targets=targets, budget=5, speculative=speculative)
+    folders, want = adapters
+    core, registry = lora_engine(folder, budget=5, speculative=speculative)
     digests = {n: register(registry, n, f).digest for n, f in folders.items()}
     got = {str(i): [] for i in range(len(LORA_WORK))}
     pending, steps = list(enumerate(LORA_WORK)), 0
