@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from services.common.errors import Unsupported
 from services.decoder.kernels.lora import backend_name
 from services.decoder.kernels.lora_meta import LoraBatchMeta, build_lora_meta
 from services.decoder.lora.layer import LoraSlots, LoraStep
@@ -45,6 +46,9 @@ class AdapterBank:
         unknown = sorted(set(targets) - set(TARGETS))
         if unknown or not targets:
             raise ValueError(f"LoRA targets must be a non-empty subset of {', '.join(TARGETS)}; got {list(targets)}")
+        declined = getattr(model, "refused_features", dict)().get("lora")
+        if declined:
+            raise Unsupported(f"LoRA adapters: {declined} (serve this model with --max-loras 0)", param="max_loras")
         if num_slots < 1 or max_rank < 1:
             raise ValueError("the adapter bank needs at least one slot and a rank of at least 1")
         if any(isinstance(m, Linear) and m.lora is not None for m in model.modules()):

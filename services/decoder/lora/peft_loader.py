@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +36,6 @@ _REFUSED = (
     ("use_dora", "DoRA (use_dora) adds a learned magnitude vector"),
     ("use_rslora", "rank-stabilised LoRA (use_rslora) scales by alpha/sqrt(r)"),
     ("modules_to_save", "modules_to_save replaces whole modules"),
-    ("rank_pattern", "per-module ranks (rank_pattern)"),
-    ("alpha_pattern", "per-module alphas (alpha_pattern)"),
     ("fan_in_fan_out", "fan_in_fan_out (Conv1D-style transposed weights)"),
     ("lora_bias", "a trained LoRA bias (lora_bias)"),
     ("layer_replication", "layer_replication changes the base model's layer stack"),
@@ -52,6 +50,11 @@ _REFUSED = (
     ("monteclora_config", "MonteCLoRA (monteclora_config)"),
     ("loftq_config", "LoftQ (loftq_config) assumes quantised, rewritten base weights"),
 )
+# Per-module ranks and alphas: refused where a pattern names a module the adapter has tensors for. peft 0.21
+# writes patterns for modules of its own weight conversions (".*\\.gate_up_proj" for a mixture's stacked
+# experts, whenever gate_proj or up_proj is a target) that match none of them; they change nothing it saved.
+_PATTERNS = (("rank_pattern", "per-module ranks (rank_pattern)"),
+             ("alpha_pattern", "per-module alphas (alpha_pattern)"))
 # Keys that carry no meaning for inference (metadata, or how weights were initialised
 # before training). Any other key with a non-empty value is refused, so a feature added
 # by a newer peft is never silently ignored.
@@ -60,7 +63,7 @@ _HARMLESS = {
     "layers_to_transform", "layers_pattern", "lora_dropout", "inference_mode", "task_type", "peft_version",
     "auto_mapping", "base_model_name_or_path", "revision", "megatron_config", "megatron_core",
     "qalora_group_size", "ensure_weight_tying", "eva_config", "corda_config", "lora_ga_config",
-    *(key for key, _ in _REFUSED),
+    *(key for key, _ in _REFUSED), *(key for key, _ in _PATTERNS),
 }
 # Initialisations that rewrite the base weights (W - B A) before training.
 _BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")
@@ -123,6 +126,25 @@ def _matches(name: str, spec: Any, source: str, key: str) -> bool:
     if isinstance(spec, list | tuple) and all(isinstance(t, str) for t in spec):
         return any(name == t or name.endswith("." + t) for t in spec)
     raise InvalidArgument(f"{source}: {key} must be a list of module names or a regex", param="lora_path")
+
+
+def check_patterns(config: Mapping[str, Any], modules: Iterable[str], source: str) -> None:
+    """Refuse a rank_pattern or alpha_pattern key that applies to one of `modules` (the adapter's), by peft's
+    own rule: the key, as a regex, matches the module's name or a dotted suffix of it."""
+    modules = list(modules)
+    for key, why in _PATTERNS:
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict):
+            raise InvalidArgument(f"{source}: {key} must be an object of module patterns", param="lora_path")
+        for pattern in patterns:
+            try:
+                hit = next((m for m in modules if re.match(rf"(.*\.)?({pattern})$", m)), None)
+            except re.error as exc:
+                raise InvalidArgument(f"{source}: {key} {pattern!r} is not a valid regex: {exc}",
+                                      param="lora_path") from None
+            if hit is not None:
+                raise Unsupported(f"{source}: {why} for {hit} is not supported; tessera serves plain LoRA only",
+                                  param="lora_path")
 
 
 def expected_modules(config: Mapping[str, Any], layers: Mapping[str, tuple[int, int]], source: str) -> set[str]:
@@ -191,6 +213,7 @@ def load_peft(folder: str | Path, *, layers: Mapping[str, tuple[int, int]], max_
             raise InvalidArgument(f"{source}: unexpected tensor {key!r} (only "
                                   f"{_PREFIX}<module>.lora_A/lora_B.weight are served)", param="lora_path")
         found.setdefault(m["module"], {})[m["part"]] = tensor
+    check_patterns(config, found, source)
     extra = sorted(set(found) - expected)
     if extra:
         raise InvalidArgument(f"{source}: tensors for modules its config does not target (or this server does "

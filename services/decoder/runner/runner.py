@@ -41,6 +41,11 @@ class Runner:
                  fast_paths: str | Pins | None = None, quantization: str = "none"):
         """fast_paths: what --fast-paths pins (services/common/plan.py); every other path is timed here."""
         self.model = model
+        declined = model.refused_features()
+        for feature, asked, key in (("bf16", model.lm_head.weight.dtype == torch.bfloat16, "dtype"),
+                                    ("int8", quantization == "int8", "quantization")):
+            if asked and feature in declined:
+                raise Unsupported(f"--{key} {feature}: {declined[feature]}", param=key)
         # Every load-time choice of a fast path, made under the pins and reported by GetModelInfo.
         self.plan = plan = ExecutionPlan(fast_paths, DECODER_PATHS)
         huge_pages = plan.pinned("huge_pages") != "off"
