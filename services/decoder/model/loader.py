@@ -81,9 +81,9 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "fp32",
                     continue  # the vision tower's tensors: the vision service loads those
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue  # transformers ties it to the embedding and ignores the stored copy
-                for name, tensor in _ours(type(model), name, f.get_tensor(stored), expected, path, cfg.family):
-                    _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
-                    loaded.add(name)
+                for ours, tensor in _ours(type(model), name, f.get_tensor(stored), expected, path, cfg.family):
+                    _set_parameter(model, ours, tensor.to(device=device, dtype=dtype))
+                    loaded.add(ours)
     missing = sorted(set(expected) - loaded)
     if missing:
         raise InvalidArgument(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
