@@ -174,6 +174,30 @@ def test_longrope_without_original_length_reads_phi3s_default(folders, tmp_path)
         == 4096
 
 
+@pytest.mark.parametrize("factor", [0.75, 0.5, 1.0])
+def test_rotation_equals_transformers_bit_for_bit(factor):
+    """apply_rotary over Rotary's tables (rotary_dim wide) is Phi-3's apply_rotary_pos_emb exactly: the first
+    rotary_dim dims rotate in split-half pairs among themselves, the rest pass through untouched."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
+
+    from services.decoder.model.rope import RopeScaling
+    from services.decoder.model.rotary import apply_rotary
+    cfg = Phi3Config(hidden_size=256, num_attention_heads=8, partial_rotary_factor=factor,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": factor})
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 8, 40, 32, generator=g), torch.randn(1, 2, 40, 32, generator=g)
+    positions = torch.arange(40) * 37
+    cos, sin = Phi3RotaryEmbedding(cfg)(q, positions[None])
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    rotary = Rotary(32, RopeScaling(partial_rotary_factor=factor))
+    ours_cos, ours_sin = rotary.cos_sin(positions, torch.float32)
+    assert ours_cos.shape == (40, 1, int(32 * factor))
+    for x, want in ((q, want_q), (k, want_k)):
+        got = apply_rotary(x[0].transpose(0, 1), ours_cos, ours_sin)          # [N, H, D]
+        assert torch.equal(got, want[0].transpose(0, 1))
+
+
 def test_partial_rotary_and_longrope_factors_matter(folders):
     """Rotating whole heads, or longrope's factors left out, changes the logits beyond rounding: the parity
     tests below would see either."""
