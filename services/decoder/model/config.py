@@ -23,7 +23,8 @@ from services.decoder.model.rope import RopeScaling
 FAMILIES = ("llama", "qwen2", "qwen3", "granite", "olmo2", "phi3")
 # Vision-language checkpoints whose text model is one of FAMILIES: model_type -> text family.
 # The decoder loads only the text model; the vision service loads the tower from the same folder.
-VISION_LANGUAGE = {"qwen2_vl": "qwen2"}
+# Qwen2.5-VL's text model and its M-RoPE positions for images are Qwen2-VL's (its tower differs).
+VISION_LANGUAGE = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
 
 
 @dataclass(frozen=True)
@@ -153,10 +154,10 @@ class ModelConfig:
 
 
 def _text_of_vision_language(raw: dict) -> tuple[dict, VisionTokens]:
-    """A Qwen2-VL config.json -> (a flat text-model config in FAMILIES' terms, its image tokens).
+    """A Qwen2-VL or Qwen2.5-VL config.json -> (a flat text-model config in FAMILIES' terms, its image tokens).
 
-    transformers 5 writes the text model under "text_config" (model_type "qwen2_vl_text") and keeps the
-    image-token ids and tie_word_embeddings at the top; transformers 4 wrote one flat dict (with
+    transformers 5 writes the text model under "text_config" (model_type "qwen2_vl_text" or "qwen2_5_vl_text")
+    and keeps the image-token ids and tie_word_embeddings at the top; transformers 4 wrote one flat dict (with
     rope_scaling {"type": "mrope", ...}). Both become the same flat dict: top-level keys first, then
     text_config's over them, except tie_word_embeddings, which transformers reads from the top.
     """
