@@ -251,7 +251,8 @@ def test_chunked_prefill_then_decode_matches_transformers(folders, references, n
 
 
 def test_decode_stack_pinned_on_is_refused_for_partial_rotary(folders):
-    with pytest.raises(ValueError, match="decode_stack=on: the decode stack cannot run here .*" + re.escape(PARTIAL_WHY)):
+    why = re.escape(PARTIAL_WHY)
+    with pytest.raises(ValueError, match="decode_stack=on: the decode stack cannot run here .*" + why):
         Runner.from_folder(folders["phi4mini_gqa4_partial_tied"], "fp32", block_size=BLOCK, num_blocks=16,
                            fast_paths="attention=cpp,decode_stack=on")
 
