@@ -65,6 +65,8 @@ class AdapterBank:
         for name, module in projections:
             self.layers[name] = LoraSlots.install(module, self.step, num_slots, max_rank)
         self.dense_max_work = DENSE_MAX_WORK if self.backend == "torch" else 0
+        # The family's checkpoint_fused (model/decoder.py): the names its adapters give fused projections.
+        self.fused: dict[str, tuple[str, ...]] = dict(getattr(model, "checkpoint_fused", {}))
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:

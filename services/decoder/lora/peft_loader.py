@@ -3,7 +3,10 @@
 Key names are the ones peft 0.21 writes for a CausalLM:
     base_model.model.<module>.lora_A.weight   [r, in]
     base_model.model.<module>.lora_B.weight   [out, r]
-with <module> like "model.layers.0.self_attn.q_proj" (our module names equal HF's).
+with <module> like "model.layers.0.self_attn.q_proj" (our module names equal HF's). A family whose
+checkpoint stores projections fused (Phi-3's qkv_proj = q | k | v rows, gate_up_proj = gate | up;
+CausalLM.checkpoint_fused) has adapters on the fused modules: their lora_B rows are split across our
+projections, each keeping the shared lora_A, so B_q A x | B_k A x | B_v A x is exactly B A x.
 
 Only plain LoRA is served: y = W x + (alpha / r) B A x. Every config feature that
 would change that formula, or the base weights it assumes, is refused with a message
@@ -147,9 +150,31 @@ def check_patterns(config: Mapping[str, Any], modules: Iterable[str], source: st
                                   param="lora_path")
 
 
-def expected_modules(config: Mapping[str, Any], layers: Mapping[str, tuple[int, int]], source: str) -> set[str]:
-    """The wrapped modules this config adapts. Refuses targets that are not projections
-    tessera adapts, and projections this server does not wrap (--lora-targets)."""
+def checkpoint_modules(layers: Mapping[str, tuple[int, int]], fused: Mapping[str, tuple[str, ...]]
+                       ) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[str, ...]]]:
+    """The wrapped modules as the checkpoint (and so peft) names them: ours, except that the parts of a fused
+    checkpoint projection become that one module, named where all its parts are wrapped and absent otherwise.
+    Returns (name -> (in, out), fused name -> our part names in row order)."""
+    names: dict[str, tuple[int, int]] = {}
+    groups: dict[str, tuple[str, ...]] = {}
+    for name, shape in layers.items():
+        kind = leaf(name)
+        owner = next((f for f, parts in fused.items() if kind in parts), None)
+        if owner is None:
+            names[name] = shape
+            continue
+        prefix = name[:-len(kind)]
+        parts = tuple(prefix + p for p in fused[owner])
+        if all(p in layers for p in parts):
+            names[prefix + owner] = (shape[0], sum(layers[p][1] for p in parts))
+            groups[prefix + owner] = parts
+    return names, groups
+
+
+def expected_modules(config: Mapping[str, Any], layers: Mapping[str, tuple[int, int]], source: str,
+                     kinds: tuple[str, ...] = TARGETS) -> set[str]:
+    """The wrapped modules this config adapts (layers: named as the checkpoint names them). Refuses targets
+    that are not projections tessera adapts (kinds), and projections this server does not wrap (--lora-targets)."""
     spec = config.get("target_modules")
     if not spec:
         raise InvalidArgument(f"{source}: target_modules is empty", param="lora_path")
@@ -157,9 +182,9 @@ def expected_modules(config: Mapping[str, Any], layers: Mapping[str, tuple[int, 
         wrapped = {leaf(n) for n in layers}
         for t in spec:
             kind = leaf(str(t))
-            if kind not in TARGETS:
+            if kind not in kinds:
                 raise Unsupported(f"{source}: target {t!r} is not supported; adapters may target only "
-                                  f"{', '.join(TARGETS)}", param="lora_path")
+                                  f"{', '.join(kinds)}", param="lora_path")
             if kind not in wrapped:
                 raise InvalidArgument(f"{source}: target {t!r} is not enabled on this server (--lora-targets "
                                       f"{','.join(sorted(wrapped))})", param="lora_path")
@@ -193,10 +218,11 @@ def read_tensors(folder: Path, source: str) -> dict[str, torch.Tensor]:
 
 
 def load_peft(folder: str | Path, *, layers: Mapping[str, tuple[int, int]], max_rank: int,
-              dtype: torch.dtype) -> LoraWeights:
+              dtype: torch.dtype, fused: Mapping[str, tuple[str, ...]] | None = None) -> LoraWeights:
     """Validate a PEFT LoRA folder completely and return its effective weights (host side).
 
-    layers: the bank's module name -> (in, out). Raises AdapterNotFound (no folder),
+    layers: the bank's module name -> (in, out). fused: the base family's checkpoint_fused (the bank's
+    `fused`), whose names the adapter uses in place of their parts. Raises AdapterNotFound (no folder),
     Unsupported (a refused PEFT feature or target) or InvalidArgument (anything else
     wrong: files, tensor names, missing or extra tensors, rank, shapes, NaN/Inf).
     """
@@ -204,7 +230,10 @@ def load_peft(folder: str | Path, *, layers: Mapping[str, tuple[int, int]], max_
     source = f"adapter {folder.name!r}"
     config = read_config(folder)
     r, alpha = check_config(config, source)
-    expected = expected_modules(config, layers, source)
+    fused = fused or {}
+    named, groups = checkpoint_modules(layers, fused)
+    kinds = tuple(t for t in TARGETS if not any(t in parts for parts in fused.values())) + tuple(fused)
+    expected = expected_modules(config, named, source, kinds)
     tensors = read_tensors(folder, source)
     found: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -226,5 +255,16 @@ def load_peft(folder: str | Path, *, layers: Mapping[str, tuple[int, int]], max_
         if parts["A"].dim() != 2 or parts["A"].shape[0] != r:
             raise InvalidArgument(f"{source}: {name}.lora_A has shape {tuple(parts['A'].shape)}; config r={r}",
                                   param="lora_path")
-    raw = {name: (parts["A"], parts["B"]) for name, parts in found.items()}
+    raw = {}
+    for name, parts in found.items():
+        members = groups.get(name)
+        if members is None:
+            raw[name] = (parts["A"], parts["B"])
+            continue
+        b, rows = parts["B"], [layers[m][1] for m in members]
+        if b.dim() != 2 or b.shape[0] != sum(rows):
+            raise InvalidArgument(f"{source}: {name}.lora_B has shape {tuple(b.shape)}; the fused projection has "
+                                  f"{sum(rows)} rows ({' | '.join(leaf(m) for m in members)})", param="lora_path")
+        for member, part in zip(members, b.split(rows), strict=True):
+            raw[member] = (parts["A"], part)
     return prepare_weights(raw, layers=layers, max_rank=max_rank, dtype=dtype, alpha=alpha, source=source)

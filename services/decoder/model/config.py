@@ -6,6 +6,9 @@ the whole projection) decoders with SiLU-gated MLPs, full causal attention and R
 recipes (model/rope.py; unscaled RoPE optionally with M-RoPE sections). Each family's module is named
 in model/families.py. Anything else a config asks for is refused with Unsupported at load, in one line
 naming the config key, because silently ignoring it would compute a different model.
+
+Phi-3 / Phi-4-mini (model/phi3.py) are Llama's layer over fused checkpoint projections; phi3 alone takes
+partial_rotary_factor (model/rotary.py rotates the first part of each head).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from services.common.errors import InvalidArgument, Unsupported
 from services.decoder.model import rope as rope_recipes
 from services.decoder.model.rope import RopeScaling
 
-FAMILIES = ("llama", "qwen2", "qwen3", "granite", "olmo2")
+FAMILIES = ("llama", "qwen2", "qwen3", "granite", "olmo2", "phi3")
 # Vision-language checkpoints whose text model is one of FAMILIES: model_type -> text family.
 # The decoder loads only the text model; the vision service loads the tower from the same folder.
 # Qwen2.5-VL's text model and its M-RoPE positions for images are Qwen2-VL's (its tower differs).
@@ -103,7 +106,12 @@ class ModelConfig:
         if act != "silu":
             raise Unsupported(f"config.json hidden_act {act!r} is not supported (only silu)")
         _refuse_sliding_window(raw)
+        if family == "phi3":     # Phi3Config's default, which its longrope reads when config.json omits it
+            raw = {"original_max_position_embeddings": 4096, **raw}
         rope, sections = rope_recipes.parse(raw)
+        if rope.partial_rotary_factor != 1.0 and family != "phi3":
+            raise Unsupported(f"config.json partial_rotary_factor {rope.partial_rotary_factor:g} is not supported for "
+                              f"model_type {family!r} (its layers rotate whole heads)")
         heads = int(raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         if heads % kv_heads:
@@ -112,7 +120,7 @@ class ModelConfig:
         rope_recipes.check_dims(rope, head_dim)
         if sections is not None and 2 * sum(sections) != head_dim:
             raise InvalidArgument(f"mrope_section {sections} must total head_dim/2 = {head_dim // 2} pairs")
-        attention_bias = bool(raw.get("attention_bias", False))
+        attention_bias = bool(raw.get("attention_bias", False)) and family != "phi3"   # Phi-3 has no biases
         # Qwen2 always has q/k/v bias and never o bias; the other families use attention_bias for all four.
         qkv_bias = True if family == "qwen2" else attention_bias
         o_bias = False if family == "qwen2" else attention_bias
@@ -136,6 +144,7 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)) if family in ("llama", "granite") else False,
             qk_norm=family == "qwen3",
             **(_granite_multipliers(raw) if family == "granite" else {}),
+            **(_phi3_windows(raw) if family == "phi3" else {}),
             mrope_sections=sections,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
@@ -207,3 +216,19 @@ def _refuse_sliding_window(raw: dict) -> None:
     kinds = set(raw.get("layer_types") or ["full_attention"])
     if kinds != {"full_attention"}:
         raise Unsupported(f"config.json layer_types {sorted(kinds)} are not supported (only full_attention)")
+
+
+def _phi3_windows(raw: dict) -> dict:
+    """Phi-3's sliding_window, as transformers 5 applies it: on every layer when set (its layer_types is not
+    read). A window at least max_position_embeddings wide never hides a key inside the model's context and is
+    kept as layer_windows; a narrower one (Phi-3-mini-4k's 2047) needs windowed attention, refused here."""
+    window = raw.get("sliding_window")
+    if window is None:
+        return {}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise InvalidArgument(f"config.json sliding_window must be a positive integer or null, got {window!r}")
+    max_pos = int(raw.get("max_position_embeddings", 2048))
+    if window < max_pos:
+        raise Unsupported(f"config.json sliding_window {window} (narrower than max_position_embeddings {max_pos}): "
+                          "phi3's sliding-window attention is not supported")
+    return dict(layer_windows=(window,) * int(raw["num_hidden_layers"]))

@@ -40,6 +40,9 @@ class CausalLM(nn.Module):
     # A family's decoder layer (cfg, index) and final norm (width, eps); see model/families.py.
     Layer: type[nn.Module] = DecoderLayer
     Norm: type[nn.Module] = RMSNorm
+    # A checkpoint projection that stores several of ours side by side in its rows (Phi-3's qkv_proj): its
+    # name -> ours, in row order. The loader splits its weights and the adapter loader its lora_B rows.
+    checkpoint_fused: dict[str, tuple[str, ...]] = {}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
