@@ -10,6 +10,8 @@ fast paths that do not compute its math (`unsupported`).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -18,6 +20,16 @@ from services.decoder.model.config import ModelConfig
 from services.decoder.model.layers import MLP, AttentionFn, DecoderLayer, RMSNorm
 from services.decoder.model.linear import Linear
 from services.decoder.model.rotary import Rotary
+
+
+@dataclass(frozen=True)
+class StoredPart:
+    """Where a checkpoint tensor stored under another name goes: param[index] of our parameter `param`,
+    which `parts` such tensors fill together (index () and parts 1: a whole tensor renamed)."""
+
+    param: str
+    index: tuple
+    parts: int
 
 
 class Backbone(nn.Module):
@@ -81,6 +93,11 @@ class CausalLM(nn.Module):
         math, for each that does not: those run the reference path and the plan says why. Llama's layer is
         what every fast path computes, so none here."""
         return {}
+
+    def stored_part(self, name: str) -> StoredPart | None:
+        """A checkpoint key that is not one of our parameter names -> where its tensor goes; None: the key
+        is our parameter's own name (every family whose checkpoint names are transformers' module names)."""
+        return None
 
     def setup_rotary(self, device: torch.device | str) -> None:
         cfg = self.config

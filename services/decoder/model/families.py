@@ -10,6 +10,7 @@ from __future__ import annotations
 from services.decoder.model.config import ModelConfig
 from services.decoder.model.decoder import CausalLM
 from services.decoder.model.granite import Granite
+from services.decoder.model.moe_decoder import MoeCausalLM
 from services.decoder.model.olmo2 import Olmo2
 
 MODELS: dict[str, type[CausalLM]] = {
@@ -18,6 +19,9 @@ MODELS: dict[str, type[CausalLM]] = {
     "qwen3": CausalLM,
     "granite": Granite,
     "olmo2": Olmo2,
+    "qwen3_moe": MoeCausalLM,
+    "qwen2_moe": MoeCausalLM,
+    "mixtral": MoeCausalLM,
 }
 
 

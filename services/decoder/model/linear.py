@@ -33,6 +33,7 @@ from services.common import linear_path, native
 from services.common import plan as execution
 from services.decoder.kernels import gemv_cpu
 from services.decoder.model import quantization
+from services.decoder.model.moe import Experts
 
 log = logging.getLogger("tessera.linear")
 
@@ -134,7 +135,20 @@ def quantize_linears(model: nn.Module, mode: str) -> str:
         m.quantize(release=id(m.weight) not in shared)
     left = f"; {len(linears) - len(chosen)} dense (in_features not a multiple of {quantization.K_MULTIPLE})" \
         if len(chosen) < len(linears) else ""
-    return f"{mode}: {len(chosen)} of {len(linears)} linears{left}"
+    return f"{mode}: {len(chosen)} of {len(linears)} linears{left}{_quantize_experts(model)}"
+
+
+def _quantize_experts(model: nn.Module) -> str:
+    """Quantize the experts of a mixture-of-experts model (model/moe.py); what to add to the summary."""
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    if not experts:
+        return ""
+    chosen = [m for m in experts if Experts.eligible(m.down_proj.shape[1], m.size)]
+    for m in chosen:
+        m.quantize()
+    left = f" ({len(experts) - len(chosen)} dense: widths not multiples of {quantization.K_MULTIPLE})" \
+        if len(chosen) < len(experts) else ""
+    return f"; experts of {len(chosen)} of {len(experts)} layers{left}"
 
 
 def pack_linears(model: nn.Module, record: execution.ExecutionPlan) -> str:
