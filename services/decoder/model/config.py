@@ -2,7 +2,8 @@
 
 We implement exactly: Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Granite
 (embedding, residual, attention and logit multipliers) and OLMo 2 (post-norm blocks, q/k RMSNorm over
-the whole projection) decoders with SiLU-gated MLPs, full causal attention and RoPE under transformers'
+the whole projection) decoders with SiLU-gated MLPs, and Qwen3-MoE, Qwen2-MoE and Mixtral with mixtures of
+SiLU-gated experts (model/moe_config.py), full causal attention and RoPE under transformers'
 recipes (model/rope.py; unscaled RoPE optionally with M-RoPE sections). Each family's module is named
 in model/families.py. Anything else a config asks for is refused with Unsupported at load, in one line
 naming the config key, because silently ignoring it would compute a different model.
