@@ -13,6 +13,10 @@ Each output row is multiplied by its routing weight and written back at its (row
 row's top_k results are summed, as transformers' default (grouped) experts path sums them: in the dtype of
 output * weight, then rounded to the activations' dtype.
 
+A few rows (a decode step) may run each chosen expert's two matmuls by kernels/gemv_cpu.cpp instead of the
+library's, up to `gemv_rows` rows, chosen by timing at load with the Linears' (model/linear.py, choose_gemv;
+`time_gemv` here times the experts as a decode step reads them).
+
 Under `--quantization int8` the experts are quantized like a Linear (model/quantization.py): per output
 row of every expert, the int8 kernel over the chosen experts' slices. The router stays dense: an int8
 router would route tokens to other experts than the checkpoint's.
@@ -25,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.decoder.kernels import glue_cpu
+from services.common import plan as execution
+from services.decoder.kernels import gemv_cpu, glue_cpu
 from services.decoder.model import quantization
 from services.decoder.model.moe_config import MoeConfig
 
@@ -61,7 +66,10 @@ class Experts(nn.Module):
 
     def __init__(self, hidden: int, moe: MoeConfig):
         super().__init__()
-        self.num_experts, self.size = moe.num_experts, moe.expert_size
+        self.num_experts, self.size, self.top_k = moe.num_experts, moe.expert_size, moe.top_k
+        self.gemv_rows = 0      # rows up to which gemv_cpu runs the matmuls (model/linear.py, choose_gemv)
+        self.hidden = hidden
+        self.act_dtype: torch.dtype | None = None      # the activations' dtype, kept by quantize
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.expert_size, hidden))
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden, moe.expert_size))
         self.native = False     # SiLU(gate) * up by the C++ row op (kernels/glue_cpu); set by model/glue.py
@@ -76,6 +84,11 @@ class Experts(nn.Module):
     def quantized(self) -> bool:
         return self.gate_up_q is not None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype."""
+        return self.act_dtype if self.quantized else self.gate_up_proj.dtype
+
     @staticmethod
     def eligible(hidden: int, size: int) -> bool:
         """Whether both matmuls' inner widths suit the int8 kernel (quantization.K_MULTIPLE)."""
@@ -85,6 +98,7 @@ class Experts(nn.Module):
     def quantize(self) -> None:
         """Switch to int8 weights (each expert's rows scaled as quantization.quantize scales a Linear's) and
         release the dense ones."""
+        self.act_dtype = self.gate_up_proj.dtype
         for name in ("gate_up", "down"):
             w = getattr(self, f"{name}_proj")
             e, out, inp = w.shape
@@ -93,17 +107,20 @@ class Experts(nn.Module):
             setattr(self, f"{name}_scale", nn.Parameter(scale.view(e, out), requires_grad=False))
             setattr(self, f"{name}_proj", nn.Parameter(w.new_empty(0), requires_grad=False))
 
+    def _matmul(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        """x [M, in] -> [M, out] through expert e's `name` ("gate_up" or "down") weight."""
+        few = 0 < x.shape[0] <= self.gemv_rows
+        if self.quantized:
+            q, scale = getattr(self, f"{name}_q")[e], getattr(self, f"{name}_scale")[e]
+            return gemv_cpu.gemv(x, q, scale, None) if few else quantization.int8_linear(x, q, scale, None)
+        w = getattr(self, f"{name}_proj")[e]
+        return gemv_cpu.gemv(x, w, None, None) if few else F.linear(x, w)
+
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """x [M, H] -> expert e's SiLU-gated MLP of it [M, H]; reads only expert e's weights."""
-        if self.quantized:
-            gate_up = quantization.int8_linear(x, self.gate_up_q[e], self.gate_up_scale[e], None)
-        else:
-            gate_up = F.linear(x, self.gate_up_proj[e])
-        gate, up = gate_up.chunk(2, dim=1)
+        gate, up = self._matmul(x, "gate_up", e).chunk(2, dim=1)
         h = glue_cpu.silu_mul(gate, up) if self.native else F.silu(gate) * up
-        if self.quantized:
-            return quantization.int8_linear(h, self.down_q[e], self.down_scale[e], None)
-        return F.linear(h, self.down_proj[e])
+        return self._matmul(h, "down", e)
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [N, H], each row's routing -> sum over its top_k experts of weight * expert(row), [N, H]."""
@@ -129,3 +146,23 @@ class Experts(nn.Module):
             out.index_copy_(0, pairs, y)
             start += count
         return out.view(n, k, -1).sum(dim=1).to(x.dtype)
+
+
+@torch.inference_mode()
+def time_gemv(group: list[Experts], rows: int) -> tuple[float, float]:
+    """One pass over every module of group, top_k expert calls of `rows` rows each, on experts the previous
+    pass did not read (as a decode step streams them, not a few hot in cache): (library s, gemv_cpu s)."""
+    first = group[0]
+    x = torch.randn(rows, first.hidden).to(first.dtype)
+    passes = [0]
+
+    def run(gemv_rows: int) -> None:
+        start = passes[0] * first.top_k
+        passes[0] += 1
+        for m in group:
+            m.gemv_rows = gemv_rows
+            for j in range(m.top_k):
+                m.expert(x, (start + j) % m.num_experts)
+            m.gemv_rows = 0
+    best = execution.fastest({"own": lambda: run(0), "gemv": lambda: run(gemv_cpu.MAX_ROWS)}, reps=1, warm=False)
+    return best["own"], best["gemv"]

@@ -170,9 +170,12 @@ def test_chunked_prefill_then_decode_matches_transformers(folders, references, f
         choice = runner.plan.get("decode_stack")
         assert choice.chosen == "off" and REFUSED in choice.reason, choice
     assert runner.fused_decode is None
-    if plan == "fast":                     # the C++ SiLU*up serves the experts too
-        experts = [m for m in runner.model.modules() if isinstance(m, Experts)]
+    experts = [m for m in runner.model.modules() if isinstance(m, Experts)]
+    if plan == "fast":                     # the C++ SiLU*up and the few-row kernel serve the experts too
         assert runner.plan.chosen("glue.act") == "cpp" and experts and all(m.native for m in experts)
+        assert all(m.gemv_rows == 4 for m in experts)
+    else:                                  # gemv=off
+        assert experts and all(m.gemv_rows == 0 for m in experts)
     ref = references[family]
     alloc, seq = BlockAllocator(64), Seq("a", prompt(23, 1))
     for size in (5, 1, 9, 8):

@@ -15,7 +15,10 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts, Mixtral
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from services.decoder.model.moe import Experts, Router, Routing
+from services.common.plan import ExecutionPlan
+from services.decoder.kernels import gemv_cpu
+from services.decoder.model.linear import Linear, choose_gemv
+from services.decoder.model.moe import Experts, Router, Routing, time_gemv
 from services.decoder.model.moe_config import MoeConfig
 from services.decoder.model.quantization import dequantize
 from tests.tolerance import assert_close
@@ -64,13 +67,16 @@ def poison_unchosen(m: Experts, routing: Routing) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("native,gemv", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("rows,experts,top_k,size", [(1, 8, 2, 32), (1, 128, 8, 48), (2, 8, 2, 32), (3, 4, 1, 16),
                                                       (7, 8, 8, 32), (64, 16, 4, 96), (200, 128, 8, 48)])
-def test_grouped_dispatch_equals_the_dense_reference(dtype, native, rows, experts, top_k, size):
+def test_grouped_dispatch_equals_the_dense_reference(dtype, native, gemv, rows, experts, top_k, size):
+    """gemv: the few-row kernel for expert calls of up to MAX_ROWS rows (all of them at these row counts but
+    the largest, where experts get many rows and some few)."""
     cfg = moe(experts, top_k, size)
     m = make_experts(cfg, dtype, seed=rows)
     m.native = native
+    m.gemv_rows = gemv_cpu.MAX_ROWS if gemv else 0
     routing = random_routing(rows, cfg, dtype, seed=rows + 1)
     x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows + 2)).to(dtype)
     want = dense_reference(x, m.gate_up_proj, m.down_proj, routing)
@@ -108,10 +114,12 @@ def test_matches_transformers_experts(dtype, rows):
     assert_close(m(x, routing), want, dtype=dtype, k=HIDDEN, depth=2)
 
 
+@pytest.mark.parametrize("gemv", [False, True])
 @pytest.mark.parametrize("rows,experts,top_k", [(1, 8, 2), (4, 16, 4), (40, 8, 2)])
-def test_int8_experts_match_their_dequantized_weights(rows, experts, top_k):
+def test_int8_experts_match_their_dequantized_weights(rows, experts, top_k, gemv):
     cfg = moe(experts, top_k, 48)
     m = make_experts(cfg, torch.float32, seed=rows)
+    m.gemv_rows = gemv_cpu.MAX_ROWS if gemv else 0
     routing = random_routing(rows, cfg, torch.float32, seed=rows)
     x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows)).float()
     m.quantize()
@@ -151,3 +159,31 @@ def test_router_equals_transformers_router(family, norm_topk, dtype):
     assert routing.weights.dtype == (torch.float32 if fp32 else dtype)
     if norm_topk:
         assert_close(routing.weights.float().sum(1), torch.ones(23), dtype=dtype, k=3)
+
+
+def test_expert_gemv_rows_follow_the_measurements_and_the_pins():
+    """choose_gemv times the experts apart from the Linears, one choice per expert shape."""
+    layers = [make_experts(moe(8, 2, 32), torch.float32, seed=i) for i in range(2)]
+    model = torch.nn.ModuleList([Linear(HIDDEN, 96), *layers, make_experts(moe(4, 1, 48), torch.float32)])
+
+    def linear_timer(group, rows):
+        return (1e-6, 1.5e-6)                       # the library path wins every Linear
+
+    def expert_timer(group, rows):                  # gemv_cpu wins the 8-expert shape up to 2 rows
+        return (2e-6, 1e-6) if group[0].num_experts == 8 and rows <= 2 else (1e-6, 1.5e-6)
+    record = ExecutionPlan()
+    summary = choose_gemv(model, record, linear_timer, expert_timer)
+    assert [m.gemv_rows for m in model] == [0, 2, 2, 0]
+    assert summary == "gemv rows<=2 on experts 8x64x64"
+    assert [(c.name, c.chosen) for c in record.choices] == [
+        ("gemv 96x64+b", "off"), ("gemv experts 8x64x64", "on rows<=2"), ("gemv experts 4x96x64", "off")]
+    assert choose_gemv(model, ExecutionPlan("gemv=on")).startswith("gemv rows<=4")
+    assert [m.gemv_rows for m in model] == [4, 4, 4, 4]
+    choose_gemv(model, ExecutionPlan("gemv=off"))
+    assert [m.gemv_rows for m in model] == [0, 0, 0, 0]
+
+
+def test_the_expert_timer_times_both_paths_and_leaves_the_choice_alone():
+    group = [make_experts(moe(8, 2, 32), torch.bfloat16, seed=i) for i in range(2)]
+    own, kernel = time_gemv(group, 3)
+    assert own > 0 and kernel > 0 and all(m.gemv_rows == 0 for m in group)
