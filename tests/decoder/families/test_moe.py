@@ -128,6 +128,24 @@ def test_a_missing_expert_is_refused(folders, tmp_path):
         load_model(src)
 
 
+def test_stacked_experts_load_as_stored(folders, references, tmp_path):
+    """A checkpoint that stores transformers 5's stacked experts.gate_up_proj / down_proj (not each expert
+    apart) loads as it is, to the same logits."""
+    from safetensors.torch import load_file, save_file
+    src = tmp_path / "stacked"
+    shutil.copytree(folders["qwen2_moe"], src)
+    tensors = load_file(src / "model.safetensors")
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts."
+        gate_up = [torch.cat([tensors.pop(f"{p}{e}.gate_proj.weight"), tensors.pop(f"{p}{e}.up_proj.weight")])
+                   for e in range(8)]
+        tensors[p + "gate_up_proj"] = torch.stack(gate_up)
+        tensors[p + "down_proj"] = torch.stack([tensors.pop(f"{p}{e}.down_proj.weight") for e in range(8)])
+    save_file(tensors, src / "model.safetensors")
+    ids = torch.randint(4, 160, (9,), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(_logits(load_model(src), ids), _logits(load_model(folders["qwen2_moe"]), ids))
+
+
 def _logits(model, ids):
     with torch.no_grad():
         return model.logits(model(model.embed(ids), torch.arange(len(ids)), causal_attention))
