@@ -2,7 +2,8 @@
 
 We implement exactly: Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Granite
 (embedding, residual, attention and logit multipliers) and OLMo 2 (post-norm blocks, q/k RMSNorm over
-the whole projection) decoders with SiLU-gated MLPs, full causal attention and RoPE under transformers'
+the whole projection) decoders with SiLU-gated MLPs, and Qwen3-MoE, Qwen2-MoE and Mixtral with mixtures of
+SiLU-gated experts (model/moe_config.py), full causal attention and RoPE under transformers'
 recipes (model/rope.py; unscaled RoPE optionally with M-RoPE sections). Each family's module is named
 in model/families.py. Anything else a config asks for is refused with Unsupported at load, in one line
 naming the config key, because silently ignoring it would compute a different model.
@@ -17,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import InvalidArgument, Unsupported
+from services.decoder.model import moe_config
 from services.decoder.model import rope as rope_recipes
+from services.decoder.model.moe_config import MoeConfig
 from services.decoder.model.rope import RopeScaling
 
-FAMILIES = ("llama", "qwen2", "qwen3", "granite", "olmo2", "phi3")
+FAMILIES = ("llama", "qwen2", "qwen3", "granite", "olmo2", "phi3") + moe_config.FAMILIES
 # Vision-language checkpoints whose text model is one of FAMILIES: model_type -> text family.
 # The decoder loads only the text model; the vision service loads the tower from the same folder.
 # Qwen2.5-VL's text model and its M-RoPE positions for images are Qwen2-VL's (its tower differs).
@@ -74,6 +77,7 @@ class ModelConfig:
     # sliding mask), or None for full attention; () when every layer attends to its whole context.
     layer_windows: tuple[int | None, ...] = ()
     attn_softcap: float | None = None     # scores become softcap * tanh(scores / softcap) (Gemma 2)
+    moe: MoeConfig | None = None          # the experts of a mixture-of-experts family (model/moe_config.py)
 
     @staticmethod
     def from_folder(folder: str | Path) -> ModelConfig:
@@ -124,6 +128,8 @@ class ModelConfig:
         # Qwen2 always has q/k/v bias and never o bias; the other families use attention_bias for all four.
         qkv_bias = True if family == "qwen2" else attention_bias
         o_bias = False if family == "qwen2" else attention_bias
+        if family == "qwen2_moe":           # Qwen2-MoE names its q/k/v bias qkv_bias (default on), never o's
+            qkv_bias, o_bias = bool(raw.get("qkv_bias", True)), False
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
         return ModelConfig(
@@ -142,7 +148,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)) if family in ("llama", "granite") else False,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             **(_granite_multipliers(raw) if family == "granite" else {}),
             **(_phi3_windows(raw) if family == "phi3" else {}),
             mrope_sections=sections,
@@ -150,6 +156,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             vision=vision,
             rope=rope,
+            moe=moe_config.parse(raw, family) if family in moe_config.FAMILIES else None,
         )
 
 

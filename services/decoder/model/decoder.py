@@ -10,6 +10,8 @@ fast paths that do not compute its math (`unsupported`).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -24,6 +26,16 @@ from services.decoder.model.rotary import Rotary
 # (chunked prefill, prefix caching, preemption, n > 1, sampling, logprobs, structured outputs, speculative
 # decoding) act on tokens, KV blocks and logits only, so every family whose forward the runner runs serves them.
 DECLINABLE = ("bf16", "int8", "lora")
+
+
+@dataclass(frozen=True)
+class StoredPart:
+    """Where a checkpoint tensor stored under another name goes: param[index] of our parameter `param`,
+    which `parts` such tensors fill together (index () and parts 1: a whole tensor renamed)."""
+
+    param: str
+    index: tuple
+    parts: int
 
 
 class Backbone(nn.Module):
@@ -95,6 +107,11 @@ class CausalLM(nn.Module):
         """Engine feature (DECLINABLE) -> why this family does not serve it, for each it declines; the
         runner and the adapter bank refuse it at load with that reason. Every family served declines none."""
         return {}
+
+    def stored_part(self, name: str) -> StoredPart | None:
+        """A checkpoint key that is not one of our parameter names -> where its tensor goes; None: the key
+        is our parameter's own name (every family whose checkpoint names are transformers' module names)."""
+        return None
 
     def setup_rotary(self, device: torch.device | str) -> None:
         cfg = self.config

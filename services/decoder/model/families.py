@@ -10,6 +10,7 @@ from __future__ import annotations
 from services.decoder.model.config import ModelConfig
 from services.decoder.model.decoder import CausalLM
 from services.decoder.model.granite import Granite
+from services.decoder.model.moe_decoder import MoeCausalLM
 from services.decoder.model.olmo2 import Olmo2
 from services.decoder.model.phi3 import Phi3
 
@@ -20,6 +21,9 @@ MODELS: dict[str, type[CausalLM]] = {
     "granite": Granite,
     "olmo2": Olmo2,
     "phi3": Phi3,
+    "qwen3_moe": MoeCausalLM,
+    "qwen2_moe": MoeCausalLM,
+    "mixtral": MoeCausalLM,
 }
 
 

@@ -34,14 +34,16 @@ from services.decoder.lora.weights import TARGETS
 from services.decoder.model import load_model
 from services.decoder.model.decoder import DECLINABLE
 from services.decoder.model.families import MODELS
+from services.decoder.model.moe_decoder import MoeCausalLM
 from services.decoder.runner import Runner
 from tests.decoder.drive import drive, token_ids
+from tests.decoder.families.routing import force_routing, reference_routing
 from tests.decoder.families.tokenizer import SPECIALS, STOP_IDS, char_tokenizer
 from tests.decoder.lora.adapters import Spec, lora_engine, peft_mixed, register, write_adapter
 from tests.decoder.model.checkpoints import CASES, TINY_SHAPE, VOCAB, build, greedy_reference, load_reference
 from tests.decoder.model.test_quantization import dequantized_reference
 from tests.decoder.runner.driver import BlockAllocator, Seq
-from tests.tolerance import assert_close
+from tests.tolerance import assert_close, rel_tol
 
 pytestmark = pytest.mark.numerics
 
@@ -333,15 +335,17 @@ def test_structured_outputs_parse_and_match(runners, grammars):
 
 # -- bf16 and int8 ----------------------------------------------------------------------------------------
 
-def chunked_logits(runner, tokens: list[int], decode: int) -> tuple[list[torch.Tensor], list[int]]:
-    """Prefill `tokens` in chunks of 5, then `decode` greedy steps: (logits at each sampled row, all tokens)."""
+def chunked_logits(runner, tokens: list[int], decode: int,
+                   then: list[int] | None = None) -> tuple[list[torch.Tensor], list[int]]:
+    """Prefill `tokens` in chunks of 5, then `decode` steps, each feeding its greedy token or, given `then`, the
+    next of those: (logits at each sampled row, all tokens)."""
     alloc, seq, rows = BlockAllocator(64), Seq("a", list(tokens)), []
     while seq.computed < len(seq.tokens):
         logits, batch = runner.logits(StepInput([seq.chunk(5, alloc, BLOCK)]))
         if batch.sampled:
             rows.append(logits[0])
             if len(rows) <= decode:
-                seq.tokens.append(int(logits[0].argmax()))
+                seq.tokens.append(int(logits[0].argmax()) if then is None else then[len(rows) - 1])
     return rows, seq.tokens
 
 
@@ -350,12 +354,24 @@ def test_bf16_tracks_transformers_fp32(folder, reference, declined):
         return
     runner = Runner.from_folder(folder, "bf16", BLOCK, 64)
     assert runner.cache.k[0].dtype == torch.bfloat16
-    rows, tokens = chunked_logits(runner, PROMPTS[2][:13], 3)
+    prompt = PROMPTS[2][:13]
+    if isinstance(runner.model, MoeCausalLM):
+        # bf16 may swap near-tied experts (tests/decoder/families/routing.py): route as transformers' fp32 model
+        # does over its own greedy continuation, fed to ours in place of our argmax.
+        then = greedy_reference(folder, [prompt], 3)[0]
+        force_routing(runner.model, reference_routing(reference, prompt + then))
+        rows, tokens = chunked_logits(runner, prompt, 3, then)
+    else:
+        rows, tokens = chunked_logits(runner, prompt, 3)
     with torch.no_grad():
         want = reference(torch.tensor([tokens])).logits[0, 12:]
     for i, got in enumerate(rows):
         assert_close(got, want[i], dtype=torch.bfloat16, **TINY_SHAPE, what=f"row {i}")
-    assert int(rows[0].argmax()) == int(want[0].argmax())
+    top = want[0].topk(2).values
+    if float(top[0] - top[1]) > 2 * rel_tol(torch.bfloat16, **TINY_SHAPE) * float(want[0].abs().max()):
+        assert int(rows[0].argmax()) == int(want[0].argmax())
+    if isinstance(runner.model, MoeCausalLM):       # its routers back to their own choice
+        runner = Runner.from_folder(folder, "bf16", BLOCK, 64)
     # Through the engine: every request runs to its length and leaves the pool idle (drive checks both).
     drive(engine(runner, num_blocks=64, budget=5), PROMPTS, GREEDY)
 

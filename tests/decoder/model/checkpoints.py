@@ -15,20 +15,28 @@ from transformers import (
     GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 VOCAB = 160
 _CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
             "qwen3": (Qwen3Config, Qwen3ForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),
-            "olmo2": (Olmo2Config, Olmo2ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}
+            "olmo2": (Olmo2Config, Olmo2ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
+            "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+            "mixtral": (MixtralConfig, MixtralForCausalLM)}
 
 # Accumulation shape of these checkpoints (and the tiny chat models of the other decoder tests)
 # for tests/tolerance.py: the longest dot product of a layer is the MLP's (intermediate size at
@@ -65,6 +73,19 @@ CASES = {
                                                                 partial_rotary_factor=0.75,
                                                                 short_factor=[1.0, 1.0, 1.1, 1.3, 1.6, 2.0],
                                                                 long_factor=[1.0, 1.5, 2.5, 4.0, 7.0, 11.0])), {}),
+    # Mixtures of experts, 8 experts top-2 (model/moe_decoder.py): Qwen3-MoE with norm_topk_prob and a dense
+    # middle layer (mlp_only_layers), Qwen2-MoE's shared expert with unnormalised top-k, Mixtral with GQA 4.
+    "qwen3_moe_8x2_dense_mid": ("qwen3_moe", dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                                                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                  norm_topk_prob=True, mlp_only_layers=[1],
+                                                  tie_word_embeddings=False), {}),
+    "qwen2_moe_8x2_shared": ("qwen2_moe", dict(num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                                               num_experts_per_tok=2, moe_intermediate_size=32,
+                                               shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                               tie_word_embeddings=True), {}),
+    "mixtral_8x2_gqa4": ("mixtral", dict(num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
+                                         num_experts_per_tok=2, intermediate_size=48, tie_word_embeddings=False),
+                         dict(max_shard_size="40KB")),
 }
 
 # RoPE recipes (services/decoder/model/rope.py), sized so each recipe's parts are exercised at head_dim 16
