@@ -12,10 +12,10 @@ from .backends import Catalog, build_backends
 from .config import GatewayConfig
 from .edge import Edge
 from .limits import ConcurrencyLimit
-from .routes import adapters, chat, completions, embeddings, health, models, rerank, responses, tokenization
+from .routes import adapters, chat, completions, embeddings, health, messages, models, rerank, responses, tokenization
 
 ROUTERS = (chat.router, completions.router, embeddings.router, rerank.router, models.router, health.router,
-           adapters.router, tokenization.router, responses.router)
+           adapters.router, tokenization.router, responses.router, messages.router)
 
 # uvicorn's HTTP/1.1 parser, named rather than left to "auto" so that a missing package fails at start instead of
 # falling back. httptools (C) against h11 (pure Python), 64 single-sentence embedding clients, bf16, 2 vCPU: the
