@@ -8,17 +8,21 @@ assistant message's tool_calls; consecutive calls are one message) and `function
 message). Function tools become chat tools, `tool_choice` its chat form, `text.format` the chat
 response_format. The output items and their stream events are gateway/response_items.py's.
 
-Nothing is stored: `store: true`, `previous_response_id` and the stored-response endpoints are refused (no
-conversation is kept between requests), as are `background`, `prompt`, `conversation`, `reasoning` and
-`truncation: "auto"`, each a 400 naming the field rather than silently ignored.
+With --response-store (gateway/response_store.py), `store` (default true, as OpenAI's) keeps the response and
+its whole conversation per API key, `previous_response_id` continues one (its items first, function calls and
+outputs included; the unchanged prefix makes the new prompt a prefix-cache hit), and GET / DELETE
+/v1/responses/{id} read and remove one. Without it, `store: true` and `previous_response_id` are 400s. Refused
+too, each a 400 naming the field rather than silently ignored: `background`, `prompt`, `conversation`,
+`reasoning` and `truncation: "auto"`.
 """
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
+from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationInfo, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from services.common.errors import InvalidArgument, TesseraError
@@ -29,6 +33,7 @@ from ..response_items import ResponseItems
 from ..structured_output import JSONObjectFormat, JSONSchema, JSONSchemaFormat, TextFormat
 from ..tool_calls import ChoiceToolCalls, chat_deltas
 from ..tools import FUNCTION_NAME, FunctionDefinition, FunctionName, NamedToolChoice, Tool, check_parameters
+from . import stored_responses
 from .chat import ChatRequest, FunctionCall, ImagePart, ImageURL, Message, TextPart, ToolCall, start_chat
 from .common import ERROR_RESPONSES, INT32_MAX, StrictBody
 
@@ -38,10 +43,8 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Fields of OpenAI's Responses API that tessera cannot honour -> why (a 400 naming the field).
 REFUSED = {"background": "background runs are not supported: the answer comes on this connection",
            "prompt": "stored prompt templates are not supported: send instructions and input",
-           "conversation": "conversations are not stored: send the earlier items in input",
-           "reasoning": "reasoning settings are not supported by the served models",
-           "previous_response_id": "responses are not stored: send the earlier items (the previous output"
-                                   " included) in input"}
+           "conversation": "conversations are not kept: send previous_response_id or the earlier items in input",
+           "reasoning": "reasoning settings are not supported by the served models"}
 
 
 class InputText(StrictBody):
@@ -100,6 +103,10 @@ Item = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCall
                  | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_kind)]
 
 
+# A stored conversation read back (gateway/routes/stored_responses.py), checked as input is.
+ITEMS = TypeAdapter(list[Item])
+
+
 class FunctionTool(StrictBody):
     type: Literal["function"]
     name: str = Field(pattern=FUNCTION_NAME)
@@ -151,7 +158,10 @@ class ResponsesRequest(StrictBody):
     include: list[Literal["message.output_text.logprobs"]] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool = False
-    store: bool | None = Field(None, description="only false: nothing is stored")
+    store: bool | None = Field(None, description="keep the response for previous_response_id and GET (default"
+                                                 " true with --response-store; without it only false)")
+    previous_response_id: str | None = Field(None, description="continue this stored response: its"
+                                                               " conversation comes before input")
     metadata: dict[str, str] | None = Field(None, description="echoed in the response; at most 16 pairs")
     user: str | None = None
     truncation: Literal["disabled"] | None = Field(None, description="only disabled: a prompt over the context"
@@ -171,7 +181,6 @@ class ResponsesRequest(StrictBody):
     prompt: SkipJsonSchema[Any] = _refused("prompt")
     conversation: SkipJsonSchema[Any] = _refused("conversation")
     reasoning: SkipJsonSchema[Any] = _refused("reasoning")
-    previous_response_id: SkipJsonSchema[Any] = _refused("previous_response_id")
 
     @field_validator(*REFUSED, mode="before")
     @classmethod
@@ -188,13 +197,6 @@ class ResponsesRequest(StrictBody):
             if kind != "function":
                 raise ValueError(f"tools[{i}]: tool type {kind!r} is not supported (built-in tools run nowhere"
                                  f" here): only function tools")
-        return value
-
-    @field_validator("store")
-    @classmethod
-    def _nothing_stored(cls, value):
-        if value:
-            raise ValueError("store: true is not supported: responses are not stored (send false or omit it)")
         return value
 
     @field_validator("metadata")
@@ -223,10 +225,13 @@ def _parts(content: str | list, role: str, where: str) -> str | list:
     return out
 
 
-def chat_messages(body: ResponsesRequest) -> list[Message]:
-    """The conversation the chat path answers (module docstring)."""
+def input_items(body: ResponsesRequest) -> list:
+    return [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else list(body.input)
+
+
+def chat_messages(body: ResponsesRequest, items: list) -> list[Message]:
+    """The conversation the chat path answers (module docstring): instructions, then items."""
     messages = [Message(role="system", content=body.instructions)] if body.instructions is not None else []
-    items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     for i, item in enumerate(items):
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
@@ -246,8 +251,8 @@ def chat_messages(body: ResponsesRequest) -> list[Message]:
     return messages
 
 
-def chat_request(body: ResponsesRequest) -> ChatRequest:
-    """body as a ChatRequest (the fields the two share, under their chat names)."""
+def chat_request(body: ResponsesRequest, items: list) -> ChatRequest:
+    """body as a ChatRequest (the fields the two share, under their chat names), answering items."""
     fmt = body.text.format if body.text is not None else None
     if isinstance(fmt, FlatJSONSchema):
         fmt = JSONSchemaFormat(type="json_schema", json_schema=JSONSchema(
@@ -258,7 +263,7 @@ def chat_request(body: ResponsesRequest) -> ChatRequest:
     if isinstance(choice, FunctionChoice):
         choice = NamedToolChoice(type="function", function=FunctionName(name=choice.name))
     return ChatRequest(
-        model=body.model, messages=chat_messages(body), max_completion_tokens=body.max_output_tokens,
+        model=body.model, messages=chat_messages(body, items), max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, tools=tools or None, tool_choice=choice,
         parallel_tool_calls=body.parallel_tool_calls, response_format=fmt, logprobs=body.want_logprobs,
         top_logprobs=body.top_logprobs if body.want_logprobs else None, seed=body.seed, stop=body.stop,
@@ -279,16 +284,17 @@ def _usage(usage) -> dict:
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
 
 
-def _response(body: ResponsesRequest, rid: str, model: str, created: int, status: str, output: list,
-              usage=None) -> dict:
+def _response(body: ResponsesRequest, response_id: str, model: str, created: int, status: str, output: list,
+              usage=None, stored: bool = False) -> dict:
     fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format \
         else {"type": "text"}
-    return {"id": f"resp_{rid}", "object": "response", "created_at": created, "status": status,
+    return {"id": response_id, "object": "response", "created_at": created, "status": status,
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": model,
             "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": None, "reasoning": None, "store": False, "temperature": body.temperature,
+            "previous_response_id": body.previous_response_id, "reasoning": None, "store": stored,
+            "temperature": body.temperature,
             "text": {"format": fmt}, "tool_choice": body.tool_choice.model_dump() if isinstance(
                 body.tool_choice, FunctionChoice) else body.tool_choice or ("auto" if body.tools else "none"),
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()], "top_p": body.top_p,
@@ -303,24 +309,45 @@ def _status(reason: str | None) -> str:
 @router.post("/v1/responses", tags=["generation"], responses=ERROR_RESPONSES)
 async def create_response(body: ResponsesRequest, request: Request):
     """Answer input items with the model's chat template; whole, or streamed as typed response.* events."""
-    chat = chat_request(body)
+    store = await stored_responses.store_for(request, body.store)
+    earlier = ITEMS.validate_python(await stored_responses.earlier_items(request, body.previous_response_id))
+    items = earlier + input_items(body)
+    chat = chat_request(body, items)
     if body.want_logprobs and body.tools and body.tool_choice != "none":
         raise InvalidArgument(f"include {LOGPROBS_INCLUDE} cannot be combined with tool calls (the call text"
                               f" has no output_text to carry them)", param="include")
     run = await start_chat(chat, request, RENAMED)
     created = int(time.time())
+    # Random, not the request id (a caller may choose that): stored responses are looked up by it.
+    response_id = f"resp_{uuid.uuid4().hex}"
+    keep = Keep(store, request, items)
     if body.stream:
-        return sse.stream(run.generation, _events(body, run, created), run.request_id, _error_event)
+        return sse.stream(run.generation, _events(body, run, response_id, created, keep), run.request_id,
+                          _error_event)
     choices = await sse.collect(request, run.generation)
     if not isinstance(choices, list):
         return choices
     choice = choices[0]
-    items = ResponseItems(body.want_logprobs)
+    built = ResponseItems(body.want_logprobs)
     calls = ChoiceToolCalls(run.plan.parser()) if run.plan.parser else None
-    items.feed(chat_deltas(calls, "".join(choice.text), True), choice.logprobs)
-    items.close(choice.finish_reason != "length")
-    return _response(body, run.request_id, run.model.name, created, _status(choice.finish_reason), items.output,
-                     run.generation.usage)
+    built.feed(chat_deltas(calls, "".join(choice.text), True), choice.logprobs)
+    built.close(choice.finish_reason != "length")
+    answer = _response(body, response_id, run.model.name, created, _status(choice.finish_reason),
+                       built.output, run.generation.usage, store is not None)
+    await keep(answer)
+    return answer
+
+
+class Keep:
+    """Stores an answer with its conversation (items, then its output), when the request asked to."""
+
+    def __init__(self, store, request: Request, items: list):
+        self.store, self._request = store, request
+        self._items = [i.model_dump(by_alias=True, exclude_none=True) for i in items]
+
+    async def __call__(self, answer: dict) -> None:
+        if self.store is not None:
+            await stored_responses.keep(self._request, self.store, answer, [*self._items, *answer["output"]])
 
 
 def _error_event(err: TesseraError, rid: str) -> dict:
@@ -328,7 +355,7 @@ def _error_event(err: TesseraError, rid: str) -> dict:
             "sequence_number": 0}
 
 
-async def _events(body: ResponsesRequest, run, created: int):
+async def _events(body: ResponsesRequest, run, response_id: str, created: int, keep: Keep):
     """The typed events of one streamed response, numbered by sequence_number."""
     seq = 0
 
@@ -338,7 +365,8 @@ async def _events(body: ResponsesRequest, run, created: int):
         seq += 1
         return event
 
-    head = _response(body, run.request_id, run.model.name, created, "in_progress", [])
+    head = _response(body, response_id, run.model.name, created, "in_progress", [],
+                     stored=keep.store is not None)
     yield numbered({"type": "response.created", "response": head})
     yield numbered({"type": "response.in_progress", "response": head})
     items = ResponseItems(body.want_logprobs)
@@ -351,6 +379,8 @@ async def _events(body: ResponsesRequest, run, created: int):
     for event in items.close(reason != "length"):
         yield numbered(event)
     status = _status(reason)
-    done = _response(body, run.request_id, run.model.name, created, status, items.output, run.generation.usage)
+    done = _response(body, response_id, run.model.name, created, status, items.output, run.generation.usage,
+                     keep.store is not None)
+    await keep(done)
     yield numbered({"type": f"response.{status}", "response": done})
 
