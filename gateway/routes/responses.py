@@ -322,8 +322,9 @@ async def create_response(body: ResponsesRequest, request: Request):
     response_id = f"resp_{uuid.uuid4().hex}"
     keep = Keep(store, request, items)
     if body.stream:
-        return sse.stream(run.generation, _events(body, run, response_id, created, keep), run.request_id,
-                          _error_event)
+        numbered = Numbered()
+        return sse.stream(run.generation, _events(body, run, response_id, created, keep, numbered),
+                          run.request_id, numbered.error)
     choices = await sse.collect(request, run.generation)
     if not isinstance(choices, list):
         return choices
@@ -350,21 +351,24 @@ class Keep:
             await stored_responses.keep(self._request, self.store, answer, [*self._items, *answer["output"]])
 
 
-def _error_event(err: TesseraError, rid: str) -> dict:
-    return {"type": "error", "code": err.reason.lower(), "message": err.message, "param": err.param,
-            "sequence_number": 0}
+class Numbered:
+    """Numbers a stream's events (sequence_number from 0), a failure's error event included."""
 
+    def __init__(self):
+        self.next = 0
 
-async def _events(body: ResponsesRequest, run, response_id: str, created: int, keep: Keep):
-    """The typed events of one streamed response, numbered by sequence_number."""
-    seq = 0
-
-    def numbered(event: dict) -> dict:
-        nonlocal seq
-        event["sequence_number"] = seq
-        seq += 1
+    def __call__(self, event: dict) -> dict:
+        event["sequence_number"] = self.next
+        self.next += 1
         return event
 
+    def error(self, err: TesseraError, rid: str) -> dict:
+        return self({"type": "error", "code": err.code or err.reason.lower(), "message": err.message,
+                     "param": err.param})
+
+
+async def _events(body: ResponsesRequest, run, response_id: str, created: int, keep: Keep, numbered: Numbered):
+    """The typed events of one streamed response, numbered by sequence_number."""
     head = _response(body, response_id, run.model.name, created, "in_progress", [],
                      stored=keep.store is not None)
     yield numbered({"type": "response.created", "response": head})
