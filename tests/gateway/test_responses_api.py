@@ -185,3 +185,18 @@ def test_refusals_name_the_field(fleet, extra, field):
     with pytest.raises(openai.BadRequestError):
         fleet["client"].responses.create(model=MODEL, input=body.pop("input"), extra_body=body)
     still_up(fleet)
+
+
+def test_the_clients_stream_helper_accumulates_the_same_answer(client):
+    """responses.stream rebuilds the response from the events itself (by output and content index): it must
+    arrive at the whole answer, text and forced calls alike. (It wants response.completed, so both answers are
+    ones a grammar ends: the random model's free text runs to max_output_tokens.)"""
+    schema = {"format": {"type": "json_schema", "name": "forecast", "schema": Forecast.model_json_schema()}}
+    for kw in ({"text": schema}, {"tools": FUNCTIONS, "tool_choice": {"type": "function", "name": "get_time"}}):
+        kw = {"max_output_tokens": 60, **kw}
+        whole = respond(client, **kw)
+        assert whole.status == "completed", (kw, whole.output)
+        with client.responses.stream(model=MODEL, input=ASK, temperature=0, **kw) as stream:
+            text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+            final = stream.get_final_response()
+        assert items(final) == items(whole) and text == whole.output_text
