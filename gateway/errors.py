@@ -39,8 +39,9 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 
 def anthropic_error(err: TesseraError, rid: str | None) -> dict:
     """Anthropic's error body for err: {"type": "error", "error": {"type", "message"}, "request_id"}."""
-    body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(err.row.http, "api_error"),
-                                       "message": err.message}}
+    # Anthropic's shape has no `param`: the message names the field instead.
+    message = err.message if not err.param or err.param in err.message else f"{err.param}: {err.message}"
+    body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(err.row.http, "api_error"), "message": message}}
     if rid:
         body["request_id"] = rid
     return body

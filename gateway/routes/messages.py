@@ -7,7 +7,8 @@ blocks become tool messages (before the rest of its content), an assistant messa
 tool_calls (the input as JSON text); `image` blocks with a base64 source are data: URLs as chat takes them (URL
 sources are refused: nothing is fetched). `tools` (custom tools with an input_schema; server tools are refused,
 naming their type) and `tool_choice` (auto, any -> required, tool -> a named function, none;
-disable_parallel_tool_use -> parallel_tool_calls false) are chat's. `stop_sequences` are chat's stop strings,
+disable_parallel_tool_use -> parallel_tool_calls false) are chat's; `output_config.format` (a JSON schema) is
+chat's response_format. `stop_sequences` are chat's stop strings,
 asked back from the decoder at the end of the text so `stop_reason` can say `stop_sequence` and name it.
 
 usage: `input_tokens` counts the prompt tokens not read from the prefix cache and `cache_read_input_tokens`
@@ -30,6 +31,7 @@ from ..backends import GENERATION
 from ..errors import anthropic_error, request_id
 from ..generation import finish_reason
 from ..message_blocks import MessageBlocks
+from ..structured_output import JSONSchema, JSONSchemaFormat
 from ..tool_calls import ChoiceToolCalls, chat_deltas
 from ..tools import FUNCTION_NAME, FunctionDefinition, FunctionName, NamedToolChoice, Tool, check_parameters
 from .chat import (
@@ -114,6 +116,17 @@ class ToolChoice(StrictBody):
     disable_parallel_tool_use: bool | None = None
 
 
+class JSONOutputFormat(StrictBody):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema", description="the JSON Schema the text must follow")
+
+
+class OutputConfig(StrictBody):
+    format: JSONOutputFormat | None = Field(None, description="structured output: enforced as chat's"
+                                                              " response_format json_schema")
+    effort: None = Field(None, description="refused: the served models have no effort setting")
+
+
 class MessagesRequest(StrictBody):
     model: str | None = Field(None, description="a model from /v1/models; omitted: the served language model")
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -126,6 +139,7 @@ class MessagesRequest(StrictBody):
     metadata: dict[str, Any] | None = Field(None, description="accepted (user_id); not used")
     tools: list[CustomTool] | None = None
     tool_choice: ToolChoice | None = None
+    output_config: OutputConfig | None = None
     stream: bool = False
 
     @field_validator("tools", mode="before")
@@ -213,14 +227,17 @@ def _no_tools():
 
 def chat_request(body: MessagesRequest) -> ChatRequest:
     tools, choice, parallel = _tools(body)
+    fmt = body.output_config.format if body.output_config is not None else None
+    response_format = None if fmt is None else JSONSchemaFormat(type="json_schema", json_schema=JSONSchema(
+        name="output", schema=fmt.schema_))
     return ChatRequest(model=body.model, messages=_conversation(body), max_completion_tokens=body.max_tokens,
                        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences,
-                       tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
+                       tools=tools, tool_choice=choice, parallel_tool_calls=parallel, response_format=response_format)
 
 
 # Chat fields and decoder params -> the Messages field the caller sent.
 RENAMED = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tokens", "stop": "stop_sequences",
-           "prompt": "messages", "images": "messages"}
+           "prompt": "messages", "images": "messages", "response_format": "output_config"}
 
 
 def _stop(text: str, reason: str | None, stops: list[str]) -> tuple[str, str | None]:

@@ -10,9 +10,11 @@ Bad inputs are 400s in Anthropic's error shape naming the field, the decoder ser
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import anthropic
 import jsonschema
+import pydantic
 import pytest
 
 from tests.decoder.text.tool_template import PARAMETERS, TOOLS
@@ -149,6 +151,20 @@ def test_any_then_tool_result_round_trip(client, claude):
     assert prompt_tokens(second) == chat.usage.prompt_tokens
 
 
+class Forecast(pydantic.BaseModel):
+    city: Literal["Paris", "Rome"]   # closed values: the random model's free strings would run past the budget
+    sunny: bool
+
+
+def test_output_config_format_parses(claude):
+    parsed = claude.messages.parse(model=MODEL, max_tokens=60, output_format=Forecast, extra_body={"temperature": 0},
+                                   messages=[{"role": "user", "content": ASK}])
+    assert isinstance(parsed.parsed_output, Forecast) and parsed.stop_reason == "end_turn", parsed.content
+    _, final = streamed(claude, max_tokens=60, output_config={"format": {
+        "type": "json_schema", "schema": Forecast.model_json_schema()}})
+    assert Forecast.model_validate_json(final.content[0].text) == parsed.parsed_output
+
+
 @pytest.mark.parametrize("extra, field", [
     ({"max_tokens": None}, "max_tokens"),
     ({"max_tokens": 5000}, "max_tokens"),
@@ -157,6 +173,9 @@ def test_any_then_tool_result_round_trip(client, claude):
         "type": "url", "url": "https://example.com/cat.png"}}]}]}, "URL image sources"),
     ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": ANTHROPIC_TOOLS}, "tool_choice"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"output_config": {"effort": "high"}}, "output_config"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object", "not": {}}}}},
+     "output_config"),
 ])
 def test_refusals_in_anthropic_shape(fleet, extra, field):
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": ASK}], **extra}
