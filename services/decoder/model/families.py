@@ -18,6 +18,7 @@ MODELS: dict[str, type[CausalLM]] = {
     "qwen3": CausalLM,
     "granite": Granite,
     "olmo2": Olmo2,
+    "mistral": CausalLM,      # Llama's layer; its sliding window is config.layer_windows, honoured by attention
 }
 
 

@@ -7,7 +7,8 @@ step in one call over the same weights and the same paged cache, each projection
 Linear chose at load for that row count (gemv_cpu, packed or plain). A step takes it when:
 - every row is a decode row of the in-place attention operator (no prefill span; a short chunk
   after 0, e.g. speculative drafts, and a short first chunk count as rows), at most `max_rows` of them;
-- no row uses a LoRA adapter (those steps need the per-projection corrections of the layers).
+- no row uses a LoRA adapter (those steps need the per-projection corrections of the layers);
+- the model has no sliding-window layer and no attention soft-cap (the stack's attention has neither).
 Any other step runs the model's own layers, which stay the reference (tests compare the two).
 
 `FusedDecode.build` makes it at load, when the model is on CPU in float32 or bfloat16 (int8 weights
@@ -186,6 +187,12 @@ def _ineligible(model: CausalLM, attention_backend: str, record: execution.Execu
     reason = model.unsupported().get("decode_stack", "") or glue.ineligible(model)
     if reason:
         return reason
+    cfg = model.config
+    # The stack's attention reads every key of a row with plain softmax scores.
+    if any(w is not None for w in cfg.layer_windows):
+        return "the C++ decode stack attends to the whole context; this model has sliding-window layers"
+    if cfg.attn_softcap is not None:
+        return "the C++ decode stack has no attention soft-cap (attn_softcap)"
     if attention_backend != CPP:
         return f"decode attention is {attention_backend}"
     if record.pinned("linear") != execution.AUTO:
