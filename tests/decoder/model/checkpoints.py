@@ -15,6 +15,8 @@ from transformers import (
     GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
     Qwen2Config,
@@ -26,7 +28,7 @@ from transformers import (
 VOCAB = 160
 _CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
             "qwen3": (Qwen3Config, Qwen3ForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),
-            "olmo2": (Olmo2Config, Olmo2ForCausalLM)}
+            "olmo2": (Olmo2Config, Olmo2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
 
 # Accumulation shape of these checkpoints (and the tiny chat models of the other decoder tests)
 # for tests/tolerance.py: the longest dot product of a layer is the MLP's (intermediate size at
@@ -51,6 +53,12 @@ CASES = {
                                                  attention_multiplier=0.07, logits_scaling=1.5), {}),
     "olmo2_gqa4_postnorm": ("olmo2", dict(num_attention_heads=8, num_key_value_heads=2, attention_bias=True,
                                           tie_word_embeddings=False), {}),
+    # Sliding windows shorter than the prompts: Mistral's on every layer, Qwen2's on layers from
+    # max_window_layers (layer 0 full, layer 1 sliding).
+    "mistral_gqa2_window8": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                                             tie_word_embeddings=False), {}),
+    "qwen2_sliding_layers": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                           sliding_window=6, max_window_layers=1, tie_word_embeddings=True), {}),
 }
 
 # RoPE recipes (services/decoder/model/rope.py), sized so each recipe's parts are exercised at head_dim 16
