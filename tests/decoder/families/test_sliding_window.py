@@ -7,6 +7,7 @@ every layer slides returns the blocks that left its window to the pool while it 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -29,6 +30,7 @@ from services.decoder.runner.kv_cache import KVCache
 from services.decoder.runner.windows import Windows
 from tests.decoder.drive import drive, token_ids
 from tests.decoder.model.checkpoints import TINY_SHAPE, build, greedy_reference, load_reference
+from tests.decoder.model.test_quantization import dequantized_reference
 from tests.decoder.runner.driver import BlockAllocator, Seq
 from tests.tolerance import assert_close, is_close
 
@@ -225,6 +227,24 @@ def test_chunked_prefill_then_decode_matches_transformers(folders, family, plan)
     assert produced == expected
 
 
+@pytest.mark.parametrize("family", CASES)
+def test_bf16_and_int8_runners_track_their_references(folders, family):
+    """Past the window: a 13-token context, then decode rows that read it back through the window."""
+    for dtype, quantization in (("bf16", "none"), ("fp32", "int8")):
+        runner = Runner.from_folder(folders[family], dtype, block_size=BLOCK, num_blocks=32,
+                                    quantization=quantization)
+        ref = dequantized_reference(folders[family]) if quantization == "int8" else load_reference(folders[family])
+        alloc, seq = BlockAllocator(32), Seq("a", list(PROMPTS[2]))
+        runner.logits(StepInput([seq.chunk(6, alloc, BLOCK)]))
+        for _ in range(4):
+            logits, _ = runner.logits(StepInput([seq.chunk(len(seq.tokens) - seq.computed, alloc, BLOCK)]))
+            with torch.no_grad():
+                want = ref(torch.tensor([seq.tokens])).logits[0, -1]
+            torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.int8
+            assert_close(logits[0], want, dtype=torch_dtype, **TINY_SHAPE)
+            seq.tokens.append(int(want.argmax()))
+
+
 def test_decode_stack_pinned_on_is_refused_with_the_reason(folders):
     with pytest.raises(ValueError, match="decode_stack=on: the decode stack cannot run here .*sliding-window"):
         Runner.from_folder(folders["mistral"], "fp32", block_size=BLOCK, num_blocks=16,
@@ -253,6 +273,12 @@ def test_engine_equals_transformers_through_chunks_prefix_hits_and_preemption(fo
     small = dict(num_blocks=9, budget=8, stagger=0) if family == "mistral" else dict(num_blocks=12, budget=16)
     got, core = run_engine(folder, prefix_caching=False, **small)
     assert core.stats().num_preemptions > 0 and got == want
+    # n = 2 greedy choices share the prompt's blocks (Mistral's freed ones too); each equals the one answer.
+    runner = Runner.from_folder(folder, "fp32", BLOCK, 256, fast_paths="screen=on")
+    core = EngineCore(runner, EngineConfig(block_size=BLOCK, num_blocks=256, max_num_seqs=8, max_model_len=128))
+    tokens = drive(core, PROMPTS, dataclasses.replace(GREEDY, n=2))
+    assert [[[t.token_id for t in tokens[(i, c)]] for c in range(2)] for i in range(len(PROMPTS))] == \
+        [[w, w] for w in want]
 
 
 # -- freed blocks ---------------------------------------------------------------------------------------
