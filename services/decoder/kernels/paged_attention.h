@@ -7,8 +7,10 @@
 // the FMA pipes busy. Per block and query head: n scores, one online-softmax update (running max
 // m and sum l, the accumulator rescaled only when m grows), then acc += p * V. A row cut into
 // several stretches is merged at the end by their (m, l). Everything accumulates in fp32; bf16
-// rows are widened as they are loaded. Threads take tasks from a shared counter, so ragged rows
-// balance, and the next block is prefetched a few lines per token while this one is computed.
+// rows are widened as they are loaded. A row may start at a first key (a sliding window: earlier
+// blocks are not read, earlier keys of its block score -inf) and soft-cap its scores (cap * tanh(s /
+// cap)). Threads take tasks from a shared counter, so ragged rows balance, and the next block is
+// prefetched a few lines per token while this one is computed.
 // Loops and GCC/Clang vector extensions compiled for the build machine (-march=native), so the
 // source builds on any x86 or ARM CPU; intrinsics only where the CPU has them: AVX-512 widens bf16
 // rows, avx512_bf16 takes bf16 scores by its dot product.

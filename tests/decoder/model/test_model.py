@@ -105,8 +105,10 @@ def test_legacy_rope_keys_and_refusals(folders, tmp_path):
                              rope_theta=5000.0, rope_scaling={"type": "linear", "factor": 2.0})
     rope = load_model(legacy).config.rope       # transformers 4 spelling (tests/decoder/model/test_rope.py)
     assert (rope.kind, rope.factor, rope.theta) == ("linear", 2.0, 5000.0)
-    sliding = _rewrite_config(folders["qwen2_gqa2_odd_tied"], tmp_path / "sw", use_sliding_window=True)
-    with pytest.raises(Unsupported, match="sliding"):
+    # Sliding windows are served (tests/decoder/families/test_sliding_window.py); other layer types are not.
+    sliding = _rewrite_config(folders["qwen2_gqa2_odd_tied"], tmp_path / "sw",
+                              layer_types=["chunked_attention", "full_attention"])
+    with pytest.raises(Unsupported, match="layer_types"):
         load_model(sliding)
     gelu = _rewrite_config(folders["qwen2_gqa2_odd_tied"], tmp_path / "gelu", hidden_act="gelu")
     with pytest.raises(Unsupported, match="gelu"):
