@@ -333,3 +333,60 @@ def test_abort_mid_generation_returns_every_block(window16):
     core.step()
     assert not core.has_unfinished()
     core.check_idle()
+
+
+# -- the served model: blocks over gRPC while it streams, and idle after finish and cancel ---------------
+
+@pytest.fixture(scope="module")
+def mistral_server(tmp_path_factory):
+    """The decoder gRPC server on a tiny Mistral (window 8) with SmolLM2's tokenizer: (stub, folder)."""
+    import grpc
+
+    from services.common.pb import decoder_pb2_grpc
+    from services.decoder.server.config import DecoderConfig, DecoderServerConfig
+    from services.decoder.server.service import start
+    from tests.decoder.server.conftest import write_tiny_chat_llama
+    from tests.loops import LoopThread
+    folder = write_tiny_chat_llama(tmp_path_factory.mktemp("served") / "tiny-mistral", seed=5)
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8)
+    (folder / "config.json").write_text(json.dumps(raw))
+    loop = LoopThread()
+    cfg = DecoderConfig(model=str(folder), num_blocks=64, block_size=BLOCK, max_num_batched_tokens=32,
+                        fast_paths="screen=on")
+    server, servicer = loop.run(start(DecoderServerConfig(host="127.0.0.1", port=0), cfg))
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield decoder_pb2_grpc.DecoderServiceStub(channel), folder
+    loop.run(server.stop(0))
+    servicer.state.engine.stop()
+    loop.close()
+
+
+def test_served_generation_holds_its_window_and_ends_idle(mistral_server):
+    from services.common.pb import decoder_pb2 as D
+    from tests.decoder.idle import stats, wait_idle
+    stub, folder = mistral_server
+    prompt = list(range(300, 340))
+    req = D.GenerateRequest(token_ids=D.TokenIds(ids=prompt),
+                            sampling=D.SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    ids, used = [], []
+    for m in stub.Generate(req):
+        ids.extend(m.token_ids)
+        if 10 <= len(ids) < 60:
+            s = stats(stub)
+            used.append(s.total_blocks - s.free_blocks)
+    # Window 8 over blocks of 4: 3 blocks of keys and the next position's, against 25 without freeing.
+    assert used and max(used) <= cdiv(8, BLOCK) + 2, used
+    assert ids == greedy_reference(folder, [prompt], 60)[0]
+    wait_idle(stub)
+    call = stub.Generate(D.GenerateRequest(token_ids=D.TokenIds(ids=prompt[:30]),
+                                           sampling=D.SamplingParams(temperature=0, max_tokens=150,
+                                                                     ignore_eos=True)))
+    got = 0
+    for m in call:
+        got += len(m.token_ids)
+        if got >= 20:
+            break
+    call.cancel()
+    s = wait_idle(stub)
+    assert s.free_blocks == s.total_blocks
