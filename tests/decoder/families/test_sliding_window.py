@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from services.common.errors import InvalidArgument, Unsupported
-from services.decoder.engine.config import EngineConfig
+from services.decoder.engine.config import EngineConfig, SpeculativeConfig
 from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.kv_cache_manager import FREED, cdiv
 from services.decoder.engine.step import SamplingParams, StepInput
@@ -279,6 +279,16 @@ def test_engine_equals_transformers_through_chunks_prefix_hits_and_preemption(fo
     tokens = drive(core, PROMPTS, dataclasses.replace(GREEDY, n=2))
     assert [[[t.token_id for t in tokens[(i, c)]] for c in range(2)] for i in range(len(PROMPTS))] == \
         [[w, w] for w in want]
+
+
+def test_speculative_drafts_through_the_window_equal_transformers(folders, expected):
+    """n-gram drafts verified across the window's edge; rejected drafts' blocks trimmed, passed ones freed."""
+    runner = Runner.from_folder(folders["mistral"], "fp32", BLOCK, 64, fast_paths="screen=on")
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1,
+                             disable_by_batch_size=8)
+    core = EngineCore(runner, EngineConfig(block_size=BLOCK, num_blocks=64, max_model_len=128, speculative=spec))
+    got = token_ids(drive(core, PROMPTS, GREEDY, stagger=0), len(PROMPTS))
+    assert got == expected["mistral"] and core.stats().num_verifications > 0
 
 
 # -- freed blocks ---------------------------------------------------------------------------------------
