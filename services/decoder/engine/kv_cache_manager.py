@@ -16,7 +16,6 @@ from services.decoder.engine.block_pool import Block, BlockPool
 from services.decoder.engine.hashing import extend_block_hashes
 from services.decoder.engine.request import Request
 
-
 # The block-table entry of a block returned before its request ended (release_passed): never read.
 FREED = -1
 

@@ -43,7 +43,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                 out[r, h] = p @ V[:, h // G].float()
 
     Only the table entries F // BS .. ceil(L / BS) - 1 and the slots F .. L - 1 are read: other table
-    entries (a freed block's placeholder) and cache slots may hold anything. Table entries that are read are bounds-checked.
+    entries (a freed block's placeholder) and cache slots may hold anything. Table entries that are
+    read are bounds-checked.
     Runs on torch.get_num_threads() threads without the GIL. A row's result depends on its own
     inputs only, bit for bit: not on the other rows of the batch nor on the thread count.
     """
