@@ -7,6 +7,9 @@ context or a sliding window, `layer_windows`) and RoPE under transformers' recip
 unscaled RoPE optionally with M-RoPE sections). Each family's module is named in model/families.py.
 Anything else a config asks for is refused with Unsupported at load, in one line naming the config key,
 because silently ignoring it would compute a different model.
+
+Phi-3 / Phi-4-mini (model/phi3.py) are Llama's layer over fused checkpoint projections; phi3 alone takes
+partial_rotary_factor (model/rotary.py rotates the first part of each head).
 """
 from __future__ import annotations
 
@@ -18,10 +21,11 @@ from services.common.errors import InvalidArgument, Unsupported
 from services.decoder.model import rope as rope_recipes
 from services.decoder.model.rope import RopeScaling
 
-FAMILIES = ("llama", "qwen2", "qwen3", "granite", "olmo2", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "granite", "olmo2", "phi3", "mistral")
 # Vision-language checkpoints whose text model is one of FAMILIES: model_type -> text family.
 # The decoder loads only the text model; the vision service loads the tower from the same folder.
-VISION_LANGUAGE = {"qwen2_vl": "qwen2"}
+# Qwen2.5-VL's text model and its M-RoPE positions for images are Qwen2-VL's (its tower differs).
+VISION_LANGUAGE = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,12 @@ class ModelConfig:
             raise Unsupported(f"config.json hidden_act {act!r} is not supported (only silu)")
         num_layers = int(raw["num_hidden_layers"])
         windows = layer_windows(raw, family, num_layers)
+        if family == "phi3":     # Phi3Config's default, which its longrope reads when config.json omits it
+            raw = {"original_max_position_embeddings": 4096, **raw}
         rope, sections = rope_recipes.parse(raw)
+        if rope.partial_rotary_factor != 1.0 and family != "phi3":
+            raise Unsupported(f"config.json partial_rotary_factor {rope.partial_rotary_factor:g} is not supported for "
+                              f"model_type {family!r} (its layers rotate whole heads)")
         heads = int(raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         if heads % kv_heads:
@@ -113,7 +122,7 @@ class ModelConfig:
         rope_recipes.check_dims(rope, head_dim)
         if sections is not None and 2 * sum(sections) != head_dim:
             raise InvalidArgument(f"mrope_section {sections} must total head_dim/2 = {head_dim // 2} pairs")
-        attention_bias = bool(raw.get("attention_bias", False))
+        attention_bias = bool(raw.get("attention_bias", False)) and family != "phi3"   # Phi-3 has no biases
         # Qwen2 always has q/k/v bias and never o bias; the other families use attention_bias for all four.
         qkv_bias = True if family == "qwen2" else attention_bias
         o_bias = False if family == "qwen2" else attention_bias
@@ -147,10 +156,10 @@ class ModelConfig:
 
 
 def _text_of_vision_language(raw: dict) -> tuple[dict, VisionTokens]:
-    """A Qwen2-VL config.json -> (a flat text-model config in FAMILIES' terms, its image tokens).
+    """A Qwen2-VL or Qwen2.5-VL config.json -> (a flat text-model config in FAMILIES' terms, its image tokens).
 
-    transformers 5 writes the text model under "text_config" (model_type "qwen2_vl_text") and keeps the
-    image-token ids and tie_word_embeddings at the top; transformers 4 wrote one flat dict (with
+    transformers 5 writes the text model under "text_config" (model_type "qwen2_vl_text" or "qwen2_5_vl_text")
+    and keeps the image-token ids and tie_word_embeddings at the top; transformers 4 wrote one flat dict (with
     rope_scaling {"type": "mrope", ...}). Both become the same flat dict: top-level keys first, then
     text_config's over them, except tie_word_embeddings, which transformers reads from the top.
     """
@@ -210,7 +219,8 @@ _FULL_ONLY = ("llama", "granite", "olmo2")
 def layer_windows(raw: dict, family: str, num_layers: int) -> tuple[int | None, ...]:
     """config.json -> ModelConfig.layer_windows, as transformers 5 reads each family's keys.
 
-    Mistral: `sliding_window` on every layer (null: full), `layer_types` ignored as its class ignores it.
+    Mistral and Phi-3: `sliding_window` on every layer (null: full), `layer_types` ignored as their classes
+    ignore it.
     Qwen2/Qwen3: `sliding_window` only with `use_sliding_window`; `layer_types` when written, else layers
     from `max_window_layers` on slide. Any other family: `layer_types` (sliding_attention/full_attention)
     with `sliding_window`. A window w means a query at position p sees keys p - w + 1 .. p (transformers'
@@ -219,7 +229,7 @@ def layer_windows(raw: dict, family: str, num_layers: int) -> tuple[int | None, 
     window = raw.get("sliding_window")
     if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
         window = None
-    if family == "mistral":
+    if family in ("mistral", "phi3"):
         types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
     else:
         types = raw.get("layer_types")

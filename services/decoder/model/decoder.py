@@ -19,6 +19,12 @@ from services.decoder.model.layers import MLP, AttentionFn, DecoderLayer, RMSNor
 from services.decoder.model.linear import Linear
 from services.decoder.model.rotary import Rotary
 
+# Engine features a family may decline in refused_features(), each refused at load with the family's
+# reason: the bf16 dtype and int8 weights (runner/runner.py) and LoRA adapters (lora/bank.py). The rest
+# (chunked prefill, prefix caching, preemption, n > 1, sampling, logprobs, structured outputs, speculative
+# decoding) act on tokens, KV blocks and logits only, so every family whose forward the runner runs serves them.
+DECLINABLE = ("bf16", "int8", "lora")
+
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: type[nn.Module], norm: type[nn.Module]):
@@ -34,6 +40,9 @@ class CausalLM(nn.Module):
     # A family's decoder layer (cfg, index) and final norm (width, eps); see model/families.py.
     Layer: type[nn.Module] = DecoderLayer
     Norm: type[nn.Module] = RMSNorm
+    # A checkpoint projection that stores several of ours side by side in its rows (Phi-3's qkv_proj): its
+    # name -> ours, in row order. The loader splits its weights and the adapter loader its lora_B rows.
+    checkpoint_fused: dict[str, tuple[str, ...]] = {}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -80,6 +89,11 @@ class CausalLM(nn.Module):
         """Fast path (a --fast-paths name, or glue.norm / glue.act) -> why it does not compute this family's
         math, for each that does not: those run the reference path and the plan says why. Llama's layer is
         what every fast path computes, so none here."""
+        return {}
+
+    def refused_features(self) -> dict[str, str]:
+        """Engine feature (DECLINABLE) -> why this family does not serve it, for each it declines; the
+        runner and the adapter bank refuse it at load with that reason. Every family served declines none."""
         return {}
 
     def setup_rotary(self, device: torch.device | str) -> None:

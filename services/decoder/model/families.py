@@ -1,6 +1,6 @@
 """The registry of decoder families: config.json's model_type -> the CausalLM class that computes it.
 
-A family is one module read top to bottom (model/granite.py, model/olmo2.py) built from the shared
+A family is one module read top to bottom (model/granite.py, model/olmo2.py, model/phi3.py) built from the shared
 layers of model/layers.py; Llama, Qwen2 and Qwen3 differ only in what model/config.py reads (biases,
 per-head q/k norms), so they share CausalLM itself. config.FAMILIES names the same model types: a
 config is refused before any weight is read, and tests/decoder/families checks the two agree.
@@ -11,6 +11,7 @@ from services.decoder.model.config import ModelConfig
 from services.decoder.model.decoder import CausalLM
 from services.decoder.model.granite import Granite
 from services.decoder.model.olmo2 import Olmo2
+from services.decoder.model.phi3 import Phi3
 
 MODELS: dict[str, type[CausalLM]] = {
     "llama": CausalLM,
@@ -18,6 +19,7 @@ MODELS: dict[str, type[CausalLM]] = {
     "qwen3": CausalLM,
     "granite": Granite,
     "olmo2": Olmo2,
+    "phi3": Phi3,
     "mistral": CausalLM,      # Llama's layer; its sliding window is config.layer_windows, honoured by attention
 }
 

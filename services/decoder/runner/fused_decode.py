@@ -43,6 +43,7 @@ from services.decoder.model.linear import Linear
 from services.decoder.runner.attention import CPP, AttentionPlan, PagedAttention, Workspace
 from services.decoder.runner.batch import StepBatch
 from services.decoder.runner.kv_cache import KVCache
+from services.decoder.runner.windows import binding
 
 log = logging.getLogger("tessera.decode_stack")
 
@@ -68,7 +69,7 @@ class FusedDecode:
         """(the stack or None, a one-line summary), the choice "decode_stack" of record; timer (tests)
         replaces the clock in choose."""
         pin = record.pinned("decode_stack")
-        reason = "--fast-paths decode_stack=off" if pin == "off" else _ineligible(model, attention_backend, record)
+        reason = "--fast-paths decode_stack=off" if pin == "off" else _ineligible(model, cache, attention_backend, record)
         if reason:
             if pin == "on":
                 raise ValueError(f"--fast-paths decode_stack=on: the decode stack cannot run here ({reason})")
@@ -180,7 +181,7 @@ class FusedDecode:
 Timer = Callable[[str, int, Callable[[], object]], float]
 
 
-def _ineligible(model: CausalLM, attention_backend: str, record: execution.ExecutionPlan) -> str:
+def _ineligible(model: CausalLM, cache: KVCache, attention_backend: str, record: execution.ExecutionPlan) -> str:
     """Why the stack cannot run this model here, or "" when it can."""
     # The stack computes Llama's layer (and Qwen's biases and per-head q/k norms): a family whose math
     # differs says so (CausalLM.unsupported) and decodes through its own layers.
@@ -189,7 +190,7 @@ def _ineligible(model: CausalLM, attention_backend: str, record: execution.Execu
         return reason
     cfg = model.config
     # The stack's attention reads every key of a row with plain softmax scores.
-    if any(w is not None for w in cfg.layer_windows):
+    if binding(cfg.layer_windows, cache.num_blocks * cache.block_size):
         return "the C++ decode stack attends to the whole context; this model has sliding-window layers"
     if cfg.attn_softcap is not None:
         return "the C++ decode stack has no attention soft-cap (attn_softcap)"

@@ -47,6 +47,14 @@ class Windows:
         return 0 if reach is None else max(0, position - reach + 1)
 
 
+def binding(layer_windows: tuple[int | None, ...], capacity: int) -> tuple[int | None, ...]:
+    """layer_windows with each window wider than `capacity` (the KV cache's slots) made None, () when none is
+    left. A query at p reads min(p + 1, w) keys, all in blocks its request holds at once, so with w > capacity
+    p + 1 <= capacity < w: such a window never hides a key (Phi-3's 262144 on a smaller cache)."""
+    kept = tuple(None if w is not None and w > capacity else w for w in layer_windows)
+    return kept if any(w is not None for w in kept) else ()
+
+
 def key_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     """query_pos [..., L], key_pos [..., S] -> bool [..., L, S], True where the query attends the key."""
     q, k = query_pos[..., :, None], key_pos[..., None, :]

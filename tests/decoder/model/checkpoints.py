@@ -19,6 +19,8 @@ from transformers import (
     MistralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -28,7 +30,8 @@ from transformers import (
 VOCAB = 160
 _CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
             "qwen3": (Qwen3Config, Qwen3ForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),
-            "olmo2": (Olmo2Config, Olmo2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
+            "olmo2": (Olmo2Config, Olmo2ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
+            "mistral": (MistralConfig, MistralForCausalLM)}
 
 # Accumulation shape of these checkpoints (and the tiny chat models of the other decoder tests)
 # for tests/tolerance.py: the longest dot product of a layer is the MLP's (intermediate size at
@@ -53,6 +56,18 @@ CASES = {
                                                  attention_multiplier=0.07, logits_scaling=1.5), {}),
     "olmo2_gqa4_postnorm": ("olmo2", dict(num_attention_heads=8, num_key_value_heads=2, attention_bias=True,
                                           tie_word_embeddings=False), {}),
+    # Phi-3 (fused qkv_proj / gate_up_proj in the checkpoint) with whole-head rotary; Phi-4-mini's shape: GQA,
+    # tied, partial_rotary_factor 0.75 (12 of 16 dims rotate); and its longrope (6 factors: the rotary dim's
+    # pairs) switching at 32, past the 19-token forwards of the model tests, inside the engine tests' output.
+    "phi3_mha_untied": ("phi3", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False), {}),
+    "phi4mini_gqa4_partial_tied": ("phi3", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+                                                partial_rotary_factor=0.75), {}),
+    "phi3_longrope_partial": ("phi3", dict(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
+                                           max_position_embeddings=128, original_max_position_embeddings=32,
+                                           rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                                partial_rotary_factor=0.75,
+                                                                short_factor=[1.0, 1.0, 1.1, 1.3, 1.6, 2.0],
+                                                                long_factor=[1.0, 1.5, 2.5, 4.0, 7.0, 11.0])), {}),
     # Sliding windows shorter than the prompts: Mistral's on every layer, Qwen2's on layers from
     # max_window_layers (layer 0 full, layer 1 sliding).
     "mistral_gqa2_window8": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
