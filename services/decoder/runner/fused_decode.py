@@ -69,7 +69,8 @@ class FusedDecode:
         """(the stack or None, a one-line summary), the choice "decode_stack" of record; timer (tests)
         replaces the clock in choose."""
         pin = record.pinned("decode_stack")
-        reason = "--fast-paths decode_stack=off" if pin == "off" else _ineligible(model, cache, attention_backend, record)
+        reason = "--fast-paths decode_stack=off" if pin == "off" else \
+            _ineligible(model, cache, attention_backend, record)
         if reason:
             if pin == "on":
                 raise ValueError(f"--fast-paths decode_stack=on: the decode stack cannot run here ({reason})")

@@ -27,7 +27,7 @@ from services.decoder.model.families import MODELS
 from services.decoder.runner import Runner
 from services.decoder.runner.attention import CPP, TORCH, AttentionPlan, PagedAttention, Workspace
 from services.decoder.runner.kv_cache import KVCache
-from services.decoder.runner.windows import Windows
+from services.decoder.runner.windows import Windows, binding
 from tests.decoder.drive import drive, token_ids
 from tests.decoder.model.checkpoints import TINY_SHAPE, build, greedy_reference, load_reference
 from tests.decoder.model.test_quantization import dequantized_reference
@@ -103,6 +103,16 @@ def test_what_is_not_implemented_is_refused_in_one_line():
         windows(model_type="qwen3", sliding_window=None, layer_types=["sliding_attention"] * 4)
     with pytest.raises(InvalidArgument, match="one type per layer"):
         windows(model_type="qwen3", layer_types=["full_attention"])
+
+
+def test_a_window_wider_than_the_cache_hides_nothing(folders, tmp_path):
+    """min(p + 1, w) keys must all sit in held blocks, so w > the cache's slots never binds: dropped."""
+    assert binding((8, None), 16) == (8, None) and binding((16, 16), 16) == (16, 16)
+    assert binding((17, 17), 16) == () and binding((None, 40, 6), 16) == (None, None, 6)
+    wide = _rewrite(folders["mistral"], tmp_path / "wide", sliding_window=300)
+    runner = Runner.from_folder(wide, "fp32", block_size=BLOCK, num_blocks=64, fast_paths="attention=cpp")
+    assert runner.windows.layers == () and runner.attention_reach is None
+    assert "sliding-window" not in runner.plan.get("decode_stack").reason
 
 
 @pytest.mark.parametrize("family", CASES)
