@@ -1,12 +1,13 @@
 """The decoder checkpoint's config.json (and generation_config.json), read and validated.
 
-We implement exactly: Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Granite
-(embedding, residual, attention and logit multipliers) and OLMo 2 (post-norm blocks, q/k RMSNorm over
-the whole projection) decoders with SiLU-gated MLPs, and Qwen3-MoE, Qwen2-MoE and Mixtral with mixtures of
-SiLU-gated experts (model/moe_config.py), full causal attention and RoPE under transformers'
-recipes (model/rope.py; unscaled RoPE optionally with M-RoPE sections). Each family's module is named
-in model/families.py. Anything else a config asks for is refused with Unsupported at load, in one line
-naming the config key, because silently ignoring it would compute a different model.
+We implement exactly: Llama, Mistral (Llama's layer), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm),
+Granite (embedding, residual, attention and logit multipliers) and OLMo 2 (post-norm blocks, q/k RMSNorm
+over the whole projection) decoders with SiLU-gated MLPs, Qwen3-MoE, Qwen2-MoE and Mixtral with
+mixtures of SiLU-gated experts (model/moe_config.py), causal attention (per layer over the whole
+context or a sliding window, `layer_windows`) and RoPE under transformers' recipes (model/rope.py;
+unscaled RoPE optionally with M-RoPE sections). Each family's module is named in model/families.py.
+Anything else a config asks for is refused with Unsupported at load, in one line naming the config key,
+because silently ignoring it would compute a different model.
 
 Phi-3 / Phi-4-mini (model/phi3.py) are Llama's layer over fused checkpoint projections; phi3 alone takes
 partial_rotary_factor (model/rotary.py rotates the first part of each head).
@@ -23,7 +24,7 @@ from services.decoder.model import rope as rope_recipes
 from services.decoder.model.moe_config import MoeConfig
 from services.decoder.model.rope import RopeScaling
 
-FAMILIES = ("llama", "qwen2", "qwen3", "granite", "olmo2", "phi3") + moe_config.FAMILIES
+FAMILIES = ("llama", "qwen2", "qwen3", "granite", "olmo2", "phi3", "mistral") + moe_config.FAMILIES
 # Vision-language checkpoints whose text model is one of FAMILIES: model_type -> text family.
 # The decoder loads only the text model; the vision service loads the tower from the same folder.
 # Qwen2.5-VL's text model and its M-RoPE positions for images are Qwen2-VL's (its tower differs).
@@ -109,7 +110,8 @@ class ModelConfig:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise Unsupported(f"config.json hidden_act {act!r} is not supported (only silu)")
-        _refuse_sliding_window(raw)
+        num_layers = int(raw["num_hidden_layers"])
+        windows = layer_windows(raw, family, num_layers)
         if family == "phi3":     # Phi3Config's default, which its longrope reads when config.json omits it
             raw = {"original_max_position_embeddings": 4096, **raw}
         rope, sections = rope_recipes.parse(raw)
@@ -137,7 +139,7 @@ class ModelConfig:
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -150,13 +152,13 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)) if family in ("llama", "granite") else False,
             qk_norm=family in ("qwen3", "qwen3_moe"),
             **(_granite_multipliers(raw) if family == "granite" else {}),
-            **(_phi3_windows(raw) if family == "phi3" else {}),
             mrope_sections=sections,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             vision=vision,
             rope=rope,
             moe=moe_config.parse(raw, family) if family in moe_config.FAMILIES else None,
+            layer_windows=windows,
         )
 
 
@@ -217,25 +219,44 @@ def _granite_multipliers(raw: dict) -> dict:
                 attention_scale=values["attention_multiplier"], logits_scaling=values["logits_scaling"])
 
 
-def _refuse_sliding_window(raw: dict) -> None:
-    if raw.get("use_sliding_window"):
-        raise Unsupported("config.json use_sliding_window (sliding-window attention) is not supported")
-    kinds = set(raw.get("layer_types") or ["full_attention"])
-    if kinds != {"full_attention"}:
-        raise Unsupported(f"config.json layer_types {sorted(kinds)} are not supported (only full_attention)")
+# Families whose transformers class never slides: a sliding layer_types there is refused, not guessed at.
+_FULL_ONLY = ("llama", "granite", "olmo2")
 
 
-def _phi3_windows(raw: dict) -> dict:
-    """Phi-3's sliding_window, as transformers 5 applies it: on every layer when set (its layer_types is not
-    read). A window at least max_position_embeddings wide never hides a key inside the model's context and is
-    kept as layer_windows; a narrower one (Phi-3-mini-4k's 2047) needs windowed attention, refused here."""
+def layer_windows(raw: dict, family: str, num_layers: int) -> tuple[int | None, ...]:
+    """config.json -> ModelConfig.layer_windows, as transformers 5 reads each family's keys.
+
+    Mistral and Phi-3: `sliding_window` on every layer (null: full), `layer_types` ignored as their classes
+    ignore it.
+    Qwen2/Qwen3: `sliding_window` only with `use_sliding_window`; `layer_types` when written,
+    else layers from `max_window_layers` on slide. Any other family: `layer_types` (sliding_attention/full_attention)
+    with `sliding_window`. A window w means a query at position p sees keys p - w + 1 .. p (transformers'
+    sliding_window_overlay: kv_idx > q_idx - w). () when every layer attends to its whole context.
+    """
     window = raw.get("sliding_window")
-    if window is None:
-        return {}
+    if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
+        window = None
+    if family in ("mistral", "phi3"):
+        types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
+    else:
+        types = raw.get("layer_types")
+        if types is None and family in ("qwen2", "qwen3"):
+            first = int(raw.get("max_window_layers", num_layers))
+            types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                     for i in range(num_layers)]
+        types = types or ["full_attention"] * num_layers
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise InvalidArgument(f"config.json layer_types must list one type per layer ({num_layers})")
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise Unsupported(f"config.json layer_types {unknown} are not supported "
+                          "(only full_attention, sliding_attention)")
+    if "sliding_attention" not in types:
+        return ()
+    if family in _FULL_ONLY:
+        raise Unsupported(f"config.json layer_types sliding_attention is not supported for {family} "
+                          "(its transformers class attends to the whole context)")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise InvalidArgument(f"config.json sliding_window must be a positive integer or null, got {window!r}")
-    max_pos = int(raw.get("max_position_embeddings", 2048))
-    if window < max_pos:
-        raise Unsupported(f"config.json sliding_window {window} (narrower than max_position_embeddings {max_pos}): "
-                          "phi3's sliding-window attention is not supported")
-    return dict(layer_windows=(window,) * int(raw["num_hidden_layers"]))
+        raise InvalidArgument(f"config.json sliding_window must be a positive integer for sliding_attention "
+                              f"layers, got {window!r}")
+    return tuple(window if t == "sliding_attention" else None for t in types)

@@ -21,6 +21,7 @@ MODELS: dict[str, type[CausalLM]] = {
     "granite": Granite,
     "olmo2": Olmo2,
     "phi3": Phi3,
+    "mistral": CausalLM,      # Llama's layer; its sliding window is config.layer_windows, honoured by attention
     "qwen3_moe": MoeCausalLM,
     "qwen2_moe": MoeCausalLM,
     "mixtral": MoeCausalLM,

@@ -43,6 +43,8 @@ def parse(raw: dict, family: str) -> MoeConfig:
     top_k = _count("num_experts_per_tok", raw.get("num_experts_per_tok", 2))
     if top_k > experts:
         raise InvalidArgument(f"config.json num_experts_per_tok {top_k} exceeds {key} {experts}")
+    if raw.get("use_sliding_window"):
+        raise Unsupported(f"config.json use_sliding_window (sliding-window attention) is not supported for {family}")
     if family == "mixtral":
         if raw.get("sliding_window") is not None:
             raise Unsupported("config.json sliding_window (Mixtral's sliding-window attention) is not supported")

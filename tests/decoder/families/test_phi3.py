@@ -134,7 +134,6 @@ def test_loader_splits_the_fused_projections_by_rows(folders):
 def test_refusals_are_one_line_naming_the_key(folders, tmp_path):
     src = folders[WHOLE]
     cases = [
-        (dict(sliding_window=100), Unsupported, "sliding_window 100"),
         (dict(sliding_window=0), InvalidArgument, "sliding_window must be a positive integer"),
         (dict(partial_rotary_factor=0.7, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
          InvalidArgument, "leaves 11 rotary dims"),
@@ -147,9 +146,11 @@ def test_refusals_are_one_line_naming_the_key(folders, tmp_path):
         with pytest.raises(error) as info:
             load_model(_rewrite(src, tmp_path / str(i), **changes))
         assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
-    # A window as wide as the context hides nothing there: served, and recorded on every layer.
+    # A window is recorded on every layer, as transformers applies it (runner/windows.py honours it); one wider
+    # than the KV cache hides nothing, so the runner drops it (the decode stack still serves the model).
     wide = ModelConfig.from_folder(_rewrite(src, tmp_path / "wide", sliding_window=256))
-    assert wide.layer_windows == (256, 256)
+    narrow = ModelConfig.from_folder(_rewrite(src, tmp_path / "narrow", sliding_window=100))
+    assert (wide.layer_windows, narrow.layer_windows) == ((256, 256), (100, 100))
     # A fused tensor of the wrong height names itself and the rows it must hold.
     bad = shutil.copytree(src, tmp_path / "badqkv")
     tensors = load_file(bad / "model.safetensors")

@@ -15,6 +15,8 @@ from transformers import (
     GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     Olmo2Config,
@@ -35,6 +37,7 @@ VOCAB = 160
 _CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
             "qwen3": (Qwen3Config, Qwen3ForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),
             "olmo2": (Olmo2Config, Olmo2ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
+            "mistral": (MistralConfig, MistralForCausalLM),
             "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
             "mixtral": (MixtralConfig, MixtralForCausalLM)}
 
@@ -86,6 +89,12 @@ CASES = {
     "mixtral_8x2_gqa4": ("mixtral", dict(num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
                                          num_experts_per_tok=2, intermediate_size=48, tie_word_embeddings=False),
                          dict(max_shard_size="40KB")),
+    # Sliding windows shorter than the prompts: Mistral's on every layer, Qwen2's on layers from
+    # max_window_layers (layer 0 full, layer 1 sliding).
+    "mistral_gqa2_window8": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                                             tie_word_embeddings=False), {}),
+    "qwen2_sliding_layers": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                           sliding_window=6, max_window_layers=1, tie_word_embeddings=True), {}),
 }
 
 # RoPE recipes (services/decoder/model/rope.py), sized so each recipe's parts are exercised at head_dim 16
