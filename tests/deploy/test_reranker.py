@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # A problem in GSM8K's style that GSM8K does not hold, its own solution first and two others' after it.
 RERANK_QUERY = "A baker makes 24 muffins and packs them in boxes of 4. How many boxes does she fill?"
 RERANK_DOCUMENTS = [
-    "She fills 24 / 4 = 6 boxes. The answer is 6.",
+    "The baker makes 24 muffins. Each box holds 4 muffins, so she fills 24 / 4 = 6 boxes. The answer is 6.",
     "Tom reads 12 pages a day for 5 days, so he reads 12 * 5 = 60 pages. The answer is 60.",
     "The train goes 60 miles an hour for 3 hours, so it travels 60 * 3 = 180 miles. The answer is 180.",
 ]
@@ -71,12 +71,12 @@ def test_an_untrained_reranker_fails_make_models(tmp_path, minilm, monkeypatch, 
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("which", ["tiny", "make-models"])
-def test_the_pooling_service_scores_it_as_sentence_transformers_does(which, tiny_reranker):
+def test_the_pooling_service_scores_it_as_sentence_transformers_does(which, request):
     """The tiny run's folder (the same writer as `make models`) and the one `make models` wrote: Rerank's
     scores equal CrossEncoder.predict's, in its order, under the folder's name."""
     from sentence_transformers import CrossEncoder
 
-    folder = tiny_reranker[0] if which == "tiny" else ROOT / "models" / models.RERANKER
+    folder = request.getfixturevalue("tiny_reranker")[0] if which == "tiny" else ROOT / "models" / models.RERANKER
     if not (folder / "model.safetensors").is_file():
         pytest.fail(f"{folder} is missing: run `make models`")
     want = CrossEncoder(str(folder), device="cpu").predict([(RERANK_QUERY, d) for d in RERANK_DOCUMENTS])
