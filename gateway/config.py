@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import option
+from services.common.auth import TOKEN_FILE_ENV, read_token
 from services.common.tls import check_client_files
 
 # Every variable the gateway reads is TESSERA_GATEWAY_<FLAG> (services/common/config.py).
@@ -54,6 +55,9 @@ class GatewayConfig:
     tls_client_key: str | None = option(None, "PEM private key of --tls-client-cert", metavar="FILE")
     tls_server_name: str | None = option(None, "name to verify in the backends' certificates instead of the"
                                                " host of each address", metavar="NAME")
+    backend_token_file: str | None = option(None, "file holding the fleet's backend token, sent with every"
+                                                  " backend call (the services' --backend-token-file)",
+                                            env=TOKEN_FILE_ENV, metavar="FILE")
     trace_requests: bool = option(False, "answer a request sent with 'x-tessera-trace: 1' with an x-tessera-trace"
                                          " header of its stage timestamps (benchmarks: bench/pooling.py)")
     log_level: str = option("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -98,3 +102,5 @@ class GatewayConfig:
         if self.tls_server_name is not None and self.tls_ca is None:
             raise ValueError("tls_server_name needs tls_ca")
         check_client_files(self.tls_ca, self.tls_client_cert, self.tls_client_key)
+        if self.backend_token_file is not None:
+            read_token(self.backend_token_file)
