@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config import option
 from services.common.auth import TOKEN_FILE_ENV, read_token
+from services.common.config import option
 from services.common.tls import check_client_files
 
 # Every variable the gateway reads is TESSERA_GATEWAY_<FLAG> (services/common/config.py).

@@ -12,12 +12,12 @@ rest happens here, in the same order for all three:
 6. start, then serve until SIGTERM/SIGINT (Server.serve_until_signal: NOT_SERVING, drain, stop), then
    release what the service holds (Started.close).
 
-Before all of that, a process with neither a backend token (--backend-token-file) nor --insecure-no-auth
-is refused (services/common/auth.py), and the service's `check` reads the model folders its flags name, without loading a weight:
+Before all of that, the service's `check` reads the model folders its flags name, without loading a weight:
 a folder it cannot serve (no such folder, a missing file, an unknown model_type or RoPE type...) is a usage
 error, like a bad flag value: one line on stderr naming the missing piece and the config key, status 2, and
-nothing else printed. What fails once it runs (a port it cannot bind, a dtype the device lacks, weights
-that do not match their config) ends the process with one logged line and status 1.
+nothing else printed. So is a process with neither a backend token (--backend-token-file) nor
+--insecure-no-auth (services/common/auth.py). What fails once it runs (a port it cannot bind, a dtype the
+device lacks, weights that do not match their config) ends the process with one logged line and status 1.
 """
 from __future__ import annotations
 

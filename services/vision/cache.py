@@ -143,7 +143,8 @@ class FeatureCache:
         self.prefix = prefix
         self.keys = [f"{prefix}:lru", f"{prefix}:sizes", f"{prefix}:bytes"]
         # No retries and short timeouts: a down Redis must cost one quick failure, then the backoff.
-        self.redis = aioredis.Redis.from_url(url, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+        self.redis = aioredis.Redis.from_url(url, password=password, socket_timeout=timeout_s,
+                                             socket_connect_timeout=timeout_s,
                                              retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
         self._get = self.redis.register_script(_GET)
         self._put = self.redis.register_script(_PUT)
