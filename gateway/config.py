@@ -33,7 +33,12 @@ class GatewayConfig:
     admin_key: str | None = option(None, "key of the admin endpoints (adapter load/unload/list): they need"
                                          " 'Authorization: Bearer <admin key>'; unset: they are disabled (403)",
                                    formerly="TESSERA_ADMIN_KEY")
-    max_body_bytes: int = option(16 * 1024 * 1024, "largest request body accepted; larger ones get 413")
+    max_body_bytes: int = option(16 * 1024 * 1024, "largest request body accepted (chat, responses and messages,"
+                                                    " which may carry images); larger ones get 413")
+    max_text_body_bytes: int = option(4 * 1024 * 1024, "largest body of the routes that never carry images"
+                                                       " (embeddings, rerank, completions, tokenize...); 413 past it")
+    max_messages: int = option(2048, "most messages (or input items) in one request, counted before the body is"
+                                     " parsed; 413 past it; 0: no limit")
     grpc_timeout_s: float = option(30.0, "deadline of each backend call in seconds; past it the answer is 504")
     generate_timeout_s: float = option(600.0, "deadline of a whole generation (chat, completions) in seconds;"
                                               " past it the answer is 504, or an error event mid-stream")
@@ -84,8 +89,10 @@ class GatewayConfig:
         if self.admin_key is not None and self.admin_key == self.api_key:
             # Every API caller would be an admin; the point of a separate key is that they are not.
             raise ValueError("admin_key must differ from api_key")
-        if self.max_body_bytes < 1024:
-            raise ValueError("max_body_bytes must be at least 1024")
+        if self.max_body_bytes < 1024 or self.max_text_body_bytes < 1024:
+            raise ValueError("max_body_bytes and max_text_body_bytes must be at least 1024")
+        if self.max_messages < 0:
+            raise ValueError("max_messages must be >= 0 (0: no limit)")
         for name in ("grpc_timeout_s", "generate_timeout_s", "health_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

@@ -20,6 +20,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 
+from services.common.errors import TooLarge
 from services.common.pb import decoder_pb2
 
 from .. import images as image_inputs
@@ -159,6 +160,10 @@ def _logprobs(entries) -> dict:
 @router.post("/v1/chat/completions", tags=["generation"], responses=ERROR_RESPONSES)
 async def create_chat_completion(body: ChatRequest, request: Request):
     """Answer a conversation with the model's chat template; whole, or streamed as chat.completion.chunk events."""
+    limit = request.app.state.config.max_messages
+    if limit and len(body.messages) > limit:   # the edge counted "role" keys; this counts what was parsed
+        raise TooLarge(f"request has {len(body.messages)} messages, over the limit of {limit} (max_messages)",
+                       param="messages")
     model = await catalog(request).resolve(body.model, GENERATION)
     plan = body.tool_plan(model.name, model.extra.get("tool_call_parser"), body.constraint_field)
     chat = chat_messages(body.messages, tools=body.tools)
