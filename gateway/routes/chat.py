@@ -173,7 +173,8 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sampling = body.sampling(max_tokens, logprobs)
     plan.apply(sampling)
-    generate = decoder_pb2.GenerateRequest(**model.target(), chat=chat, images=images, sampling=sampling)
+    generate = decoder_pb2.GenerateRequest(**model.target(), chat=chat, images=images, sampling=sampling,
+                                           cache_salt=body.cache_salt or "")
     # The decoder names its own fields; the caller should read the ones it sent.
     fields = body.error_fields({"prompt": "messages", "images": "messages", "logprobs": "top_logprobs",
                                 "max_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens"})
