@@ -28,6 +28,7 @@ import importlib.util
 import json
 import os
 import random
+import secrets
 import shutil
 import socket
 import subprocess
@@ -72,8 +73,14 @@ class Fleet:
 
     def start(self, name: str, argv: list[str]) -> None:
         log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - the child owns it until it exits
+        # As deployed: every backend demands the fleet's token and the gateway sends it (services/common/auth.py).
+        token = self.logs / "backend_token"
+        if not token.exists():
+            token.touch(mode=0o600)
+            token.write_text(secrets.token_hex(32))
         self.procs[name] = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+                                                 "TESSERA_BACKEND_TOKEN_FILE": str(token)})
 
     def python(self, name: str, module: str, *args: str) -> None:
         self.start(name, [sys.executable, "-m", module, *args])

@@ -74,7 +74,8 @@ class Service:
     def __init__(self, model: str, threads: int, *extra: str):
         self.port = free_port()
         self.cmd = [sys.executable, "-m", "services.pooling", "--embedding-model", model, "--host", "127.0.0.1",
-                    "--port", str(self.port), "--threads", str(threads), "--log-level", "WARNING", *extra]
+                    "--port", str(self.port), "--threads", str(threads), "--log-level", "WARNING",
+                    "--insecure-no-auth", *extra]   # loopback, called directly by the benchmark's clients
 
     def __enter__(self):
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from deploy import secrets
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -42,7 +44,8 @@ class EnvFlag(NamedTuple):
 
 @dataclass(frozen=True)
 class Service:
-    """One process of the fleet. argv placeholders: {python} {host} {port} {models} {run} and {NAME_port}."""
+    """One process of the fleet. argv placeholders: {python} {host} {port} {models} {run} {secrets} (the folder
+    of deploy/secrets.py's files) and {NAME_port}."""
 
     name: str
     argv: tuple[str, ...]
@@ -58,31 +61,39 @@ RANDOM_NOTE = "qwen2-vl-random=RANDOM weights: it proves the image plumbing and 
 # The topology. deploy/docker-compose.yml and deploy/k8s mirror it (tests/deploy checks they agree).
 # This machine already runs a redis on 6379, so ours defaults to 6380. Two decoders: SmolLM2 (text) and
 # qwen2-vl-random (images; RANDOM weights, plumbing only); the gateway routes by model name across them.
+# Every gRPC service demands the fleet's backend token and the gateway sends it (services/common/auth.py);
+# Redis requires its password. deploy/secrets.py writes both, fresh per `up`, into run/secrets.
+TOKEN = ("--backend-token-file", "{secrets}/backend_token")
 TOPOLOGY: tuple[Service, ...] = (
-    Service("redis", ("redis-server", "--bind", "{host}", "--port", "{port}", "--save", "", "--appendonly", "no",
+    Service("redis", ("redis-server", "{secrets}/redis_conf", "--bind", "{host}", "--port", "{port}", "--save", "",
+                      "--appendonly", "no",
                       "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru", "--dir", "{run}"),
             6380, "redis", "redis://{host}:{port}/0"),
     Service("vision", ("{python}", "-m", "services.vision", "--host", "{host}", "--port", "{port}",
-                       "--model", "{models}/qwen2-vl-random", "--redis-url", "redis://{host}:{redis_port}/0"),
+                       "--model", "{models}/qwen2-vl-random", "--redis-url", "redis://{host}:{redis_port}/0",
+                       "--redis-password-file", "{secrets}/redis_password", *TOKEN),
             50051, "grpc:tessera.vision.v1.VisionService", "{host}:{port} (gRPC)"),
     Service("pooling", ("{python}", "-m", "services.pooling", "--host", "{host}", "--port", "{port}",
-                        "--embedding-model", "{models}/all-MiniLM-L6-v2", "--embedding-name", "all-MiniLM-L6-v2"),
+                        "--embedding-model", "{models}/all-MiniLM-L6-v2", "--embedding-name", "all-MiniLM-L6-v2",
+                        *TOKEN),
             50053, "grpc:tessera.pooling.v1.PoolingService", "{host}:{port} (gRPC)",
             # The demo cross-encoder (`make models`, deploy/reranker.py) unless RERANKER_MODEL names another.
             env_flags=(EnvFlag("--reranker-model", "RERANKER_MODEL", "{models}/minilm-gsm8k-reranker"),)),
     # The demo LoRA adapters (`make models`) preloaded; --lora-root lets the gateway's admin endpoints load more.
     Service("decoder", ("{python}", "-m", "services.decoder", "--host", "{host}", "--port", "{port}",
                         "--model", "{models}/SmolLM2-135M-Instruct", "--lora-root", "{models}/adapters",
-                        "--lora", "pirate={models}/adapters/pirate", "--lora", "french={models}/adapters/french"),
+                        "--lora", "pirate={models}/adapters/pirate", "--lora", "french={models}/adapters/french",
+                        *TOKEN),
             50052, "grpc:tessera.decoder.v1.DecoderService", "{host}:{port} (gRPC)"),
     # A small random model needs little KV; the default 1 GiB pool would only take memory.
     Service("decoder-vl", ("{python}", "-m", "services.decoder", "--host", "{host}", "--port", "{port}",
-                           "--model", "{models}/qwen2-vl-random", "--kv-cache-gb", "0.25", "--max-loras", "0"),
+                           "--model", "{models}/qwen2-vl-random", "--kv-cache-gb", "0.25", "--max-loras", "0",
+                           *TOKEN),
             50054, "grpc:tessera.decoder.v1.DecoderService", "{host}:{port} (gRPC, qwen2-vl-random: random weights)"),
     Service("gateway", ("{python}", "-m", "gateway", "--host", "{host}", "--port", "{port}",
                         "--pooling", "{host}:{pooling_port}", "--decoder", "{host}:{decoder_port}",
                         "--decoder", "{host}:{decoder-vl_port}", "--vision", "{host}:{vision_port}",
-                        "--model-note", RANDOM_NOTE),
+                        "--model-note", RANDOM_NOTE, *TOKEN),
             8000, "http:/ready", "http://{host}:{port} (OpenAI base_url http://{host}:{port}/v1)"),
 )
 
@@ -91,6 +102,7 @@ def argv_for(service: Service, ports: dict[str, int], host: str, models: Path, r
              environ=os.environ) -> list[str]:
     """The command line of one row, placeholders filled and env flags added."""
     values = {"python": sys.executable, "host": host, "port": ports[service.name], "models": models, "run": run,
+              "secrets": run / "secrets",
               **{f"{name}_port": port for name, port in ports.items()}}
     argv = [part.format(**values) for part in service.argv]
     for flag, env, default in service.env_flags:
@@ -115,13 +127,13 @@ def alive(entry: dict) -> bool:
     return start_time(entry["pid"]) == entry["start"]
 
 
-def healthy(service: Service, host: str, port: int) -> bool:
+def healthy(service: Service, host: str, port: int, redis_password: str | None = None) -> bool:
     """One probe of the row's health check."""
     kind, _, arg = service.health.partition(":")
     try:
         if kind == "redis":
             import redis
-            return bool(redis.Redis(host=host, port=port, socket_timeout=1).ping())
+            return bool(redis.Redis(host=host, port=port, password=redis_password, socket_timeout=1).ping())
         if kind == "grpc":
             import grpc
             from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -172,7 +184,8 @@ class Fleet:
     def wait_healthy(self, service: Service, proc: subprocess.Popen, port: int, timeout: float,
                      stopping: list) -> None:
         deadline = time.monotonic() + timeout
-        while not stopping and not healthy(service, self.host, port):
+        password = secrets.redis_password(self.run / "secrets")
+        while not stopping and not healthy(service, self.host, port, password):
             if proc.poll() is not None:
                 raise StartFailed(service.name, f"exited with code {proc.returncode} while starting")
             if time.monotonic() > deadline:
@@ -227,6 +240,8 @@ def up(args) -> int:
             return 1
     models = args.models.resolve()
     ports = parse_ports(args.port)
+    print(f"backend token and Redis password (new for this fleet): {secrets.ensure(run / 'secrets', fresh=True)}",
+          flush=True)
     fleet = Fleet(run, args.host, args.drain_seconds)
     stopping = []
     # SIGTERM (from `down`) and Ctrl-C both mean: drain and stop everything started here.

@@ -76,7 +76,8 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     # Added first, so it runs inside Edge (the last added is outermost): refusals get ids, logs and metrics.
     app.add_middleware(ConcurrencyLimit, limit=cfg.max_concurrent_requests)
     app.add_middleware(Edge, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, routes=routes,
-                       admin_key=cfg.admin_key)
+                       admin_key=cfg.admin_key, max_text_body_bytes=cfg.max_text_body_bytes,
+                       max_messages=cfg.max_messages)
     app.state.config = cfg
     app.openapi = _without_422(app.openapi)
     return app

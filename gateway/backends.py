@@ -20,6 +20,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.auth import call_metadata, read_token
 from services.common.errors import InvalidArgument, ModelNotFound, TesseraError, Unavailable, from_rpc_error
 from services.common.pb import (
     decoder_pb2,
@@ -64,6 +65,12 @@ class Backend:
         self.cfg = cfg
         self.in_flight = 0
         self.channel: grpc.aio.Channel | None = None
+        # Sent with every call; the services refuse calls without it (services/common/auth.py).
+        self.auth = call_metadata(read_token(cfg.backend_token_file) if cfg.backend_token_file else None)
+
+    def metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
+        """A call's metadata: its request id and the backend token."""
+        return (("x-request-id", request_id), *self.auth)
 
     @property
     def label(self) -> str:
@@ -120,7 +127,7 @@ class Backend:
         self.in_flight += 1
         try:
             return await method(request, timeout=self.cfg.grpc_timeout_s,
-                                metadata=(("x-request-id", request_id),))
+                                metadata=self.metadata(request_id))
         except grpc.aio.AioRpcError as exc:
             raise self._typed(exc, fields) from None
         finally:
@@ -135,7 +142,7 @@ class Backend:
         aclose(), never by dropping it.
         """
         self.in_flight += 1
-        call = method(request, timeout=self.cfg.generate_timeout_s, metadata=(("x-request-id", request_id),))
+        call = method(request, timeout=self.cfg.generate_timeout_s, metadata=self.metadata(request_id))
         try:
             async for message in call:
                 yield message

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.auth import TOKEN_FILE_ENV, read_token
 from services.common.config import option
 from services.common.tls import check_client_files
 
@@ -32,7 +33,12 @@ class GatewayConfig:
     admin_key: str | None = option(None, "key of the admin endpoints (adapter load/unload/list): they need"
                                          " 'Authorization: Bearer <admin key>'; unset: they are disabled (403)",
                                    formerly="TESSERA_ADMIN_KEY")
-    max_body_bytes: int = option(16 * 1024 * 1024, "largest request body accepted; larger ones get 413")
+    max_body_bytes: int = option(16 * 1024 * 1024, "largest request body accepted (chat, responses and messages,"
+                                                    " which may carry images); larger ones get 413")
+    max_text_body_bytes: int = option(4 * 1024 * 1024, "largest body of the routes that never carry images"
+                                                       " (embeddings, rerank, completions, tokenize...); 413 past it")
+    max_messages: int = option(2048, "most messages (or input items) in one request, counted before the body is"
+                                     " parsed; 413 past it; 0: no limit")
     grpc_timeout_s: float = option(30.0, "deadline of each backend call in seconds; past it the answer is 504")
     generate_timeout_s: float = option(600.0, "deadline of a whole generation (chat, completions) in seconds;"
                                               " past it the answer is 504, or an error event mid-stream")
@@ -54,6 +60,9 @@ class GatewayConfig:
     tls_client_key: str | None = option(None, "PEM private key of --tls-client-cert", metavar="FILE")
     tls_server_name: str | None = option(None, "name to verify in the backends' certificates instead of the"
                                                " host of each address", metavar="NAME")
+    backend_token_file: str | None = option(None, "file holding the fleet's backend token, sent with every"
+                                                  " backend call (the services' --backend-token-file)",
+                                            env=TOKEN_FILE_ENV, metavar="FILE")
     trace_requests: bool = option(False, "answer a request sent with 'x-tessera-trace: 1' with an x-tessera-trace"
                                          " header of its stage timestamps (benchmarks: bench/pooling.py)")
     response_store: str | None = option(None, "Redis URL (redis://HOST:PORT/DB) where /v1/responses keeps stored"
@@ -86,8 +95,10 @@ class GatewayConfig:
         if self.admin_key is not None and self.admin_key == self.api_key:
             # Every API caller would be an admin; the point of a separate key is that they are not.
             raise ValueError("admin_key must differ from api_key")
-        if self.max_body_bytes < 1024:
-            raise ValueError("max_body_bytes must be at least 1024")
+        if self.max_body_bytes < 1024 or self.max_text_body_bytes < 1024:
+            raise ValueError("max_body_bytes and max_text_body_bytes must be at least 1024")
+        if self.max_messages < 0:
+            raise ValueError("max_messages must be >= 0 (0: no limit)")
         for name in ("grpc_timeout_s", "generate_timeout_s", "health_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -106,3 +117,5 @@ class GatewayConfig:
         if self.tls_server_name is not None and self.tls_ca is None:
             raise ValueError("tls_server_name needs tls_ca")
         check_client_files(self.tls_ca, self.tls_client_cert, self.tls_client_key)
+        if self.backend_token_file is not None:
+            read_token(self.backend_token_file)

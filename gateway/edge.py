@@ -1,7 +1,10 @@
 """The HTTP edge, as one ASGI middleware: request id, API key, body-size limit, access log and metrics.
 
 It runs before FastAPI reads the body, so an oversized body is refused (413)
-before it is buffered past the limit, and a missing key (401) before any work.
+before it is buffered past the limit, and a missing key (401) before any work. Two bounds keep parsing cheap:
+routes that never carry images take at most --max-text-body-bytes (a 12 MB embedding input is refused before
+anything reads it), and a body with more than --max-messages `"role"` keys (messages or input items) is refused
+by one scan of its bytes, before JSON parsing and validation, which take ~30 us per message.
 """
 from __future__ import annotations
 
@@ -29,6 +32,11 @@ LATENCY = Histogram("tessera_gateway_request_seconds", "HTTP request latency", [
 # Probes, scrapes and the API description stay reachable without a key.
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect",
                           "/redoc"})
+# Routes whose bodies may carry images (base64 data URIs): these alone take up to --max-body-bytes.
+IMAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
+# A key every message and input item has. In a JSON string a quote is escaped (\"), so text that mentions
+# "role" is not counted; the exact count is checked again once parsed.
+_ROLE_KEY = b'"role"'
 # A caller's id is echoed only if it is short and plain; anything else is replaced.
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -37,11 +45,13 @@ class Edge:
     """ASGI middleware around the FastAPI app; `routes` are the known paths (metric labels)."""
 
     def __init__(self, app, *, api_key: str | None, max_body_bytes: int, routes: frozenset[str],
-                 admin_key: str | None = None):
+                 admin_key: str | None = None, max_text_body_bytes: int | None = None, max_messages: int = 0):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.admin_key = admin_key.encode() if admin_key else None
         self.max_body_bytes = max_body_bytes
+        self.max_text_body_bytes = min(max_text_body_bytes or max_body_bytes, max_body_bytes)
+        self.max_messages = max_messages
         self.routes = routes
 
     async def __call__(self, scope, receive, send):
@@ -68,7 +78,7 @@ class Edge:
 
         try:
             self._authenticate(path, headers)
-            receive = await self._bounded_body(headers, receive)
+            receive = await self._bounded_body(path, headers, receive)
         except TesseraError as err:
             await error_response(err, rid, path)(scope, receive, send_with_id)
         else:
@@ -94,12 +104,16 @@ class Edge:
         if not hmac.compare_digest(token.strip().encode(), self.api_key):
             raise Unauthenticated("invalid API key")
 
-    async def _bounded_body(self, headers: dict, receive):
-        """Read the whole body (at most max_body_bytes) and return a receive that replays it."""
-        limit = self.max_body_bytes
+    async def _bounded_body(self, path: str, headers: dict, receive):
+        """Read the whole body (at most the path's byte limit, at most max_messages messages) and return a
+        receive that replays it."""
+        if path in IMAGE_PATHS:
+            limit, key = self.max_body_bytes, "max_body_bytes"
+        else:
+            limit, key = self.max_text_body_bytes, "max_text_body_bytes"
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise TooLarge(f"request body of {declared} bytes is over the {limit}-byte limit")
+            raise TooLarge(f"request body of {declared} bytes is over the {limit}-byte limit of {path} ({key})")
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
@@ -109,10 +123,13 @@ class Edge:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise TooLarge(f"request body is over the {limit}-byte limit")
+                raise TooLarge(f"request body is over the {limit}-byte limit of {path} ({key})")
             chunks.append(chunk)
             more = message.get("more_body", False)
-        return _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
+        body = b"".join(chunks)
+        if self.max_messages and body.count(_ROLE_KEY) > self.max_messages:
+            raise TooLarge(f"request has more than {self.max_messages} messages or input items (max_messages)")
+        return _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
 
 
 def _replay(messages: list, receive):

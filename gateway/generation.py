@@ -75,6 +75,10 @@ class SamplingFields(StructuredFields):
         None, description="token ids that end a choice like EOS (the id is counted, not shown)")
     ignore_eos: bool = Field(False, description="vLLM's: the model's EOS does not end a choice (as benchmarks"
                                                 " send it); max_tokens, stop strings and stop_token_ids still do")
+    cache_salt: str | None = Field(None, min_length=1, max_length=256,
+                                   description="vLLM's: requests with different salts never share prefix-cache"
+                                               " blocks, so usage.prompt_tokens_details.cached_tokens says nothing"
+                                               " about another salt's prompts (give each tenant its own)")
     stream: bool = Field(False, description="answer as server-sent events, ending with `data: [DONE]`")
     stream_options: StreamOptions | None = None
     # Accepted because their only correct effect is none; anything that would ask for more is refused.

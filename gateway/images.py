@@ -92,7 +92,7 @@ async def encode(vision: Backend, refs: list[ImageRef], images: list[vision_pb2.
     try:
         reply = await vision.vision.Encode(vision_pb2.EncodeRequest(images=images, request_id=request_id),
                                            timeout=vision.cfg.grpc_timeout_s,
-                                           metadata=(("x-request-id", request_id),))
+                                           metadata=vision.metadata(request_id))
     except grpc.aio.AioRpcError as exc:
         err = from_rpc_error(exc)
         if err.reason == "UNAVAILABLE":

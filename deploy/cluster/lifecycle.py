@@ -6,12 +6,14 @@ import socket
 import subprocess
 import time
 
+from deploy import secrets as deploy_secrets
+
 from . import health, images, wheelhouse
 from .commands import NOT_AVAILABLE, ClusterError, log
 from .compose import ComposeFile
 from .config import settings
 from .engine import Engine, engine_if_present, find_engine
-from .paths import COMPOSE_LOG, MODELS, PROJECT
+from .paths import COMPOSE_LOG, MODELS, PROJECT, SECRETS
 from .timings import Timings
 
 
@@ -93,6 +95,8 @@ def up(install: bool = True, timeout: float = 600) -> Engine:
                 wheelhouse.prepare_wheelhouse(None, "3.11", None)
     with timings("image build"):
         images.build_images(engine, offline)
+    # The containers' users read them through the secret mounts; the 0700 folder guards them on the host.
+    log(f"backend token and Redis password: {deploy_secrets.ensure(SECRETS, fresh=False, mode=0o644)}")
     started = time.monotonic()
     with timings("compose up"):
         compose_up(engine)

@@ -14,6 +14,8 @@ WORK = ROOT / "build" / "cluster"
 LOGS = WORK / "logs"  # build and compose output, one file per kind, appended per run
 COMPOSE_LOG = LOGS / "compose.log"
 TIMINGS = WORK / "timings.json"
+# The fleet's secrets (deploy/secrets.py), written on first start and kept; deploy/docker-compose.yml mounts them.
+SECRETS = WORK / "secrets"
 WHEELS = ROOT / "build" / "wheels"
 MODELS = ROOT / "models"
 PROJECT = "tessera"  # the compose project: every container, network and volume carries it in its labels

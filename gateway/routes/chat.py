@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 
-from services.common.errors import TesseraError
+from services.common.errors import TesseraError, TooLarge
 from services.common.pb import decoder_pb2
 
 from .. import images as image_inputs
@@ -174,6 +174,10 @@ async def start_chat(body: ChatRequest, request: Request, renamed: dict[str, str
     the field the caller sent, for an API that translates into a ChatRequest (gateway/routes/responses.py,
     messages.py); include_stop: the matched stop string ends the text (the caller reads and strips it)."""
     try:
+        most = request.app.state.config.max_messages
+        if most and len(body.messages) > most:   # the edge counted "role" keys; this counts what was parsed
+            raise TooLarge(f"request has {len(body.messages)} messages, over the limit of {most} (max_messages)",
+                           param="messages")
         model = await catalog(request).resolve(body.model, GENERATION)
         plan = body.tool_plan(model.name, model.extra.get("tool_call_parser"), body.constraint_field)
         chat = chat_messages(body.messages, tools=body.tools)
@@ -184,7 +188,8 @@ async def start_chat(body: ChatRequest, request: Request, renamed: dict[str, str
         sampling = body.sampling(max_tokens, logprobs)
         sampling.include_stop_str_in_output = include_stop
         plan.apply(sampling)
-        generate = decoder_pb2.GenerateRequest(**model.target(), chat=chat, images=images, sampling=sampling)
+        generate = decoder_pb2.GenerateRequest(**model.target(), chat=chat, images=images, sampling=sampling,
+                                               cache_salt=body.cache_salt or "")
         # The decoder names its own fields; the caller should read the ones it sent.
         limit = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         fields = body.error_fields({"prompt": "messages", "images": "messages", "logprobs": "top_logprobs",

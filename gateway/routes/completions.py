@@ -114,7 +114,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         return await _echo(body, request, model, prompts, rid)
     sampling = body.sampling(body.max_tokens, body.logprobs)
     requests = [decoder_pb2.GenerateRequest(
-        **model.target(), sampling=sampling,
+        **model.target(), sampling=sampling, cache_salt=body.cache_salt or "",
         **({"text": p} if isinstance(p, str) else {"token_ids": decoder_pb2.TokenIds(ids=p)}))
         for p in prompts]
     generation = Generation(routing.route(request, model), requests, rid, body.n, body.error_fields())

@@ -15,8 +15,9 @@ rest happens here, in the same order for all three:
 Before all of that, the service's `check` reads the model folders its flags name, without loading a weight:
 a folder it cannot serve (no such folder, a missing file, an unknown model_type or RoPE type...) is a usage
 error, like a bad flag value: one line on stderr naming the missing piece and the config key, status 2, and
-nothing else printed. What fails once it runs (a port it cannot bind, a dtype the device lacks, weights
-that do not match their config) ends the process with one logged line and status 1.
+nothing else printed. So is a process with neither a backend token (--backend-token-file) nor
+--insecure-no-auth (services/common/auth.py). What fails once it runs (a port it cannot bind, a dtype the
+device lacks, weights that do not match their config) ends the process with one logged line and status 1.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import torch
 
 from . import allocator, compute, logs
 from . import config as config_mod
+from .auth import TOKEN_FILE_ENV
 from .errors import TesseraError
 from .plan import Pins
 from .server import ServerConfig, Started
@@ -72,7 +74,7 @@ async def serve(service: Service, server_cfg: ServerConfig, cfg) -> None:
 def main(service: Service, argv=None) -> int:
     """The whole life of a service process; returns its exit status."""
     server_cfg, cfg = load_config(service, argv)
-    refusal = refused(service, cfg)
+    refusal = refused(service, cfg) or unauthenticated(server_cfg)
     if refusal is not None:
         print(f"{service.prog}: cannot serve: {refusal}", file=sys.stderr)
         return 2
@@ -89,6 +91,14 @@ def main(service: Service, argv=None) -> int:
         log.error("cannot start: %s", exc)
         return 1
     return 0
+
+
+def unauthenticated(server_cfg: ServerConfig) -> str | None:
+    """Why a process may not serve open to its network: no backend token and no explicit opt-out."""
+    if server_cfg.backend_token_file is None and not server_cfg.insecure_no_auth:
+        return (f"no backend token: set --backend-token-file FILE (env {TOKEN_FILE_ENV}), or pass"
+                " --insecure-no-auth to let anyone who reaches the port call every RPC")
+    return None
 
 
 def refused(service: Service, cfg) -> str | None:

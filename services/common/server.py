@@ -1,6 +1,8 @@
 """The aio gRPC server every service runs (services/common/process.py starts the process around it).
 
-- grpc.health.v1 and server reflection on every server;
+- grpc.health.v1 on every server, open to anyone (probes); server reflection only with --reflection;
+- with --backend-token-file, every other call must carry that token (services/common/auth.py), reflection
+  included; services/common/process.py refuses to start a service with neither a token nor --insecure-no-auth;
 - NOT_SERVING until the service calls `ready()` (after its models load), which also freezes what
   start-up allocated out of the garbage collector's sight;
 - the Prometheus /metrics endpoint of the service's registry on --metrics-port;
@@ -24,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from . import metrics
+from .auth import TOKEN_FILE_ENV, TokenInterceptor, read_token
 from .config import option
 from .tls import check_server_files, server_credentials
 
@@ -46,9 +49,20 @@ class ServerConfig:
     tls_key: str | None = option(None, "PEM private key of --tls-cert", metavar="FILE")
     tls_client_ca: str | None = option(None, "PEM CA: require client certificates signed by it (mutual TLS)",
                                        metavar="FILE")
+    backend_token_file: str | None = option(None, "file holding the fleet's backend token: every call but"
+                                                  " grpc.health.v1 must carry 'authorization: Bearer <token>'",
+                                            env=TOKEN_FILE_ENV, metavar="FILE")
+    insecure_no_auth: bool = option(False, "serve without a backend token: anyone who reaches the port may call"
+                                           " every RPC (a process refuses to start with neither this nor"
+                                           " --backend-token-file)", env="TESSERA_INSECURE_NO_AUTH")
+    reflection: bool = option(False, "answer gRPC server reflection (behind the backend token when there is one)")
 
     def __post_init__(self):
         check_server_files(self.tls_cert, self.tls_key, self.tls_client_ca)
+        if self.backend_token_file is not None:
+            if self.insecure_no_auth:
+                raise ValueError("backend_token_file and insecure_no_auth contradict each other: give one")
+            read_token(self.backend_token_file)
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ValueError("port and metrics_port must be in 0..65535")
         if self.max_message_mb < 1:
@@ -60,7 +74,7 @@ class ServerConfig:
 
 
 class Server:
-    """One aio gRPC server with health and reflection.
+    """One aio gRPC server with health (and reflection with cfg.reflection), behind the backend token.
 
     add_servicers(server) registers the service's servicers; service_names are
     the full names (e.g. "tessera.pooling.v1.PoolingService") for health and
@@ -73,7 +87,8 @@ class Server:
         self.registry = registry
         self.service_names = list(service_names)
         limit = cfg.max_message_mb * 1024 * 1024
-        self.grpc = grpc.aio.server(options=[
+        token = read_token(cfg.backend_token_file) if cfg.backend_token_file else None
+        self.grpc = grpc.aio.server(interceptors=[TokenInterceptor(token)] if token else None, options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0),
@@ -81,8 +96,9 @@ class Server:
         add_servicers(self.grpc)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        reflection.enable_server_reflection(
-            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.grpc)
+        if cfg.reflection:
+            reflection.enable_server_reflection(
+                [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.grpc)
         self.port = 0
         self.serving = False
 
@@ -99,9 +115,11 @@ class Server:
         await self.grpc.start()
         await self.set_serving(False)
         metrics.serve(self.cfg.metrics_port, registry=self.registry)
-        log.info("gRPC listening on %s:%d%s (%s)", self.cfg.host, self.port,
+        log.info("gRPC listening on %s:%d%s%s (%s)", self.cfg.host, self.port,
                  " with TLS" + (" (client certificates required)" if self.cfg.tls_client_ca else "")
-                 if self.cfg.tls_cert else "", ", ".join(self.service_names))
+                 if self.cfg.tls_cert else "",
+                 "; calls need the backend token" if self.cfg.backend_token_file
+                 else "; WITHOUT authentication (--insecure-no-auth)", ", ".join(self.service_names))
         return self.port
 
     async def ready(self) -> None:

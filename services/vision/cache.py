@@ -29,7 +29,7 @@ import torch
 from prometheus_client import Counter, Gauge
 from redis import asyncio as aioredis
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, RedisError
 from redis.retry import Retry
 
 log = logging.getLogger("tessera.vision.cache")
@@ -138,17 +138,32 @@ class FeatureCache:
     """Async get/put of Entry by content hash in Redis, bounded by budget_bytes, never raising RedisError."""
 
     def __init__(self, url: str, *, budget_bytes: int, ttl_s: int, prefix: str = "tessera:vision",
-                 timeout_s: float = 0.25, backoff_s: float = 2.0):
+                 timeout_s: float = 0.25, backoff_s: float = 2.0, password: str | None = None):
         self.budget, self.ttl_ms, self.backoff_s = budget_bytes, ttl_s * 1000, backoff_s
         self.prefix = prefix
         self.keys = [f"{prefix}:lru", f"{prefix}:sizes", f"{prefix}:bytes"]
         # No retries and short timeouts: a down Redis must cost one quick failure, then the backoff.
-        self.redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+        self.redis = aioredis.Redis.from_url(url, password=password, socket_timeout=timeout_s,
+                                             socket_connect_timeout=timeout_s,
                                              retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
         self._get = self.redis.register_script(_GET)
         self._put = self.redis.register_script(_PUT)
         self._down_until = 0.0
         self.stats = CacheStats()
+
+    async def check_credentials(self) -> None:
+        """At start: a Redis that refuses our credentials (no password, a wrong one, one it does not expect)
+        is a configuration error, a ValueError in one line; a Redis that is down is not (the service computes
+        without the cache until it is back)."""
+        try:
+            await self.redis.ping()
+        except AuthenticationError as exc:
+            host = self.redis.connection_pool.connection_kwargs.get("host", "?")
+            port = self.redis.connection_pool.connection_kwargs.get("port", "?")
+            raise ValueError(f"redis at {host}:{port} refused our credentials ({exc}): check"
+                             " --redis-password-file against the server's requirepass") from None
+        except (RedisError, OSError) as exc:
+            self._failed("start-up ping", exc)
 
     def entry_key(self, content_hash: str) -> str:
         return f"{self.prefix}:rows:{content_hash}"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.common import dtypes
 from services.common.config import option
@@ -39,6 +40,8 @@ class VisionConfig:
     max_images: int = option(16, "most images in one Encode call (413 past it)")
     max_pending: int = option(64, "Encode calls allowed to wait for the encoder before RESOURCE_EXHAUSTED")
     redis_url: str = option("", "Redis URL of the feature cache (redis://host:port/db); empty disables it")
+    redis_password_file: str | None = option(None, "file holding the Redis password (requirepass) of --redis-url;"
+                                                   " a password Redis refuses stops the start", metavar="FILE")
     cache_bytes: int = option(256 * 2**20, "byte budget of cached rows in Redis; least recently used "
                                            "entries are evicted past it")
     cache_ttl_s: int = option(3600, "seconds a cached entry lives after its last use")
@@ -55,3 +58,21 @@ class VisionConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.redis_timeout_s <= 0 or self.redis_backoff_s < 0:
             raise ValueError("redis_timeout_s must be positive and redis_backoff_s >= 0")
+        if self.redis_password_file is not None:
+            if not self.redis_url:
+                raise ValueError("redis_password_file needs redis_url")
+            self.redis_password()
+
+    def redis_password(self) -> str | None:
+        """The password in --redis-password-file (None without one); a ValueError naming the flag when the
+        file cannot be read or is empty."""
+        if self.redis_password_file is None:
+            return None
+        try:
+            password = Path(self.redis_password_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--redis-password-file: cannot read {self.redis_password_file!r}:"
+                             f" {getattr(exc, 'strerror', None) or exc}") from None
+        if not password:
+            raise ValueError(f"--redis-password-file: {self.redis_password_file!r} is empty")
+        return password

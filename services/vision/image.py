@@ -7,6 +7,7 @@ GIF/WebP give their first frame. Data URIs and mime types are services/common/da
 from __future__ import annotations
 
 import io
+import re
 import struct
 import warnings
 from dataclasses import dataclass
@@ -28,6 +29,16 @@ class Limits:
 
 
 
+# A Python object's repr inside a library's message ("cannot identify image file <_io.BytesIO object at 0x7f..>"):
+# it tells the caller nothing and the process's addresses are not theirs to see.
+_REPR = re.compile(r"\s*<[^<>]*\bat 0x[0-9a-fA-F]+>")
+
+
+def _plain(exc: BaseException) -> str:
+    """exc's message without object reprs, on one line."""
+    return " ".join(_REPR.sub("", str(exc)).split()) or type(exc).__name__
+
+
 def _open(data: bytes, param: str) -> Image.Image:
     try:
         with warnings.catch_warnings():
@@ -35,9 +46,10 @@ def _open(data: bytes, param: str) -> Image.Image:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             return Image.open(io.BytesIO(data), formats=list(FORMATS))
     except Image.DecompressionBombError as exc:
-        raise TooLarge(f"image has too many pixels ({exc})", param=param) from None
+        raise TooLarge(f"image has too many pixels ({_plain(exc)})", param=param) from None
     except (OSError, SyntaxError, ValueError, struct.error, EOFError) as exc:
-        raise InvalidArgument(f"not a decodable PNG, JPEG, WebP or GIF image ({exc})", param=param) from None
+        raise InvalidArgument(f"not a decodable PNG, JPEG, WebP or GIF image ({_plain(exc)})",
+                              param=param) from None
 
 
 def to_rgb(im: Image.Image) -> np.ndarray:
@@ -90,4 +102,4 @@ def decode(data: bytes, limits: Limits, mime: str = "", param: str = "images") -
     except Image.DecompressionBombError:
         raise TooLarge("image has too many pixels", param=param) from None
     except (OSError, SyntaxError, ValueError, struct.error, EOFError) as exc:
-        raise InvalidArgument(f"image could not be decoded ({exc})", param=param) from None
+        raise InvalidArgument(f"image could not be decoded ({_plain(exc)})", param=param) from None

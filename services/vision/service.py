@@ -165,7 +165,13 @@ async def start(server_cfg: VisionServerConfig, cfg: VisionConfig) -> tuple[Serv
     if cfg.redis_url:
         servicer.cache = FeatureCache(cfg.redis_url, budget_bytes=cfg.cache_bytes, ttl_s=cfg.cache_ttl_s,
                                       prefix=cfg.cache_prefix, timeout_s=cfg.redis_timeout_s,
-                                      backoff_s=cfg.redis_backoff_s)
+                                      backoff_s=cfg.redis_backoff_s, password=cfg.redis_password())
+        try:
+            await servicer.cache.check_credentials()
+        except BaseException:
+            await servicer.cache.close()
+            await server.stop(0)
+            raise
     log.info("serving %s (recipe %s, preprocessing %s), feature cache: %s", servicer.encoder.name,
              servicer.encoder.recipe.name, json.dumps(servicer.recipe_config), cfg.redis_url or "off")
     await server.ready()

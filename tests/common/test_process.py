@@ -122,7 +122,8 @@ def test_serve_reports_serving_exports_metrics_drains_on_sigterm_then_closes():
 
 
 def run_service(module: str, argv: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *argv, "--host", "127.0.0.1", "--port", "0"],
+    return subprocess.run([sys.executable, "-m", module, *argv, "--host", "127.0.0.1", "--port", "0",
+                           "--insecure-no-auth"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")})
 

@@ -24,7 +24,8 @@ DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 K8S = ROOT / "deploy" / "k8s"
 
 # Where a containerised process finds what the launcher passes as placeholders.
-CONTAINER_VALUES = {"python": "python", "host": "0.0.0.0", "models": "/models", "run": "/data"}
+CONTAINER_VALUES = {"python": "python", "host": "0.0.0.0", "models": "/models", "run": "/data",
+                    "secrets": "/run/secrets"}
 # "{host}:{NAME_port}" is an address a process dials: in a container network that is the service NAME.
 _DIAL = re.compile(r"\{host\}:\{([\w-]+)_port\}")  # row names may hold a hyphen (decoder-vl)
 _PORT_REF = re.compile(r"\{([\w-]+)_port\}")

@@ -102,7 +102,9 @@ def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 6
 def python_module(module: str, args: list[str], log_path: Path) -> subprocess.Popen:
     """`python -m module args` from the repository root, output to log_path."""
     log = open(log_path, "wb")  # noqa: SIM115 - the child owns it until it exits
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # The tests' services listen on loopback for the test alone and their clients send no backend token;
+    # tests/common/test_auth.py checks the token on real servers and the refusal to start without either.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TESSERA_INSECURE_NO_AUTH": "1"}
     return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, env=env)
 

@@ -7,18 +7,22 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
+import redis
 
-from deploy import launcher
+from deploy import launcher, secrets
 from deploy.models import MINILM, QWEN2_VL_RANDOM, RERANKER, SMOLLM2, package_dir
+from services.common.pb import decoder_pb2, decoder_pb2_grpc
 from tests.conftest import free_port
 from tests.decoder.multimodal.conftest import photo
 from tests.decoder.server.conftest import need_smollm2
@@ -29,17 +33,19 @@ from tests.gateway.fleet import ROOT, stop
 def test_argv_for_fills_the_table_and_env_flags(tmp_path):
     ports = {"redis": 1, "pooling": 2, "decoder": 4, "gateway": 3, "vision": 5, "decoder-vl": 6}
     rows = {s.name: s for s in launcher.TOPOLOGY}
+    token = ["--backend-token-file", f"{tmp_path}/secrets/backend_token"]
     argv = launcher.argv_for(rows["gateway"], ports, "127.0.0.1", tmp_path, tmp_path)
     assert argv[1:] == ["-m", "gateway", "--host", "127.0.0.1", "--port", "3", "--pooling", "127.0.0.1:2",
                         "--decoder", "127.0.0.1:4", "--decoder", "127.0.0.1:6", "--vision", "127.0.0.1:5",
-                        "--model-note", launcher.RANDOM_NOTE]
+                        "--model-note", launcher.RANDOM_NOTE, *token]
     decoder = launcher.argv_for(rows["decoder"], ports, "h", tmp_path, tmp_path)
     assert decoder[1:] == ["-m", "services.decoder", "--host", "h", "--port", "4", "--model", f"{tmp_path}/{SMOLLM2}",
                            "--lora-root", f"{tmp_path}/adapters", "--lora", f"pirate={tmp_path}/adapters/pirate",
-                           "--lora", f"french={tmp_path}/adapters/french"]
+                           "--lora", f"french={tmp_path}/adapters/french", *token]
     vision = launcher.argv_for(rows["vision"], ports, "h", tmp_path, tmp_path)
     assert vision[1:] == ["-m", "services.vision", "--host", "h", "--port", "5", "--model",
-                          f"{tmp_path}/{QWEN2_VL_RANDOM}", "--redis-url", "redis://h:1/0"]
+                          f"{tmp_path}/{QWEN2_VL_RANDOM}", "--redis-url", "redis://h:1/0",
+                          "--redis-password-file", f"{tmp_path}/secrets/redis_password", *token]
     decoder_vl = launcher.argv_for(rows["decoder-vl"], ports, "h", tmp_path, tmp_path)
     assert decoder_vl[decoder_vl.index("--model") + 1] == f"{tmp_path}/{QWEN2_VL_RANDOM}"
     # The demo reranker `make models` trains, unless RERANKER_MODEL names another (empty counts as unset).
@@ -51,6 +57,19 @@ def test_argv_for_fills_the_table_and_env_flags(tmp_path):
     assert pooling.count("--reranker-model") == 1 and pooling[-2:] == ["--reranker-model", "/r"]
     redis = launcher.argv_for(rows["redis"], ports, "h", tmp_path, tmp_path)
     assert redis[redis.index("--maxmemory-policy") + 1] == "allkeys-lru" and redis[redis.index("--port") + 1] == "1"
+    assert redis[1] == f"{tmp_path}/secrets/redis_conf"    # requirepass, from a file: not in `ps`
+
+
+def test_secrets_are_private_fresh_per_fleet_and_agree(tmp_path):
+    folder = secrets.ensure(tmp_path / "secrets", fresh=True)
+    first = {name: (folder / name).read_text() for name in secrets.NAMES}
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE((folder / name).stat().st_mode) == 0o600 for name in secrets.NAMES)
+    assert first["redis_conf"] == f"requirepass {secrets.redis_password(folder)}\n"
+    assert len(first["backend_token"].strip()) == 64 and len(set(first.values())) == 3
+    assert secrets.ensure(folder, fresh=False) and (folder / "backend_token").read_text() == first["backend_token"]
+    secrets.ensure(folder, fresh=True)
+    assert (folder / "backend_token").read_text() != first["backend_token"]
 
 
 def test_down_never_signals_a_recycled_pid(tmp_path):
@@ -101,6 +120,15 @@ def test_up_serves_embeddings_and_chat_and_down_stops_everything(tmp_path):
             time.sleep(0.2)
         assert f"{url} (OpenAI base_url {url}/v1)" in out.read_text()
         assert httpx.get(f"{url}/ready").status_code == 200
+        # Behind the gateway nothing answers without the fleet's secrets (run/secrets, 0600).
+        with grpc.insecure_channel(f"127.0.0.1:{ports['decoder']}") as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                decoder_pb2_grpc.DecoderServiceStub(channel).LoadAdapter(
+                    decoder_pb2.LoadAdapterRequest(name="pirate", path="french"), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=ports["redis"], socket_timeout=5).dbsize()
+        assert stat.S_IMODE((run / "secrets" / "backend_token").stat().st_mode) == 0o600
         reply = httpx.post(f"{url}/v1/embeddings", json={"input": "hello", "model": MINILM}, timeout=30)
         assert reply.status_code == 200 and len(reply.json()["data"][0]["embedding"]) == 384
         # The demo reranker answers /v1/rerank under its folder's name: a GSM8K-style problem's own solution
@@ -159,7 +187,8 @@ def test_a_dead_process_stops_the_fleet(tmp_path, monkeypatch, capsys):
             entries = json.loads((run / "fleet.json").read_text())["processes"] if (run / "fleet.json").exists() \
                 else []
             doomed = [e for e in entries if e["name"] == "doomed"]
-            if doomed and launcher.healthy(launcher.TOPOLOGY[1], "127.0.0.1", ports["doomed"]):
+            if doomed and launcher.healthy(launcher.TOPOLOGY[1], "127.0.0.1", ports["doomed"],
+                                           secrets.redis_password(run / "secrets")):
                 time.sleep(1.0)  # let the launcher see it healthy and start supervising
                 os.kill(doomed[0]["pid"], signal.SIGKILL)
                 return

@@ -237,5 +237,6 @@ def test_a_template_without_tools_refuses_auto_at_start(tiny_chat_model):
     """SmolLM2's template (what `make up` serves) renders no tools: --enable-auto-tool-choice is a start error."""
     done = subprocess.run([sys.executable, "-m", "services.decoder", "--model", str(tiny_chat_model), "--port",
                            str(free_port()), "--num-blocks", "16", "--threads", "1", "--enable-auto-tool-choice",
-                           "--tool-call-parser", "hermes"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           "--tool-call-parser", "hermes", "--insecure-no-auth"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode != 0 and "does not render tools" in done.stderr + done.stdout, done.stderr[-2000:]

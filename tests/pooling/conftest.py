@@ -99,7 +99,7 @@ class RunningServer:
 
     def __init__(self, wait: bool = True, **cfg):
         self.loops = LoopThread()
-        self.handle = self.call(start_server(PoolingServerConfig(host="127.0.0.1", port=0),
+        self.handle = self.call(start_server(PoolingServerConfig(host="127.0.0.1", port=0, reflection=True),
                                              PoolingConfig(**cfg), wait=wait))
         self.port = self.handle.port
 

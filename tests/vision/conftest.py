@@ -47,7 +47,7 @@ def vision_server():
     started = []
 
     def _start(cfg):
-        server, servicer = loop.run(start(VisionServerConfig(host="127.0.0.1", port=0), cfg))
+        server, servicer = loop.run(start(VisionServerConfig(host="127.0.0.1", port=0, reflection=True), cfg))
         started.append((server, servicer))
         return f"127.0.0.1:{server.port}", servicer, loop
 

@@ -61,6 +61,13 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple
     return h.digest()
 
 
+def salt_keys(cache_salt: str) -> tuple:
+    """The extra keys of a request's cache_salt (vLLM's field): in every block's hash, so requests with
+    different salts share no block and one tenant's cached_tokens reveals nothing of another's prompts.
+    An empty salt adds nothing: unsalted requests share as before."""
+    return (("cache_salt", cache_salt),) if cache_salt else ()
+
+
 def overlapping(span_keys: Sequence[SpanKey], start: int, end: int) -> tuple[SpanKey, ...]:
     """The span keys whose [s, e) meets [start, end)."""
     return tuple(k for k in span_keys if k[0] < end and start < k[1])

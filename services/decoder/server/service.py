@@ -31,6 +31,7 @@ from services.common.pb import common_pb2, decoder_pb2, decoder_pb2_grpc
 from services.common.server import Server, Started
 from services.decoder.engine.config import EngineConfig, SpeculativeConfig
 from services.decoder.engine.engine_core import EngineCore
+from services.decoder.engine.hashing import salt_keys
 from services.decoder.engine.output import EngineStats, RequestOutput
 from services.decoder.engine.request import AdapterRef
 from services.decoder.grammar.compiled import Grammar
@@ -245,7 +246,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         cached = 0
         first = True
         async for out in st.engine.generate(rid, prompt, params, images=placed.images, adapter=adapter,
-                                            grammar=grammar, span_keys=placed.span_keys, extra_keys=lora_keys):
+                                            grammar=grammar, span_keys=placed.span_keys,
+                                            extra_keys=lora_keys + salt_keys(request.cache_salt)):
             if out.finish_reason == "error":
                 raise Internal(f"generation failed (request_id={rid}): {out.error}")
             choice = choices[out.index]

@@ -59,7 +59,7 @@ def decoder_server(tiny_chat_model):
     # Greedy steps take the argmax screen, pinned on whatever the timing would pick (model/screen.py).
     cfg = DecoderConfig(model=str(tiny_chat_model), num_blocks=64, block_size=4, max_num_batched_tokens=32,
                         max_n=4, fast_paths="screen=on")
-    server, servicer = loop.run(start(DecoderServerConfig(host="127.0.0.1", port=0), cfg))
+    server, servicer = loop.run(start(DecoderServerConfig(host="127.0.0.1", port=0, reflection=True), cfg))
     yield f"127.0.0.1:{server.port}", servicer
     loop.run(server.stop(0))
     servicer.state.engine.stop()
