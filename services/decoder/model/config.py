@@ -3,8 +3,9 @@
 We implement exactly: Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Granite
 (embedding, residual, attention and logit multipliers) and OLMo 2 (post-norm blocks, q/k RMSNorm over
 the whole projection) decoders with SiLU-gated MLPs, full causal attention and RoPE under transformers'
-recipes (model/rope.py; unscaled RoPE optionally with M-RoPE sections). Each family's module is named
-in model/families.py. Anything else a config asks for is refused with Unsupported at load, in one line
+recipes (model/rope.py; unscaled RoPE optionally with M-RoPE sections); and Gemma 2 / Gemma 3 text
+(model/gemma.py: GeGLU, sliding-window layers, soft-caps). Each family's module is named in
+model/families.py. Anything else a config asks for is refused with Unsupported at load, in one line
 naming the config key, because silently ignoring it would compute a different model.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ from services.common.errors import InvalidArgument, Unsupported
 from services.decoder.model import rope as rope_recipes
 from services.decoder.model.rope import RopeScaling
 
-FAMILIES = ("llama", "qwen2", "qwen3", "granite", "olmo2")
+FAMILIES = ("llama", "qwen2", "qwen3", "granite", "olmo2", "gemma2", "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text")
 # Vision-language checkpoints whose text model is one of FAMILIES: model_type -> text family.
 # The decoder loads only the text model; the vision service loads the tower from the same folder.
 VISION_LANGUAGE = {"qwen2_vl": "qwen2"}
@@ -70,6 +72,8 @@ class ModelConfig:
     # sliding mask), or None for full attention; () when every layer attends to its whole context.
     layer_windows: tuple[int | None, ...] = ()
     attn_softcap: float | None = None     # scores become softcap * tanh(scores / softcap) (Gemma 2)
+    final_softcap: float | None = None    # logits become cap * tanh(logits / cap) (Gemma 2, optionally Gemma 3)
+    local_rope: RopeScaling | None = None  # RoPE of the sliding-window layers (Gemma 3); None: `rope`
 
     @staticmethod
     def from_folder(folder: str | Path) -> ModelConfig:
@@ -98,11 +102,18 @@ class ModelConfig:
         if family not in FAMILIES:
             raise Unsupported(f"config.json model_type {family!r} is not supported "
                               f"(supported: {', '.join(FAMILIES + tuple(VISION_LANGUAGE))})")
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise Unsupported(f"config.json hidden_act {act!r} is not supported (only silu)")
-        _refuse_sliding_window(raw)
-        rope, sections = rope_recipes.parse(raw)
+        if family in GEMMA:
+            raw = {**_GEMMA_DEFAULTS[family], **raw}
+            _gemma_activation(raw)
+            rope, sections = (_gemma3_ropes(raw)[0], None) if family == "gemma3_text" else rope_recipes.parse(raw)
+            if sections is not None:
+                raise Unsupported(f"{family} config key rope_parameters.mrope_section is not supported")
+        else:
+            act = raw.get("hidden_act", "silu")
+            if act != "silu":
+                raise Unsupported(f"config.json hidden_act {act!r} is not supported (only silu)")
+            _refuse_sliding_window(raw)
+            rope, sections = rope_recipes.parse(raw)
         heads = int(raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         if heads % kv_heads:
@@ -135,6 +146,7 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)) if family in ("llama", "granite") else False,
             qk_norm=family == "qwen3",
             **(_granite_multipliers(raw) if family == "granite" else {}),
+            **(_gemma_fields(raw) if family in GEMMA else {}),
             mrope_sections=sections,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
@@ -206,3 +218,90 @@ def _refuse_sliding_window(raw: dict) -> None:
     kinds = set(raw.get("layer_types") or ["full_attention"])
     if kinds != {"full_attention"}:
         raise Unsupported(f"config.json layer_types {sorted(kinds)} are not supported (only full_attention)")
+
+
+# transformers' Gemma2Config / Gemma3TextConfig defaults for the keys their math reads: a config.json
+# without one of these computes with the default there, so here too.
+_GEMMA_DEFAULTS = {
+    "gemma2": dict(head_dim=256, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+                   sliding_window=4096, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                   tie_word_embeddings=True, max_position_embeddings=8192),
+    "gemma3_text": dict(head_dim=256, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+                        sliding_window=4096, final_logit_softcapping=None, attn_logit_softcapping=None,
+                        tie_word_embeddings=True, max_position_embeddings=131072),
+}
+_GEMMA_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _gemma_activation(raw: dict) -> None:
+    """Gemma's MLP is GeGLU with the tanh GELU; transformers reads hidden_activation (hidden_act, where an older
+    config also has it, must agree)."""
+    for key in ("hidden_activation", "hidden_act"):
+        act = raw.get(key, "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise Unsupported(f"{raw['model_type']} config key {key} {act!r} is not supported (only gelu_pytorch_tanh)")
+
+
+def _positive(raw: dict, key: str, *, optional: bool = False) -> float | None:
+    value = raw.get(key)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidArgument(f"{raw['model_type']} config key {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _gemma_fields(raw: dict) -> dict:
+    """Gemma 2 / Gemma 3 text as ModelConfig fields: the attention scale query_pre_attn_scalar**-0.5, the soft-caps,
+    and each layer's window from layer_types and sliding_window (Gemma 3 also the local layers' RoPE)."""
+    family, layers = raw["model_type"], int(raw["num_hidden_layers"])
+    if raw.get("use_bidirectional_attention"):
+        raise Unsupported(f"{family} config key use_bidirectional_attention is not supported (causal only)")
+    if family == "gemma3_text" and raw.get("attn_logit_softcapping") is not None:
+        # transformers' Gemma 3 reads the key but never applies it: refused rather than guessed.
+        raise Unsupported("gemma3_text config key attn_logit_softcapping is not supported "
+                          "(transformers' Gemma 3 does not apply it)")
+    kinds = raw.get("layer_types")
+    if kinds is None:       # older configs: Gemma 2 alternates from a local layer, Gemma 3 repeats its pattern
+        pattern = 2 if family == "gemma2" else int(raw.get("sliding_window_pattern", 6))
+        kinds = [_GEMMA_LAYER_TYPES[(i + 1) % pattern == 0] for i in range(layers)]
+    unknown = sorted(set(kinds) - set(_GEMMA_LAYER_TYPES))
+    if unknown:
+        raise Unsupported(f"{family} config key layer_types {unknown} is not supported "
+                          f"(only {', '.join(_GEMMA_LAYER_TYPES)})")
+    if len(kinds) != layers:
+        raise InvalidArgument(f"{family} config key layer_types has {len(kinds)} entries for {layers} layers")
+    window = None
+    if "sliding_attention" in kinds:
+        window = raw.get("sliding_window")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise InvalidArgument(f"{family} config key sliding_window must be a positive integer, got {window!r}")
+    return dict(attention_scale=_positive(raw, "query_pre_attn_scalar") ** -0.5,
+                attn_softcap=_positive(raw, "attn_logit_softcapping", optional=True),
+                final_softcap=_positive(raw, "final_logit_softcapping", optional=True),
+                layer_windows=tuple(window if k == "sliding_attention" else None for k in kinds),
+                local_rope=_gemma3_ropes(raw)[1] if family == "gemma3_text" else None)
+
+
+def _gemma3_ropes(raw: dict) -> tuple[RopeScaling, RopeScaling]:
+    """Gemma 3's (global, local) RoPE: transformers 5 nests rope_parameters by layer type; older configs give
+    rope_theta and rope_scaling for the global layers and rope_local_base_freq for the local ones."""
+    nested = raw.get("rope_parameters")
+    if nested is None:
+        nested = {"full_attention": dict(raw.get("rope_scaling") or {}, rope_theta=raw.get("rope_theta", 1e6)),
+                  "sliding_attention": {"rope_theta": raw.get("rope_local_base_freq", 1e4)}}
+    if not isinstance(nested, dict) or not set(nested) <= set(_GEMMA_LAYER_TYPES):
+        raise Unsupported("gemma3_text config key rope_parameters must be nested by layer type "
+                          f"({', '.join(_GEMMA_LAYER_TYPES)})")
+    ropes = []
+    for kind, theta in (("full_attention", raw.get("rope_theta", 1e6)),
+                        ("sliding_attention", raw.get("rope_local_base_freq", 1e4))):
+        params = dict(nested.get(kind) or {})
+        params.setdefault("rope_theta", theta)
+        rope, _ = rope_recipes.parse({"rope_parameters": params,
+                                      "max_position_embeddings": raw["max_position_embeddings"]})
+        if rope.kind not in ("default", "linear"):
+            raise Unsupported(f"gemma3_text config key rope_parameters.{kind}.rope_type {rope.kind!r} is not "
+                              "supported (only default, linear)")
+        ropes.append(rope)
+    return ropes[0], ropes[1]

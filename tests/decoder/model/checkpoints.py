@@ -10,6 +10,10 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     GraniteConfig,
     GraniteForCausalLM,
@@ -26,7 +30,8 @@ from transformers import (
 VOCAB = 160
 _CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
             "qwen3": (Qwen3Config, Qwen3ForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),
-            "olmo2": (Olmo2Config, Olmo2ForCausalLM)}
+            "olmo2": (Olmo2Config, Olmo2ForCausalLM),
+            "gemma2": (Gemma2Config, Gemma2ForCausalLM), "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM)}
 
 # Accumulation shape of these checkpoints (and the tiny chat models of the other decoder tests)
 # for tests/tolerance.py: the longest dot product of a layer is the MLP's (intermediate size at
@@ -84,9 +89,32 @@ ROPE_CASES = {
 }
 
 
+# Gemma 2 and Gemma 3 text (model/gemma.py): windows of 5 and 6 keys, shorter than the prompts, so the local layers
+# see less than the global ones; query_pre_attn_scalar unlike head_dim; soft-caps near the scores' and logits'
+# spread so tanh bends them; Gemma 3 with 3 layers (local, global, local), linear-scaled global RoPE at base 1e6
+# and the local layers' own base. Not in CASES: the model tests over CASES attend without windows or soft-caps
+# and force the C++ glue, neither of which computes these families (tests/decoder/families/test_gemma.py).
+GEMMA_CASES = {
+    "gemma2_gqa2_window_softcap": ("gemma2", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                  query_pre_attn_scalar=24, sliding_window=5,
+                                                  attn_logit_softcapping=2.0, final_logit_softcapping=4.0,
+                                                  tie_word_embeddings=True), {}),
+    "gemma3_gqa4_local_rope": ("gemma3_text", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                                   num_hidden_layers=3, query_pre_attn_scalar=20, sliding_window=6,
+                                                   layer_types=["sliding_attention", "full_attention",
+                                                                "sliding_attention"],
+                                                   rope_parameters={
+                                                       "full_attention": dict(rope_type="linear", factor=4.0,
+                                                                              rope_theta=1e6),
+                                                       "sliding_attention": dict(rope_type="default",
+                                                                                 rope_theta=1e4)},
+                                                   tie_word_embeddings=False), {}),
+}
+
+
 def build(root: Path, name: str, seed: int = 0, vocab_size: int = VOCAB) -> Path:
     """Write checkpoint `name` (with another vocabulary size if given) under root and return its folder."""
-    family, overrides, save_kwargs = {**CASES, **ROPE_CASES}[name]
+    family, overrides, save_kwargs = {**CASES, **ROPE_CASES, **GEMMA_CASES}[name]
     config_cls, model_cls = _CLASSES[family]
     kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
