@@ -103,8 +103,7 @@ class ModelConfig:
             raise Unsupported(f"config.json model_type {family!r} is not supported "
                               f"(supported: {', '.join(FAMILIES + tuple(VISION_LANGUAGE))})")
         if family in GEMMA:
-            raw = {**_GEMMA_DEFAULTS[family], **raw}
-            _gemma_activation(raw)
+            raw = _gemma_defaults(raw)
             rope, sections = (_gemma3_ropes(raw)[0], None) if family == "gemma3_text" else rope_recipes.parse(raw)
             if sections is not None:
                 raise Unsupported(f"{family} config key rope_parameters.mrope_section is not supported")
@@ -233,13 +232,20 @@ _GEMMA_DEFAULTS = {
 _GEMMA_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-def _gemma_activation(raw: dict) -> None:
-    """Gemma's MLP is GeGLU with the tanh GELU; transformers reads hidden_activation (hidden_act, where an older
+def _gemma_defaults(raw: dict) -> dict:
+    """A Gemma config.json with transformers' defaults filled in (layer_types too: older configs have none,
+    Gemma 2 alternates from a local layer, Gemma 3 repeats sliding_window_pattern), its activation checked:
+    GeGLU with the tanh GELU, which transformers reads from hidden_activation (hidden_act, where an older
     config also has it, must agree)."""
+    raw = {**_GEMMA_DEFAULTS[raw["model_type"]], **raw}
+    if raw.get("layer_types") is None:
+        pattern = 2 if raw["model_type"] == "gemma2" else int(raw.get("sliding_window_pattern", 6))
+        raw["layer_types"] = [_GEMMA_LAYER_TYPES[(i + 1) % pattern == 0] for i in range(int(raw["num_hidden_layers"]))]
     for key in ("hidden_activation", "hidden_act"):
         act = raw.get(key, "gelu_pytorch_tanh")
         if act != "gelu_pytorch_tanh":
             raise Unsupported(f"{raw['model_type']} config key {key} {act!r} is not supported (only gelu_pytorch_tanh)")
+    return raw
 
 
 def _positive(raw: dict, key: str, *, optional: bool = False) -> float | None:
@@ -254,17 +260,23 @@ def _positive(raw: dict, key: str, *, optional: bool = False) -> float | None:
 def _gemma_fields(raw: dict) -> dict:
     """Gemma 2 / Gemma 3 text as ModelConfig fields: the attention scale query_pre_attn_scalar**-0.5, the soft-caps,
     and each layer's window from layer_types and sliding_window (Gemma 3 also the local layers' RoPE)."""
-    family, layers = raw["model_type"], int(raw["num_hidden_layers"])
+    family = raw["model_type"]
     if raw.get("use_bidirectional_attention"):
         raise Unsupported(f"{family} config key use_bidirectional_attention is not supported (causal only)")
     if family == "gemma3_text" and raw.get("attn_logit_softcapping") is not None:
         # transformers' Gemma 3 reads the key but never applies it: refused rather than guessed.
         raise Unsupported("gemma3_text config key attn_logit_softcapping is not supported "
                           "(transformers' Gemma 3 does not apply it)")
-    kinds = raw.get("layer_types")
-    if kinds is None:       # older configs: Gemma 2 alternates from a local layer, Gemma 3 repeats its pattern
-        pattern = 2 if family == "gemma2" else int(raw.get("sliding_window_pattern", 6))
-        kinds = [_GEMMA_LAYER_TYPES[(i + 1) % pattern == 0] for i in range(layers)]
+    return dict(attention_scale=_positive(raw, "query_pre_attn_scalar") ** -0.5,
+                attn_softcap=_positive(raw, "attn_logit_softcapping", optional=True),
+                final_softcap=_positive(raw, "final_logit_softcapping", optional=True),
+                layer_windows=_gemma_windows(raw),
+                local_rope=_gemma3_ropes(raw)[1] if family == "gemma3_text" else None)
+
+
+def _gemma_windows(raw: dict) -> tuple[int | None, ...]:
+    """Each layer's window: sliding_window on the layer_types "sliding_attention" layers, None on the others."""
+    family, layers, kinds = raw["model_type"], int(raw["num_hidden_layers"]), raw["layer_types"]
     unknown = sorted(set(kinds) - set(_GEMMA_LAYER_TYPES))
     if unknown:
         raise Unsupported(f"{family} config key layer_types {unknown} is not supported "
@@ -276,11 +288,7 @@ def _gemma_fields(raw: dict) -> dict:
         window = raw.get("sliding_window")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise InvalidArgument(f"{family} config key sliding_window must be a positive integer, got {window!r}")
-    return dict(attention_scale=_positive(raw, "query_pre_attn_scalar") ** -0.5,
-                attn_softcap=_positive(raw, "attn_logit_softcapping", optional=True),
-                final_softcap=_positive(raw, "final_logit_softcapping", optional=True),
-                layer_windows=tuple(window if k == "sliding_attention" else None for k in kinds),
-                local_rope=_gemma3_ropes(raw)[1] if family == "gemma3_text" else None)
+    return tuple(window if k == "sliding_attention" else None for k in kinds)
 
 
 def _gemma3_ropes(raw: dict) -> tuple[RopeScaling, RopeScaling]:
