@@ -98,6 +98,9 @@ class Gemma2(CausalLM):
             out = torch.tanh(out / cap) * cap
         return out.float()
 
+    def use_native_glue(self, norm: bool, act: bool) -> None:
+        """Nothing to switch: Gemma's norms and GeGLU have no C++ row op (unsupported says so)."""
+
     def unsupported(self) -> dict[str, str]:
         family = self.config.family
         out = {"decode_stack": f"{family}'s sandwich norms, GeGLU, soft-caps and sliding windows are not the C++ "
