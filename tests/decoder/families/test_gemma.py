@@ -242,3 +242,14 @@ def test_decode_stack_pinned_on_is_refused_with_the_reason(folders, family):
 
 def test_gemma_cases_are_these():
     assert set(CASES.values()) == set(GEMMA_CASES)
+
+
+def test_the_screen_follows_the_final_soft_cap(folders, tmp_path):
+    """The screen's refusal is the soft-capped logits, not the family: Gemma 2 without the cap keeps it, Gemma 3
+    with one does not."""
+    uncapped = _rewrite(folders["gemma2"], tmp_path / "uncapped", final_logit_softcapping=None)
+    runner = Runner.from_folder(uncapped, "fp32", block_size=4, num_blocks=16, fast_paths="screen=on")
+    assert runner.screen is not None and runner.plan.chosen("screen") == "on"
+    capped = _rewrite(folders["gemma3_text"], tmp_path / "capped", final_logit_softcapping=3.0)
+    runner = Runner.from_folder(capped, "fp32", block_size=4, num_blocks=16, fast_paths="screen=on")
+    assert runner.screen is None and "gemma3_text soft-caps the logits" in runner.plan.get("screen").reason
