@@ -33,6 +33,9 @@ _CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwe
             "olmo2": (Olmo2Config, Olmo2ForCausalLM),
             "gemma2": (Gemma2Config, Gemma2ForCausalLM), "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM)}
 
+# Families whose RMSNorm weight is stored as an offset from 1 (the norm multiplies by 1 + weight).
+_ONE_PLUS_NORMS = ("gemma2", "gemma3_text")
+
 # Accumulation shape of these checkpoints (and the tiny chat models of the other decoder tests)
 # for tests/tolerance.py: the longest dot product of a layer is the MLP's (intermediate size at
 # most 128; contexts stay shorter), depth = 2 layers + the LM head.
@@ -124,8 +127,8 @@ def build(root: Path, name: str, seed: int = 0, vocab_size: int = VOCAB) -> Path
     model = model_cls(config_cls(**kwargs)).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
+            if "norm" in pname:         # scales near 1: Gemma's norms multiply by 1 + weight
+                p.copy_((0 if family in _ONE_PLUS_NORMS else 1) + 0.2 * torch.randn_like(p))
             else:
                 p.copy_(0.15 * torch.randn_like(p))
     folder = root / (name if vocab_size == VOCAB else f"{name}_vocab{vocab_size}")
