@@ -22,6 +22,10 @@ the same token count; outputs are compared token for token.
       server's own timings (predicted_per_second, best of 3 per layout); with --rounds R > 1, R more
       batch-1 runs of each engine alternate (llama.cpp on a one-slot server), and each side's best counts.
       --peer is repeatable: --peer vllm --peer llamacpp.
+  (g) mixture of experts (--parts g): Qwen3-30B-A3B's shape with --moe-layers layers, random bf16 weights
+      (bench/moe_checkpoint.py, written once under build/bench/), batch-1 decode tok/s of tessera against the
+      weights a step reads (8 of 128 experts per layer, attention, router, head) and, where `make
+      bench-peers` has built llama.cpp, against llama-server on the same weights as BF16 GGUF (converted once).
 
 The last line printed holds the ratios.
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import sys
 import time
@@ -38,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import moe_checkpoint  # noqa: E402
 from bench.peers import llamacpp  # noqa: E402
 from bench.workload import SMOLLM2, gsm8k_messages, run_vllm_peer  # noqa: E402
 from services.common.allocator import keep_freed_memory  # noqa: E402
@@ -67,9 +73,9 @@ class Tessera:
     """The in-process engine (core + runner), as the decoder service runs it."""
 
     def __init__(self, variant: str, num_blocks: int = 4096, budget: int = 2048, max_seqs: int = 64,
-                 fast_paths: str = ""):
+                 fast_paths: str = "", folder: Path = SMOLLM2):
         dtype, quantization = VARIANTS[variant]
-        self.runner = Runner.from_folder(SMOLLM2, dtype, 16, num_blocks, quantization=quantization,
+        self.runner = Runner.from_folder(folder, dtype, 16, num_blocks, quantization=quantization,
                                          fast_paths=fast_paths)
         self.cfg = EngineConfig(block_size=16, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                 max_num_seqs=max_seqs, max_model_len=4096)
@@ -177,6 +183,36 @@ def screened_bytes(runner: Runner) -> int | None:
     return decode_bytes(runner) - head.numel() * head.element_size() + low.numel() * low.element_size()
 
 
+MOE_DIR = Path(__file__).resolve().parents[1] / "build" / "bench"
+
+
+def moe_line(folder: Path, prompt: list[int], max_tokens: int, threads: int, fast_paths) -> list[str]:
+    """(g): batch-1 decode of the MoE checkpoint in folder (bf16), tessera then llama.cpp; the ratios."""
+    cfg = json.loads((folder / "config.json").read_text())
+    ours = Tessera("bf16", num_blocks=64, budget=512, max_seqs=1, fast_paths=fast_paths, folder=folder)
+    ours.generate([prompt], 1, tag="g-warm")
+    runs = [batch1_rate(ours, prompt, max_tokens, f"g{rep}") for rep in range(3)]
+    del ours
+    parts = moe_checkpoint.decode_bytes(cfg, 2)
+    bandwidth = read_bandwidth()
+    bound = bandwidth / sum(parts.values())
+    read = ", ".join(f"{k} {v / 1e6:.0f}" for k, v in parts.items())
+    print(f"(g) bf16 {folder.name} ({cfg['num_hidden_layers']} layers, {cfg['num_experts_per_tok']} of "
+          f"{cfg['num_experts']} experts): batch-1 decode tessera {', '.join(f'{r:.1f}' for r in runs)} tok/s; a "
+          f"step reads {sum(parts.values()) / 1e6:.0f} MB ({read}) -> bound {bound:.1f} tok/s at "
+          f"{bandwidth / 1e9:.1f} GB/s; tessera at {max(runs) / bound:.2f} of it")
+    gguf, why = llamacpp.gguf_of(folder, "bf16")
+    if gguf is None:
+        print(f"(g) llama.cpp not run: {why}")
+        return []
+    with llamacpp.LlamaServer(gguf, threads, 1, llamacpp.slot_ctx([prompt], max_tokens)) as srv:
+        srv.complete(prompt, 4)                            # warm-up
+        theirs = srv.batch1(prompt, max_tokens)
+    print(f"(g) bf16 {gguf.name} batch-1 decode: llama.cpp {', '.join(f'{r:.1f}' for r in theirs)} tok/s "
+          f"({max(theirs) / bound:.2f} of the bound); tessera best {max(runs):.1f}")
+    return [f"vs_llamacpp_moe_b1_bf16={max(runs) / max(theirs):.2f}x"]
+
+
 def run_vllm(dtype: str, batch: list[list[int]], max_tokens: int, threads: int) -> dict:
     return run_vllm_peer("vllm_decoder.py", ["--dtype", dtype, "--max-tokens", str(max_tokens)], batch, threads)
 
@@ -190,7 +226,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads for every engine")
     ap.add_argument("--fast-paths", default="", help="the decoder's --fast-paths: pin paths instead of timing "
                     "them at load, e.g. screen=off or huge_pages=off,malloc=default (A/B runs)")
-    ap.add_argument("--parts", default="a,b,c,d", help="which parts to run (a,b,c,d)")
+    ap.add_argument("--parts", default="a,b,c,d", help="which parts to run (a,b,c,d; g: the MoE line)")
+    ap.add_argument("--moe-layers", type=int, default=2, help="(g): layers of the Qwen3-30B-A3B-shaped checkpoint "
+                    "(each about 1.2 GB in bf16)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="(a)/(e): run tessera and vLLM alternately this many times, each on a cold prefix "
                          "cache; (f): add this many alternating batch-1 runs of tessera and a one-slot "
@@ -217,7 +255,10 @@ def main() -> None:
     best_tps = {}
     if "llamacpp" in peers:
         kv_modes = llamacpp.kv_modes_supported() if args.llamacpp_kv == "both" else (args.llamacpp_kv,)
-    for dtype in args.dtypes.split(","):
+    if "g" in parts:
+        folder = moe_checkpoint.write(MOE_DIR / f"qwen3-30b-a3b-shape-{args.moe_layers}L", args.moe_layers, SMOLLM2)
+        llamacpp_b1 += moe_line(folder, batch[0], args.max_tokens, args.threads, pins)
+    for dtype in args.dtypes.split(",") if parts & set("abcd") or peers else ():
         ours = Tessera(dtype, fast_paths=pins)
         print(f"{dtype}: quantization {ours.runner.quantization}; fast paths {ours.runner.plan.summary()}; "
               f"memory {ours.runner.plan.get('huge_pages').reason}")

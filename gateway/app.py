@@ -12,10 +12,24 @@ from .backends import Catalog, build_backends
 from .config import GatewayConfig
 from .edge import Edge
 from .limits import ConcurrencyLimit
-from .routes import adapters, chat, completions, embeddings, health, models, rerank, tokenization
+from .response_store import ResponseStore
+from .routes import (
+    adapters,
+    chat,
+    completions,
+    embeddings,
+    health,
+    messages,
+    models,
+    rerank,
+    responses,
+    stored_responses,
+    tokenization,
+)
 
 ROUTERS = (chat.router, completions.router, embeddings.router, rerank.router, models.router, health.router,
-           adapters.router, tokenization.router)
+           adapters.router, tokenization.router, responses.router, messages.router,
+           stored_responses.router)
 
 # uvicorn's HTTP/1.1 parser, named rather than left to "auto" so that a missing package fails at start instead of
 # falling back. httptools (C) against h11 (pure Python), 64 single-sentence embedding clients, bf16, 2 vCPU: the
@@ -35,6 +49,9 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         app.state.backends = backends
         app.state.catalog = Catalog(backends, cfg.model_refresh_s)
         app.state.started = int(time.time())
+        app.state.response_store = ResponseStore(cfg.response_store, ttl_s=cfg.response_store_ttl_s,
+                                                 max_bytes=cfg.response_store_max_bytes) \
+            if cfg.response_store else None
         # The app's startup objects (FastAPI, pydantic schemas, protobuf descriptors) live as long as the
         # process; frozen, full collections walk only what requests allocate (a full pass over them stalled
         # every request in flight for 100s of ms under load; docs/benchmarks.md, the pooling tail).
@@ -45,6 +62,8 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
         finally:
             for backend in backends:
                 await backend.close()
+            if app.state.response_store is not None:
+                await app.state.response_store.close()
 
     app = FastAPI(title="tessera gateway", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible HTTP front of the tessera gRPC fleet.")

@@ -56,6 +56,12 @@ class GatewayConfig:
                                                " host of each address", metavar="NAME")
     trace_requests: bool = option(False, "answer a request sent with 'x-tessera-trace: 1' with an x-tessera-trace"
                                          " header of its stage timestamps (benchmarks: bench/pooling.py)")
+    response_store: str | None = option(None, "Redis URL (redis://HOST:PORT/DB) where /v1/responses keeps stored"
+                                              " responses (store, previous_response_id, GET/DELETE by id);"
+                                              " unset: store true is refused", metavar="URL")
+    response_store_ttl_s: int = option(3600, "how long a stored response is kept, in seconds")
+    response_store_max_bytes: int = option(64 * 1024 * 1024, "most bytes of stored responses per API key; past"
+                                                             " it the key's oldest are evicted")
     log_level: str = option("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     @property
@@ -95,6 +101,8 @@ class GatewayConfig:
                 raise ValueError(f"model_note: {note!r} is not NAME=TEXT")
         if self.max_concurrent_requests < 0:
             raise ValueError("max_concurrent_requests must be >= 0 (0: no limit)")
+        if self.response_store_ttl_s < 1 or self.response_store_max_bytes < 1024:
+            raise ValueError("response_store_ttl_s must be >= 1 and response_store_max_bytes >= 1024")
         if self.tls_server_name is not None and self.tls_ca is None:
             raise ValueError("tls_server_name needs tls_ca")
         check_client_files(self.tls_ca, self.tls_client_cert, self.tls_client_key)

@@ -70,7 +70,7 @@ class Edge:
             self._authenticate(path, headers)
             receive = await self._bounded_body(headers, receive)
         except TesseraError as err:
-            await error_response(err, rid)(scope, receive, send_with_id)
+            await error_response(err, rid, path)(scope, receive, send_with_id)
         else:
             await self.app(scope, receive, send_with_id)
         finally:
@@ -87,7 +87,10 @@ class Edge:
             return
         scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token:
-            raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>'")
+            # Anthropic's clients send the key as x-api-key; the same key either way.
+            token = headers.get("x-api-key", "")
+        if not token.strip():
+            raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'")
         if not hmac.compare_digest(token.strip().encode(), self.api_key):
             raise Unauthenticated("invalid API key")
 

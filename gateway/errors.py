@@ -1,6 +1,7 @@
-"""HTTP glue for the one error table (services/common/errors.py): every failure leaves as an OpenAI error object.
+"""HTTP glue for the one error table (services/common/errors.py): every failure leaves as an OpenAI error object,
+except under Anthropic's routes (ANTHROPIC_PATHS), where it leaves in Anthropic's error shape.
 
-FastAPI's own 422 validation answers become 400s; its 404/405 become OpenAI
+FastAPI's own 422 validation answers become 400s; its 404/405 become the route's
 shape too; anything unexpected is a 500 logged with the request id.
 """
 from __future__ import annotations
@@ -28,8 +29,32 @@ def request_id(request: Request) -> str:
     return getattr(request.state, "request_id", "") or "-"
 
 
-def error_response(err: TesseraError, rid: str | None) -> JSONResponse:
+# Anthropic's Messages API (gateway/routes/messages.py): its clients read its own error shape.
+ANTHROPIC_PATHS = ("/v1/messages",)
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 504: "api_error"}
+
+
+def anthropic_error(err: TesseraError, rid: str | None) -> dict:
+    """Anthropic's error body for err: {"type": "error", "error": {"type", "message"}, "request_id"}."""
+    # Anthropic's shape has no `param`: the message names the field instead.
+    message = err.message if not err.param or err.param in err.message else f"{err.param}: {err.message}"
+    body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(err.row.http, "api_error"), "message": message}}
+    if rid:
+        body["request_id"] = rid
+    return body
+
+
+def anthropic_route(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
+
+
+def error_response(err: TesseraError, rid: str | None, path: str = "") -> JSONResponse:
     status, body, headers = http_error(err, rid)
+    if anthropic_route(path):
+        body = anthropic_error(err, rid)
     if rid:
         headers = {**headers, "x-request-id": rid}
     return JSONResponse(body, status_code=status, headers=headers)
@@ -72,15 +97,15 @@ def install(app: FastAPI) -> None:
     async def _typed(request: Request, exc: TesseraError):
         if exc.reason == "INTERNAL":
             log.error("internal error (request_id=%s): %s", request_id(request), exc.message)
-        return error_response(exc, request_id(request))
+        return error_response(exc, request_id(request), request.url.path)
 
     @app.exception_handler(grpc.aio.AioRpcError)
     async def _rpc(request: Request, exc: grpc.aio.AioRpcError):
-        return error_response(from_rpc_error(exc), request_id(request))
+        return error_response(from_rpc_error(exc), request_id(request), request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return error_response(validation_error(exc), request_id(request))
+        return error_response(validation_error(exc), request_id(request), request.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
@@ -92,14 +117,18 @@ def install(app: FastAPI) -> None:
                               "type": "invalid_request_error", "param": None,
                               "code": "not_found" if exc.status_code == 404 else "method_not_allowed",
                               "request_id": rid}}
+            if anthropic_route(request.url.path):
+                body = {"type": "error", "error": {"type": "not_found_error" if exc.status_code == 404 else
+                                                   "invalid_request_error", "message": body["error"]["message"]},
+                        "request_id": rid}
             return JSONResponse(body, status_code=exc.status_code, headers={"x-request-id": rid})
         # FastAPI raises a 400 HTTPException when it cannot read the body at all.
         err = InvalidArgument(f"malformed request body: {exc.detail}") if exc.status_code == 400 \
             else Internal(str(exc.detail))
-        return error_response(err, rid)
+        return error_response(err, rid, request.url.path)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception):
         rid = request_id(request)
         log.error("unhandled error (request_id=%s)", rid, exc_info=exc)
-        return error_response(Internal(f"internal error (request_id={rid})"), rid)
+        return error_response(Internal(f"internal error (request_id={rid})"), rid, request.url.path)

@@ -73,6 +73,8 @@ class SamplingFields(StructuredFields):
                                         " many tokens; at most max_tokens")
     stop_token_ids: list[Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]] | None = Field(
         None, description="token ids that end a choice like EOS (the id is counted, not shown)")
+    ignore_eos: bool = Field(False, description="vLLM's: the model's EOS does not end a choice (as benchmarks"
+                                                " send it); max_tokens, stop strings and stop_token_ids still do")
     stream: bool = Field(False, description="answer as server-sent events, ending with `data: [DONE]`")
     stream_options: StreamOptions | None = None
     # Accepted because their only correct effect is none; anything that would ask for more is refused.
@@ -130,6 +132,7 @@ class SamplingFields(StructuredFields):
             n=self.n, stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             top_k=self.top_k or 0, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=self.ignore_eos,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
         for name, value in (("temperature", self.temperature), ("top_p", self.top_p), ("seed", self.seed),
                             ("max_tokens", max_tokens), ("logprobs", logprobs), ("min_p", self.min_p),

@@ -2,7 +2,9 @@
 
 A stream is `data: {chunk}\\n\\n` events then `data: [DONE]\\n\\n`. A failure after the first event
 cannot change the HTTP status any more, so it is sent as one `data: {"error": {...}}` event (OpenAI's
-error object) followed by `[DONE]`: the stream always ends, never hangs.
+error object) followed by `[DONE]`: the stream always ends, never hangs. The Responses and Messages APIs
+stream typed events instead (`event: <type>` before each `data:`, no `[DONE]`), and a failure midway is their
+own error event, built by the route's `error_event`.
 
 When the client disconnects, Starlette cancels the streaming body (it listens for http.disconnect);
 for a whole answer `collect` listens itself. Either way the Generation is closed, which cancels the
@@ -34,22 +36,34 @@ def event(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def stream(generation: Generation, chunks: AsyncIterator[dict], request_id: str) -> StreamingResponse:
-    """An SSE response of chunks (built from the started generation), ending with [DONE] or an error event."""
+def typed_event(data: dict) -> str:
+    """A typed event: its `type` field names it (OpenAI's Responses API and Anthropic's Messages API)."""
+    return f"event: {data['type']}\n{event(data)}"
+
+
+def stream(generation: Generation, chunks: AsyncIterator[dict], request_id: str,
+           error_event: Callable[[TesseraError, str], dict] | None = None) -> StreamingResponse:
+    """An SSE response of chunks (built from the started generation), ending with [DONE] or an error event.
+    With error_event: typed events, and a failure midway is error_event(err, request_id)."""
+    write = event if error_event is None else typed_event
+
+    def failed(err: TesseraError) -> str:
+        return event(openai_error(err, request_id)) if error_event is None else write(error_event(err, request_id))
 
     async def body():
         try:
             async for chunk in chunks:
-                yield event(chunk)
+                yield write(chunk)
         except TesseraError as err:
             log.warning("stream failed midway (request_id=%s): %s %s", request_id, err.reason, err.message)
-            yield event(openai_error(err, request_id))
+            yield failed(err)
         except Exception:  # noqa: BLE001 - a bug mid-stream must still end the stream with an error event
             log.exception("stream failed midway (request_id=%s)", request_id)
-            yield event(openai_error(Internal(f"internal error (request_id={request_id})"), request_id))
+            yield failed(Internal(f"internal error (request_id={request_id})"))
         finally:
             await generation.aclose()
-        yield DONE
+        if error_event is None:
+            yield DONE
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=HEADERS)
 

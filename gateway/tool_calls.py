@@ -59,3 +59,11 @@ class ChoiceToolCalls:
                 self.calls[event.index]["function"]["arguments"] += event.text
                 out.append({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})
         return out
+
+
+def chat_deltas(calls: ChoiceToolCalls | None, text: str, final: bool) -> list[dict]:
+    """One decoder delta's text as chat deltas: plain content without a parser (calls None), else the parser's
+    reading of it; final: the choice ended, so the parser releases what it held."""
+    if calls is None:
+        return [{"content": text}] if text else []
+    return calls.feed(text) + (calls.finish() if final else [])

@@ -30,6 +30,32 @@ GGUF = {
 }
 
 
+# The GGUF converter `make bench-peers` sets up (the Makefile's CONVERT_VENV and LLAMA_SRC, llama-cpp-python 0.3.36).
+CONVERT_PYTHON = PEERS_DIR / ".venv-convert" / "bin" / "python"
+CONVERTER = PEERS_DIR / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
+
+
+def convert_command(folder: Path, outtype: str) -> tuple[list[str], Path]:
+    """(the command that converts an HF folder to GGUF in outtype, the file it writes) by llamacpp_convert.py."""
+    from bench.peers.llamacpp_convert import gguf_name
+    out = PEERS_DIR / "gguf"
+    cmd = [str(CONVERT_PYTHON), str(ROOT / "bench" / "peers" / "llamacpp_convert.py"), "--src", str(folder),
+           "--out", str(out), "--converter", str(CONVERTER), "--name", folder.name, "--outtypes", outtype]
+    return cmd, out / gguf_name(folder.name, outtype)
+
+
+def gguf_of(folder: Path, outtype: str) -> tuple[Path | None, str]:
+    """(folder's GGUF in outtype, converted now if the converter is set up, or None; why not, or "")."""
+    cmd, target = convert_command(folder, outtype)
+    if not LLAMA_SERVER.exists():
+        return None, f"{LLAMA_SERVER} is missing: run `make bench-peers`"
+    if not target.exists():
+        if not (CONVERT_PYTHON.exists() and CONVERTER.exists()):
+            return None, f"{CONVERT_PYTHON} or {CONVERTER} is missing: run `make bench-peers`"
+        subprocess.run(cmd, check=True)
+    return target, ""
+
+
 def require_built(dtype: str) -> Path:
     for path in (LLAMA_SERVER, GGUF[dtype]):
         if not path.exists():

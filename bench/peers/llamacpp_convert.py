@@ -1,4 +1,5 @@
-"""SmolLM2 (HF folder) -> F32, BF16 and Q8_0 GGUF for the llama.cpp peer; run by `make bench-peers`.
+"""SmolLM2 (HF folder) -> F32, BF16 and Q8_0 GGUF for the llama.cpp peer; run by `make bench-peers`. With
+--name and --outtypes, another folder to the GGUF files it names (bench/decoder.py (g): the MoE checkpoint).
 
 Runs in build/peers/.venv-convert (the vendored gguf package, transformers 4.x): the main venv's
 transformers 5.x writes a folder that 4.x cannot read as is, so the converter works on a copy:
@@ -20,6 +21,11 @@ from pathlib import Path
 
 OUTTYPES = {"f32": "SmolLM2-135M-Instruct-F32.gguf", "bf16": "SmolLM2-135M-Instruct-BF16.gguf",
             "q8_0": "SmolLM2-135M-Instruct-Q8_0.gguf"}
+
+
+def gguf_name(stem: str, outtype: str) -> str:
+    """The GGUF file name of stem in outtype, as OUTTYPES names SmolLM2's."""
+    return f"{stem}-{outtype.upper()}.gguf"
 
 
 def patched_copy(src: Path, dst: Path) -> None:
@@ -49,11 +55,14 @@ def main() -> None:
     ap.add_argument("--src", required=True, type=Path, help="the HF folder (models/SmolLM2-135M-Instruct)")
     ap.add_argument("--out", required=True, type=Path, help="where the GGUF files go")
     ap.add_argument("--converter", required=True, type=Path, help="vendored convert_hf_to_gguf.py")
+    ap.add_argument("--name", help="file stem of the GGUF files (default: SmolLM2's names)")
+    ap.add_argument("--outtypes", default=",".join(OUTTYPES), help="comma list of f32,bf16,q8_0")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    work = args.out / "hf-transformers4"
+    work = args.out / f"hf-transformers4-{args.name or 'smollm2'}"
     patched_copy(args.src, work)
-    for outtype, name in OUTTYPES.items():
+    for outtype in args.outtypes.split(","):
+        name = OUTTYPES[outtype] if args.name is None else gguf_name(args.name, outtype)
         target = args.out / name
         tmp = target.with_suffix(".gguf.part")
         subprocess.run([sys.executable, str(args.converter), str(work), "--outtype", outtype, "--outfile", str(tmp)],

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import Field, model_validator
 
+from services.common.errors import TesseraError
 from services.common.pb import decoder_pb2
 
 from .. import images as image_inputs
 from .. import routing, sse
-from ..backends import GENERATION
+from ..backends import GENERATION, Model
 from ..errors import request_id
 from ..generation import Generation, SamplingFields, finish_reason
 from ..structured_output import DECODER_PARAM
@@ -156,29 +158,58 @@ def _logprobs(entries) -> dict:
                         for e in entries], "refusal": None}
 
 
+@dataclass
+class ChatRun:
+    """A started chat generation: the model it runs on, its tool plan and the Generation to read or stream."""
+
+    model: Model
+    plan: ToolPlan
+    generation: Generation
+    request_id: str
+
+
+async def start_chat(body: ChatRequest, request: Request, renamed: dict[str, str] | None = None,
+                     include_stop: bool = False) -> ChatRun:
+    """Start body on a decoder replica (refusals raise before any answer is sent). renamed: decoder param ->
+    the field the caller sent, for an API that translates into a ChatRequest (gateway/routes/responses.py,
+    messages.py); include_stop: the matched stop string ends the text (the caller reads and strips it)."""
+    try:
+        model = await catalog(request).resolve(body.model, GENERATION)
+        plan = body.tool_plan(model.name, model.extra.get("tool_call_parser"), body.constraint_field)
+        chat = chat_messages(body.messages, tools=body.tools)
+        rid = request_id(request)
+        images, cached_images = await _images(request, _image_refs(body.messages), model, rid)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        sampling = body.sampling(max_tokens, logprobs)
+        sampling.include_stop_str_in_output = include_stop
+        plan.apply(sampling)
+        generate = decoder_pb2.GenerateRequest(**model.target(), chat=chat, images=images, sampling=sampling)
+        # The decoder names its own fields; the caller should read the ones it sent.
+        limit = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        fields = body.error_fields({"prompt": "messages", "images": "messages", "logprobs": "top_logprobs",
+                                    "max_tokens": limit})
+        if plan.schema is not None:
+            fields[DECODER_PARAM] = "tools"    # a forced call's schema is the tools' parameters
+        fields.update(renamed or {})
+        generation = Generation(routing.route(request, model), [generate], rid, body.n, fields)
+        if images:
+            generation.usage.images, generation.usage.cached_images = len(images), cached_images
+        await generation.start()
+    except TesseraError as err:
+        # A refusal names the field the caller sent (the chat field, renamed).
+        err.param = (renamed or {}).get(err.param, err.param)
+        raise
+    return ChatRun(model, plan, generation, rid)
+
+
 @router.post("/v1/chat/completions", tags=["generation"], responses=ERROR_RESPONSES)
 async def create_chat_completion(body: ChatRequest, request: Request):
     """Answer a conversation with the model's chat template; whole, or streamed as chat.completion.chunk events."""
-    model = await catalog(request).resolve(body.model, GENERATION)
-    plan = body.tool_plan(model.name, model.extra.get("tool_call_parser"), body.constraint_field)
-    chat = chat_messages(body.messages, tools=body.tools)
-    rid = request_id(request)
-    images, cached_images = await _images(request, _image_refs(body.messages), model, rid)
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sampling = body.sampling(max_tokens, logprobs)
-    plan.apply(sampling)
-    generate = decoder_pb2.GenerateRequest(**model.target(), chat=chat, images=images, sampling=sampling)
-    # The decoder names its own fields; the caller should read the ones it sent.
-    fields = body.error_fields({"prompt": "messages", "images": "messages", "logprobs": "top_logprobs",
-                                "max_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens"})
-    if plan.schema is not None:
-        fields[DECODER_PARAM] = "tools"    # a forced call's schema is the tools' parameters
-    generation = Generation(routing.route(request, model), [generate], rid, body.n, fields)
-    if images:
-        generation.usage.images, generation.usage.cached_images = len(images), cached_images
-    await generation.start()
-    head = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()), "model": model.name}
+    run = await start_chat(body, request)
+    generation, plan, rid = run.generation, run.plan, run.request_id
+    head = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
+            "model": run.model.name}
     if body.stream:
         return sse.stream(generation, _chunks(generation, head, body.logprobs, body.include_usage, plan), rid)
     choices = await sse.collect(request, generation)

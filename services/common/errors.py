@@ -62,6 +62,9 @@ class TesseraError(Exception):
     """Base of every error a user can cause or see. `reason` keys TABLE."""
 
     reason = "INTERNAL"
+    # The OpenAI body's `code`; None: the reason's name. A subclass that reuses a row for a different thing
+    # (a stored response, not a model, that is not found) names the thing here.
+    code: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None):
         super().__init__(message)
@@ -198,7 +201,7 @@ def from_rpc_error(exc: grpc.aio.AioRpcError | grpc.RpcError) -> TesseraError:
 def openai_error(err: TesseraError, request_id: str | None = None) -> dict:
     """OpenAI's error object for err."""
     body = {"message": err.message, "type": err.row.openai_type, "param": err.param,
-            "code": err.reason.lower()}
+            "code": err.code or err.reason.lower()}
     if request_id:
         body["request_id"] = request_id
     return {"error": body}

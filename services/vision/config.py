@@ -24,10 +24,10 @@ class VisionServerConfig(ServerConfig):
 class VisionConfig:
     """model, input limits and feature cache options"""
 
-    model: str = option("", "checkpoint folder: a Qwen2-VL HF folder (config.json, safetensors, "
+    model: str = option("", "checkpoint folder: a Qwen2-VL or Qwen2.5-VL HF folder (config.json, safetensors, "
                             "preprocessor_config.json) or a tessera demo vision folder", metavar="DIR")
     recipe: str = option("auto", "preprocessing + encoder recipe; auto reads config.json's model_type",
-                         choices=("auto", "qwen2_vl", "demo"))
+                         choices=("auto", "qwen2_vl", "qwen2_5_vl", "demo"))
     dtype: str = option("fp32", "encoder compute dtype; float32, bfloat16 and float16 are accepted too (rows "
                         "always travel as fp32)", choices=dtypes.names())
     device: str = option("cpu", "torch device: cpu or cuda")

@@ -22,12 +22,15 @@ import torch
 from safetensors import safe_open
 
 from services.common import dtypes
-from services.vision import demo, qwen2_vl
+from services.vision import demo, qwen2_5_vl, qwen2_vl
 from services.vision.recipes import DemoRecipe, Prepared, Qwen2VLRecipe
 
 log = logging.getLogger("tessera.vision.encoder")
 
 VISUAL_PREFIXES = ("visual.", "model.visual.")
+# config.json model_type -> the module of its vision tower (TowerConfig, build, and the tower class).
+TOWERS = {qwen2_vl.MODEL_TYPE: qwen2_vl, qwen2_5_vl.MODEL_TYPE: qwen2_5_vl}
+KINDS = (*TOWERS, demo.MODEL_TYPE)
 
 
 class Recipe(Protocol):
@@ -81,7 +84,7 @@ class Encoder:
     def encode(self, batch: list[Prepared]) -> list[torch.Tensor]:
         """Prepared images -> per image float32 CPU rows [t*h*w (merged), hidden], in one forward."""
         device = next(self.model.parameters()).device
-        if isinstance(self.model, qwen2_vl.Qwen2VLTower):
+        if isinstance(self.model, (qwen2_vl.Qwen2VLTower, qwen2_5_vl.Qwen25VLTower)):
             rows = self.model(torch.cat([p.pixels for p in batch]).to(device), [p.grid for p in batch])
             sizes = [t * h * w for t, h, w in (self.merged_grid(p.grid) for p in batch)]
             parts = rows.split(sizes)
@@ -91,18 +94,34 @@ class Encoder:
 
 
 def _kind(folder: Path, recipe: str) -> str:
-    """"demo" or "qwen2_vl" for a folder's config.json model_type (or the --recipe that names it)."""
+    """"demo" or a TOWERS key for a folder's config.json model_type (or the --recipe that names it)."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json")
     model_type = json.loads(config_path.read_text()).get("model_type", "")
-    kind = recipe if recipe != "auto" else ("demo" if model_type == demo.MODEL_TYPE else "qwen2_vl")
-    if kind == "demo" and model_type != demo.MODEL_TYPE:
-        raise ValueError(f"{folder}: recipe demo needs a {demo.MODEL_TYPE} folder, not {model_type!r}")
-    if kind == "qwen2_vl" and model_type not in ("qwen2_vl", ""):
+    if model_type == demo.MODEL_TYPE:
+        model_type = "demo"
+    elif model_type == "":
+        model_type = qwen2_vl.MODEL_TYPE  # a bare vision folder without a model_type: Qwen2-VL's, as before
+    kind = model_type if recipe == "auto" else recipe
+    if kind != model_type:
+        raise ValueError(f"{folder}: recipe {kind} needs a "
+                         f"{demo.MODEL_TYPE if kind == 'demo' else kind} folder, not config.json model_type "
+                         f"{model_type!r}")
+    if kind != "demo" and kind not in TOWERS:
         raise ValueError(f"{folder}: config.json model_type {model_type!r} is not supported "
-                         + (f"(supported: qwen2_vl, {demo.MODEL_TYPE})" if recipe == "auto" else "by recipe qwen2_vl"))
+                         f"(supported: {', '.join(KINDS)})")
     return kind
+
+
+def _tower_config(folder: Path, kind: str):
+    """The tower's config and the preprocessing recipe, checked against each other."""
+    cfg = TOWERS[kind].TowerConfig.from_config_json(folder / "config.json")
+    rec = Qwen2VLRecipe.from_folder(folder)
+    if (rec.patch_size, rec.temporal_patch_size, rec.merge_size) != \
+            (cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size):
+        raise ValueError(f"{folder}: preprocessor patch/merge sizes do not match vision_config")
+    return cfg, rec
 
 
 def check(folder: str | Path, recipe: str = "auto") -> None:
@@ -112,17 +131,13 @@ def check(folder: str | Path, recipe: str = "auto") -> None:
     if kind == "demo":
         demo.DemoConfig.from_config_json(folder / "config.json")
     else:
-        cfg = qwen2_vl.TowerConfig.from_config_json(folder / "config.json")
-        rec = Qwen2VLRecipe.from_folder(folder)
-        if (rec.patch_size, rec.temporal_patch_size, rec.merge_size) != \
-                (cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size):
-            raise ValueError(f"{folder}: preprocessor patch/merge sizes do not match vision_config")
+        _tower_config(folder, kind)
     if not list(folder.glob("*.safetensors")):
         raise FileNotFoundError(f"{folder}: no *.safetensors weights")
 
 
 def load(folder: str | Path, dtype: str = "fp32", device: str = "cpu", recipe: str = "auto") -> Encoder:
-    """Load a Qwen2-VL checkpoint's vision tower or a demo encoder folder (blocking)."""
+    """Load a Qwen2-VL or Qwen2.5-VL checkpoint's vision tower, or a demo encoder folder (blocking)."""
     folder = Path(folder)
     config_path = folder / "config.json"
     kind = _kind(folder, recipe)
@@ -135,16 +150,12 @@ def load(folder: str | Path, dtype: str = "fp32", device: str = "cpu", recipe: s
                       model.to(device=device, dtype=dtypes.to_torch(dtype)).eval(), weights_digest(tensors),
                       cfg.output_width, 1)
     else:
-        cfg = qwen2_vl.TowerConfig.from_config_json(config_path)
-        rec = Qwen2VLRecipe.from_folder(folder)
-        if (rec.patch_size, rec.temporal_patch_size, rec.merge_size) != \
-                (cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size):
-            raise ValueError(f"{folder}: preprocessor patch/merge sizes do not match vision_config")
+        cfg, rec = _tower_config(folder, kind)
         tensors = read_tensors(folder, VISUAL_PREFIXES)
         if not tensors:
             raise ValueError(f"{folder}: no visual.* or model.visual.* tensors")
-        model = qwen2_vl.build(cfg, tensors, dtypes.to_torch(dtype), device)
-        enc = Encoder(folder.resolve().name, rec, model, weights_digest(tensors), cfg.hidden_size,
+        model = TOWERS[kind].build(cfg, tensors, dtypes.to_torch(dtype), device)
+        enc = Encoder(folder.resolve().name, rec, model, weights_digest(tensors), cfg.out_width,
                       cfg.spatial_merge_size)
     log.info("loaded %s encoder from %s: hidden %d, revision %s", kind, folder, enc.hidden_size, enc.revision[:16])
     return enc

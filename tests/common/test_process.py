@@ -168,8 +168,8 @@ def folder_with(path: Path, config: dict | None, *files: str) -> Path:
 @pytest.mark.parametrize("module, flag, make, words", [
     ("services.decoder", "--model", lambda t: t / "absent", "absent is not a folder"),
     ("services.decoder", "--model", lambda t: folder_with(t / "m", {"model_type": "gemma9"}),
-     "config.json model_type 'gemma9' is not supported (supported: llama, qwen2, qwen3, granite, olmo2, gemma2, "
-     "gemma3_text, qwen2_vl)"),
+     "config.json model_type 'gemma9' is not supported (supported: llama, qwen2, qwen3, granite, olmo2, phi3, "
+     "mistral, gemma2, gemma3_text, qwen3_moe, qwen2_moe, mixtral, qwen2_vl, qwen2_5_vl)"),
     ("services.decoder", "--model",
      lambda t: folder_with(t / "m", {**LLAMA, "rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}}),
      "config.json rope_parameters.rope_type 'proportional' is not supported"),
@@ -185,7 +185,7 @@ def folder_with(path: Path, config: dict | None, *files: str) -> Path:
      "config.json model_type 'nonesuch' is not a family the pooling service serves"),
     ("services.vision", "--model", lambda t: t / "absent", "absent: no config.json"),
     ("services.vision", "--model", lambda t: folder_with(t / "m", {"model_type": "gemma9"}),
-     "config.json model_type 'gemma9' is not supported (supported: qwen2_vl, tessera_demo_vision)"),
+     "config.json model_type 'gemma9' is not supported (supported: qwen2_vl, qwen2_5_vl, tessera_demo_vision)"),
 ])
 def test_a_folder_the_service_cannot_serve_is_one_line_and_status_2(module, flag, make, words, tmp_path):
     """A usage error, before anything starts: one line on stderr naming the missing piece and its config key

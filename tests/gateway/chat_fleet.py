@@ -20,10 +20,10 @@ MAX_LEN = 1024
 
 
 @contextlib.contextmanager
-def chat_fleet(model_folder: Path, logs: Path, extra_args: tuple[str, ...] = ()):
+def chat_fleet(model_folder: Path, logs: Path, extra_args: tuple[str, ...] = (), gateway: dict | None = None):
     """Yields {"url", "client" (openai), "http" (httpx with the key), "stub" (the decoder's gRPC stub),
     "decoder" (its process), "logs"}. extra_args go to the decoder after the defaults (a flag given again
-    wins)."""
+    wins); gateway: GatewayConfig fields over the defaults (api_key None: no key)."""
     port = free_port()
     decoder = python_module("services.decoder", [
         "--model", str(model_folder), "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
@@ -32,8 +32,10 @@ def chat_fleet(model_folder: Path, logs: Path, extra_args: tuple[str, ...] = ())
     address = f"127.0.0.1:{port}"
     try:
         wait_serving(address, "tessera.decoder.v1.DecoderService", decoder)
-        cfg = GatewayConfig(host="127.0.0.1", port=free_port(), decoder=(address,), api_key=KEY)
-        with GatewayThread(cfg) as gw, grpc.insecure_channel(address) as channel, clients(gw.url, KEY) as served:
+        cfg = GatewayConfig(**{"host": "127.0.0.1", "port": free_port(), "decoder": (address,), "api_key": KEY,
+                               **(gateway or {})})
+        with GatewayThread(cfg) as gw, grpc.insecure_channel(address) as channel, \
+                clients(gw.url, cfg.api_key) as served:
             yield {**served, "stub": decoder_pb2_grpc.DecoderServiceStub(channel), "decoder": decoder, "logs": logs}
     finally:
         stop(decoder)

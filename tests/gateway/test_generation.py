@@ -178,7 +178,6 @@ TOO_LONG = "word " * (MAX_LEN + 10)
     ("/v1/completions", {"prompt": "hi", "stop": ["s"] * 40}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "stop": "x" * 1000}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": ["a"] * 17}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, None),

@@ -16,6 +16,7 @@ import re
 import struct
 import zlib
 
+import anthropic
 import httpx
 import pytest
 import torch
@@ -243,6 +244,25 @@ def bad_inputs() -> dict[str, tuple[list[dict], str, int, str, bool]]:
             {"type": "image_url", "image_url": {"url": data_uri(cat), "detail": "high"}}]}], VL, 400, "detail",
             False),
     }
+
+
+def test_responses_and_messages_take_the_image_as_chat_does(client, fleet):
+    """The Responses API's input_image and the Messages API's base64 image block reach the model as chat's
+    image_url part does: the same greedy answer and prompt length."""
+    cat = photo("chelsea.png")
+    chat = client.chat.completions.create(model=VL, messages=ask(data_uri(cat)), max_tokens=NEW, temperature=0)
+    answer = chat.choices[0].message.content
+    reply = client.responses.create(model=VL, max_output_tokens=NEW, temperature=0, input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": data_uri(cat)}, {"type": "input_text", "text": QUESTION}]}])
+    assert reply.output_text == answer and reply.usage.input_tokens == chat.usage.prompt_tokens
+    claude = anthropic.Anthropic(base_url=fleet["url"], api_key=KEY, max_retries=0)
+    message = claude.messages.create(model=VL, max_tokens=NEW, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(cat).decode()}},
+            {"type": "text", "text": QUESTION}]}])
+    assert message.content[0].text == answer
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat.usage.prompt_tokens
 
 
 @pytest.mark.parametrize("case", sorted(bad_inputs()))

@@ -7,6 +7,7 @@ import json
 import jsonschema
 import openai
 import pytest
+import torch
 
 from gateway.config import GatewayConfig
 from tests.conftest import free_port
@@ -62,3 +63,22 @@ def test_tools_on_the_make_up_model(client):
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
         client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER])
+
+
+def test_lm_eval_loglikelihood_request_equals_transformers(client, http):
+    """lm-evaluation-harness's scoring request (echo, logprobs, max_tokens 0): the prompt's token logprobs equal
+    transformers' on the same ids within the shared tolerance."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tolerance import assert_close
+    prompt = "Question: What is the capital of France?\nAnswer: Paris"
+    reply = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    lp = reply.choices[0].logprobs
+    assert reply.choices[0].text == prompt and lp.token_logprobs[0] is None
+    ids = http.post("/tokenize", json={"model": MODEL, "prompt": prompt}).json()["tokens"]
+    assert len(ids) == len(lp.tokens) == reply.usage.prompt_tokens
+    model = AutoModelForCausalLM.from_pretrained(need_smollm2(), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    expected = [float(logprobs[i - 1, ids[i]]) for i in range(1, len(ids))]
+    assert_close(lp.token_logprobs[1:], expected, k=1536, depth=30, what="SmolLM2 prompt logprobs")

@@ -78,6 +78,9 @@ class EngineConfig:
     request sets ignore_eos. speculative: None, or n-gram drafting (SpeculativeConfig).
     vocab_size: the model's vocabulary; a prompt id at or past it is refused when the
     request is added (0: unknown, then only the runner refuses it, failing that request).
+    attention_reach: when every layer of the model slides, its largest window in keys (a query at p reads
+    keys p - reach + 1 .. p), so a request's blocks before that go back to the pool as it runs; None: the
+    model reads its whole context. EngineCore takes it from a runner that declares it.
     """
 
     block_size: int = 16
@@ -89,6 +92,7 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] = ()
     speculative: SpeculativeConfig | None = None
     vocab_size: int = 0
+    attention_reach: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -100,5 +104,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.eos_token_ids must be a tuple of token ids, got {self.eos_token_ids!r}")
         if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 0:
             raise ValueError(f"EngineConfig.vocab_size must be a non-negative int, got {self.vocab_size!r}")
+        if self.attention_reach is not None:
+            _positive_int("attention_reach", self.attention_reach)
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError("EngineConfig.speculative must be a SpeculativeConfig or None")

@@ -40,6 +40,11 @@ class EngineCore:
     def __init__(self, runner: Runner, config: EngineConfig, leases: Leases | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.runner = runner
+        # A runner whose every layer slides says how far its queries read back (Runner.attention_reach); then
+        # the scheduler returns blocks that left the window while their request runs. Fakes need not say.
+        reach = getattr(runner, "attention_reach", None)
+        if reach is not None and config.attention_reach != reach:
+            config = replace(config, attention_reach=reach)
         self.config = config
         self.scheduler = Scheduler(config, leases)
         self._clock = clock

@@ -3,6 +3,12 @@
 Blocks are registered in the prefix cache only after the step that computed
 them succeeded (cache_computed_blocks), so a failed step can never leave a hash
 pointing at KV that was not written.
+
+When every layer of the model slides (reach: its largest window), a block whose positions have left
+every layer's window goes back to the pool while its request runs (release_passed; docs/design.md,
+invariant 14); its table entry becomes FREED, which the runner never reads. A freed block keeps its
+prefix-cache hash, as at finish: its KV is still that prefix's, and a later request whose chain reaches
+it takes it back.
 """
 from __future__ import annotations
 
@@ -10,15 +16,20 @@ from services.decoder.engine.block_pool import Block, BlockPool
 from services.decoder.engine.hashing import extend_block_hashes
 from services.decoder.engine.request import Request
 
+# The block-table entry of a block returned before its request ended (release_passed): never read.
+FREED = -1
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 class KVCacheManager:
-    def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool):
+    def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool, reach: int | None = None):
+        """reach: the keys a query reads back (its own included) when every layer slides, else None."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.reach = reach
         self.pool = BlockPool(num_blocks)
         # request_id -> how many leading blocks of its table are registered in the cache.
         self._num_registered: dict[str, int] = {}
@@ -95,7 +106,8 @@ class KVCacheManager:
             return
         hashes = extend_block_hashes(request, self.block_size)
         for i in range(done, num_full):
-            self.pool.cache(self.pool.blocks[request.block_ids[i]], hashes[i])
+            if request.block_ids[i] != FREED:
+                self.pool.cache(self.pool.blocks[request.block_ids[i]], hashes[i])
         self._num_registered[request.request_id] = num_full
 
     def trim(self, request: Request) -> None:
@@ -107,9 +119,25 @@ class KVCacheManager:
             self.pool.release([self.pool.blocks[i] for i in reversed(request.block_ids[keep:])])
             del request.block_ids[keep:]
 
+    def release_passed(self, request: Request) -> int:
+        """Return the blocks no query of the request reads again: with a reach, those wholly before the first
+        key of its next query (at num_computed_tokens), oldest first. Their table entries become FREED.
+        Call after cache_computed_blocks. Returns how many were returned."""
+        if self.reach is None:
+            return 0
+        passed = max(0, request.num_computed_tokens - self.reach + 1) // self.block_size
+        ids, i = request.block_ids, min(passed, len(request.block_ids))
+        while i > 0 and ids[i - 1] != FREED:      # the entries before the last FREED one are FREED already
+            i -= 1
+        released = [self.pool.blocks[ids[j]] for j in range(i, min(passed, len(ids)))]
+        self.pool.release(released)
+        for j in range(i, i + len(released)):
+            ids[j] = FREED
+        return len(released)
+
     def free(self, request: Request) -> None:
         """Return all the request's blocks (tail first) and empty its table."""
-        blocks = [self.pool.blocks[i] for i in reversed(request.block_ids)]
+        blocks = [self.pool.blocks[i] for i in reversed(request.block_ids) if i != FREED]
         self.pool.release(blocks)
         request.block_ids = []
         self._num_registered.pop(request.request_id, None)

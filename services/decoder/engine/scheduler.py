@@ -103,7 +103,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig, leases: Leases | None = None):
         self.config = config
         self.leases: Leases = leases if leases is not None else NoLeases()
-        self.kv = KVCacheManager(config.block_size, config.num_blocks, config.enable_prefix_caching)
+        self.kv = KVCacheManager(config.block_size, config.num_blocks, config.enable_prefix_caching,
+                                 config.attention_reach)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -284,6 +285,7 @@ class Scheduler:
             if not chunk.sample:        # a prefill chunk that did not reach the end
                 req.num_computed_tokens += n
                 self.kv.cache_computed_blocks(req)
+                self.kv.release_passed(req)
                 req.prompt_done = req.prompt_done or req.num_computed_tokens >= req.num_prompt_tokens
                 continue
             accepted = result.accepted.get(req.request_id, [])
@@ -307,6 +309,7 @@ class Scheduler:
             self.kv.cache_computed_blocks(req)
             if status is None:
                 self.kv.trim(req)
+                self.kv.release_passed(req)
                 outputs.append(self._output(req, emitted))
             else:
                 outputs.append(self._finish(req, status, new_tokens=emitted))

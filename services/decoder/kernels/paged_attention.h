@@ -7,8 +7,10 @@
 // the FMA pipes busy. Per block and query head: n scores, one online-softmax update (running max
 // m and sum l, the accumulator rescaled only when m grows), then acc += p * V. A row cut into
 // several stretches is merged at the end by their (m, l). Everything accumulates in fp32; bf16
-// rows are widened as they are loaded. Threads take tasks from a shared counter, so ragged rows
-// balance, and the next block is prefetched a few lines per token while this one is computed.
+// rows are widened as they are loaded. A row may start at a first key (a sliding window: earlier
+// blocks are not read, earlier keys of its block score -inf) and soft-cap its scores (cap * tanh(s /
+// cap)). Threads take tasks from a shared counter, so ragged rows balance, and the next block is
+// prefetched a few lines per token while this one is computed.
 // Loops and GCC/Clang vector extensions compiled for the build machine (-march=native), so the
 // source builds on any x86 or ARM CPU; intrinsics only where the CPU has them: AVX-512 widens bf16
 // rows, avx512_bf16 takes bf16 scores by its dot product.
@@ -228,7 +230,7 @@ inline void with_heads(int gc, F&& f) {
 struct Problem {
   int64_t rows, heads, kv_heads, head_dim, block_size, num_blocks, max_blocks;
   int64_t q_row_stride, q_head_stride, out_row_stride, out_head_stride;
-  float scale;
+  float scale, softcap;  // softcap 0: none, else scores become softcap * tanh(scores / softcap)
 };
 
 // Rows are cut into stretches of SPAN tokens (rounded up to whole blocks): a batch of one long
@@ -242,7 +244,8 @@ struct Tasks {
   int64_t span_blocks = 1;
 };
 
-Tasks plan_tasks(const Problem& P, const int32_t* lens) {
+// firsts (or null: 0): each row's first key; its stretches start at that key's block.
+Tasks plan_tasks(const Problem& P, const int32_t* lens, const int32_t* firsts) {
   Tasks T;
   T.span_blocks = (SPAN + P.block_size - 1) / P.block_size;
   T.first.reserve(P.rows + 1);
@@ -250,7 +253,9 @@ Tasks plan_tasks(const Problem& P, const int32_t* lens) {
   for (int64_t b = 0; b < P.rows; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= P.max_blocks * P.block_size, "paged_decode: context_lens[", b,
                 "] = ", lens[b], " outside [1, ", P.max_blocks * P.block_size, "]");
-    const int64_t nblocks = (lens[b] + P.block_size - 1) / P.block_size;
+    TORCH_CHECK(!firsts || (firsts[b] >= 0 && firsts[b] < lens[b]), "paged_decode: first_keys[", b,
+                "] outside [0, context_lens[", b, "])");
+    const int64_t nblocks = (lens[b] + P.block_size - 1) / P.block_size - (firsts ? firsts[b] / P.block_size : 0);
     const int64_t parts = (nblocks + T.span_blocks - 1) / T.span_blocks;
     for (int64_t i = 0; i < parts; ++i) T.row.push_back(b);
     T.first.push_back(T.first.back() + parts);
@@ -263,7 +268,7 @@ Tasks plan_tasks(const Problem& P, const int32_t* lens) {
 // acc [H, D], m [H] and l [H] of its stretch into `partial` (laid out [tasks, H, D + 2]).
 template <typename T, int DC>
 void stretch_task(const Problem& P, const Tasks& tasks, int64_t task, const T* q, const T* k, const T* v,
-                  T* out, const int32_t* tables, const int32_t* lens, const int64_t* row_ids,
+                  T* out, const int32_t* tables, const int32_t* lens, const int32_t* firsts, const int64_t* row_ids,
                   float* partial, std::vector<float>& scratch) {
   const int D = DC ? DC : static_cast<int>(P.head_dim);
   const int64_t H = P.heads, KVH = P.kv_heads, G = H / KVH, BS = P.block_size;
@@ -272,7 +277,8 @@ void stretch_task(const Problem& P, const Tasks& tasks, int64_t task, const T* q
   const bool whole = tasks.first[b + 1] - tasks.first[b] == 1;
   const int64_t row = row_ids ? row_ids[b] : b;
   const int64_t len = lens[b];
-  const int64_t j0 = part * tasks.span_blocks;
+  const int64_t first = firsts ? firsts[b] : 0;  // keys before it are masked (a sliding window)
+  const int64_t j0 = first / BS + part * tasks.span_blocks;
   const int64_t j1 = std::min((len + BS - 1) / BS, j0 + tasks.span_blocks);
 
   // scratch: q (scaled, fp32) [H, D] | acc [H, D] | scores [GC_MAX, BSP] | m [H] | l [H] | q (bf16) [H, D]
@@ -323,6 +329,9 @@ void stretch_task(const Problem& P, const Tasks& tasks, int64_t task, const T* q
         for (int g = 0; g < gc; ++g) {
           const int64_t hq = hq0 + g;
           float* sg = s + g * BSP;
+          if (P.softcap > 0.0f)
+            for (int64_t t = 0; t < n; ++t) sg[t] = P.softcap * std::tanh(sg[t] / P.softcap);
+          for (int64_t t = 0; t < first - j * BS && t < n; ++t) sg[t] = -std::numeric_limits<float>::infinity();
           for (int64_t t = n; t < BSP; ++t) sg[t] = -std::numeric_limits<float>::infinity();
           const float mb = max_of(sg, BSP);
           if (mb > m[hq]) {
@@ -378,7 +387,7 @@ void merge_row(const Problem& P, const Tasks& tasks, int64_t b, const int64_t* r
 
 template <typename T, int DC>
 void run(const Problem& P, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-         const at::Tensor& tables, const at::Tensor& lens, const at::Tensor* rows) {
+         const at::Tensor& tables, const at::Tensor& lens, const at::Tensor* rows, const at::Tensor* firsts) {
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
@@ -386,7 +395,8 @@ void run(const Problem& P, const at::Tensor& q, const at::Tensor& k, const at::T
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   const int64_t* rp = rows ? rows->data_ptr<int64_t>() : nullptr;
-  const Tasks tasks = plan_tasks(P, lp);
+  const int32_t* fp = firsts ? firsts->data_ptr<int32_t>() : nullptr;
+  const Tasks tasks = plan_tasks(P, lp, fp);
   const int64_t ntasks = static_cast<int64_t>(tasks.row.size());
   const bool split = ntasks > P.rows;
   std::vector<float> partial(split ? ntasks * P.heads * (P.head_dim + 2) : 0);
@@ -394,7 +404,7 @@ void run(const Problem& P, const at::Tensor& q, const at::Tensor& k, const at::T
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;)
-      stretch_task<T, DC>(P, tasks, task, qp, kp, vp, op, tp, lp, rp, partial.data(), scratch);
+      stretch_task<T, DC>(P, tasks, task, qp, kp, vp, op, tp, lp, fp, rp, partial.data(), scratch);
   });
   if (split) {
     at::parallel_for(0, P.rows, 1, [&](int64_t begin, int64_t end) {
@@ -407,19 +417,21 @@ void run(const Problem& P, const at::Tensor& q, const at::Tensor& k, const at::T
 
 template <typename T>
 void dispatch_head_dim(const Problem& P, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       at::Tensor& out, const at::Tensor& tables, const at::Tensor& lens, const at::Tensor* rows) {
+                       at::Tensor& out, const at::Tensor& tables, const at::Tensor& lens, const at::Tensor* rows,
+                       const at::Tensor* firsts) {
   switch (P.head_dim) {
-    case 64: return run<T, 64>(P, q, k, v, out, tables, lens, rows);
-    case 128: return run<T, 128>(P, q, k, v, out, tables, lens, rows);
-    default: return run<T, 0>(P, q, k, v, out, tables, lens, rows);
+    case 64: return run<T, 64>(P, q, k, v, out, tables, lens, rows, firsts);
+    case 128: return run<T, 128>(P, q, k, v, out, tables, lens, rows, firsts);
+    default: return run<T, 0>(P, q, k, v, out, tables, lens, rows, firsts);
   }
 }
 
 // out [N, H, D] (written at rows only), q [N, H, D], k/v [NB, BS, KVH, D] contiguous,
-// block_tables [B, max_blocks] int32, context_lens [B] int32, rows [B] int64 or None (= arange(B)).
+// block_tables [B, max_blocks] int32, context_lens [B] int32, rows [B] int64 or None (= arange(B)),
+// first_keys [B] int32 or None (= 0): row b attends keys first_keys[b] .. context_lens[b] - 1 only.
 void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, c10::optional<at::Tensor> rows,
-                  double scale) {
+                  double scale, c10::optional<at::Tensor> first_keys = c10::nullopt, double softcap = 0.0) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu(), "paged_decode: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(), "paged_decode: shapes");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && v.scalar_type() == k.scalar_type() &&
@@ -442,6 +454,7 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, cons
   P.out_row_stride = out.stride(0);
   P.out_head_stride = out.stride(1);
   P.scale = static_cast<float>(scale);
+  P.softcap = static_cast<float>(softcap);
   TORCH_CHECK(q.size(2) == P.head_dim && out.size(1) == P.heads && out.size(2) == P.head_dim &&
                   P.heads % P.kv_heads == 0 && context_lens.numel() == P.rows,
               "paged_decode: q [N, H, D], k [NB, BS, KVH, D] with H % KVH == 0, context_lens [B]");
@@ -456,11 +469,15 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, cons
   } else {
     TORCH_CHECK(q.size(0) >= P.rows && out.size(0) >= P.rows, "paged_decode: fewer q rows than block tables");
   }
+  TORCH_CHECK(!first_keys.has_value() || (first_keys->scalar_type() == at::kInt && first_keys->is_contiguous() &&
+                                            first_keys->numel() == P.rows),
+              "paged_decode: first_keys must be a contiguous int32 [B]");
+  const at::Tensor* first_ptr = first_keys.has_value() ? &*first_keys : nullptr;
   if (P.rows == 0) return;
   if (k.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float>(P, q, k, v, out, block_tables, context_lens, row_ptr);
+    dispatch_head_dim<float>(P, q, k, v, out, block_tables, context_lens, row_ptr, first_ptr);
   } else if (k.scalar_type() == at::kBFloat16) {
-    dispatch_head_dim<c10::BFloat16>(P, q, k, v, out, block_tables, context_lens, row_ptr);
+    dispatch_head_dim<c10::BFloat16>(P, q, k, v, out, block_tables, context_lens, row_ptr, first_ptr);
   } else {
     TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only, got ", k.scalar_type());
   }

@@ -9,5 +9,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache, in place",
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("block_tables"), pybind11::arg("context_lens"), pybind11::arg("rows"),
-        pybind11::arg("scale"), pybind11::call_guard<pybind11::gil_scoped_release>());
+        pybind11::arg("scale"), pybind11::arg("first_keys"), pybind11::arg("softcap"), pybind11::call_guard<pybind11::gil_scoped_release>());
 }

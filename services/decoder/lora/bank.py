@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from services.common.errors import Unsupported
 from services.decoder.kernels.lora import backend_name
 from services.decoder.kernels.lora_meta import LoraBatchMeta, build_lora_meta
 from services.decoder.lora.layer import LoraSlots, LoraStep
@@ -45,6 +46,9 @@ class AdapterBank:
         unknown = sorted(set(targets) - set(TARGETS))
         if unknown or not targets:
             raise ValueError(f"LoRA targets must be a non-empty subset of {', '.join(TARGETS)}; got {list(targets)}")
+        declined = getattr(model, "refused_features", dict)().get("lora")
+        if declined:
+            raise Unsupported(f"LoRA adapters: {declined} (serve this model with --max-loras 0)", param="max_loras")
         if num_slots < 1 or max_rank < 1:
             raise ValueError("the adapter bank needs at least one slot and a rank of at least 1")
         if any(isinstance(m, Linear) and m.lora is not None for m in model.modules()):
@@ -61,6 +65,8 @@ class AdapterBank:
         for name, module in projections:
             self.layers[name] = LoraSlots.install(module, self.step, num_slots, max_rank)
         self.dense_max_work = DENSE_MAX_WORK if self.backend == "torch" else 0
+        # The family's checkpoint_fused (model/decoder.py): the names its adapters give fused projections.
+        self.fused: dict[str, tuple[str, ...]] = dict(getattr(model, "checkpoint_fused", {}))
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:

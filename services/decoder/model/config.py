@@ -1,12 +1,17 @@
 """The decoder checkpoint's config.json (and generation_config.json), read and validated.
 
-We implement exactly: Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Granite
-(embedding, residual, attention and logit multipliers) and OLMo 2 (post-norm blocks, q/k RMSNorm over
-the whole projection) decoders with SiLU-gated MLPs, full causal attention and RoPE under transformers'
-recipes (model/rope.py; unscaled RoPE optionally with M-RoPE sections); and Gemma 2 / Gemma 3 text
-(model/gemma.py: GeGLU, sliding-window layers, soft-caps). Each family's module is named in
-model/families.py. Anything else a config asks for is refused with Unsupported at load, in one line
-naming the config key, because silently ignoring it would compute a different model.
+We implement exactly: Llama, Mistral (Llama's layer), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm),
+Granite (embedding, residual, attention and logit multipliers) and OLMo 2 (post-norm blocks, q/k RMSNorm
+over the whole projection) decoders with SiLU-gated MLPs, Qwen3-MoE, Qwen2-MoE and Mixtral with
+mixtures of SiLU-gated experts (model/moe_config.py), causal attention (per layer over the whole
+context or a sliding window, `layer_windows`) and RoPE under transformers' recipes (model/rope.py;
+unscaled RoPE optionally with M-RoPE sections); and Gemma 2 / Gemma 3 text (model/gemma.py: GeGLU,
+sandwich norms, soft-caps). Each family's module is named in model/families.py.
+Anything else a config asks for is refused with Unsupported at load, in one line naming the config key,
+because silently ignoring it would compute a different model.
+
+Phi-3 / Phi-4-mini (model/phi3.py) are Llama's layer over fused checkpoint projections; phi3 alone takes
+partial_rotary_factor (model/rotary.py rotates the first part of each head).
 """
 from __future__ import annotations
 
@@ -15,14 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import InvalidArgument, Unsupported
+from services.decoder.model import moe_config
 from services.decoder.model import rope as rope_recipes
+from services.decoder.model.moe_config import MoeConfig
 from services.decoder.model.rope import RopeScaling
 
-FAMILIES = ("llama", "qwen2", "qwen3", "granite", "olmo2", "gemma2", "gemma3_text")
+FAMILIES = ("llama", "qwen2", "qwen3", "granite", "olmo2", "phi3", "mistral", "gemma2", "gemma3_text") + \
+    moe_config.FAMILIES
 GEMMA = ("gemma2", "gemma3_text")
 # Vision-language checkpoints whose text model is one of FAMILIES: model_type -> text family.
 # The decoder loads only the text model; the vision service loads the tower from the same folder.
-VISION_LANGUAGE = {"qwen2_vl": "qwen2"}
+# Qwen2.5-VL's text model and its M-RoPE positions for images are Qwen2-VL's (its tower differs).
+VISION_LANGUAGE = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,7 @@ class ModelConfig:
     attn_softcap: float | None = None     # scores become softcap * tanh(scores / softcap) (Gemma 2)
     final_softcap: float | None = None    # logits become cap * tanh(logits / cap) (Gemma 2, optionally Gemma 3)
     local_rope: RopeScaling | None = None  # RoPE of the sliding-window layers (Gemma 3); None: `rope`
+    moe: MoeConfig | None = None          # the experts of a mixture-of-experts family (model/moe_config.py)
 
     @staticmethod
     def from_folder(folder: str | Path) -> ModelConfig:
@@ -104,15 +114,20 @@ class ModelConfig:
                               f"(supported: {', '.join(FAMILIES + tuple(VISION_LANGUAGE))})")
         if family in GEMMA:
             raw = _gemma_defaults(raw)
-            rope, sections = (_gemma3_ropes(raw)[0], None) if family == "gemma3_text" else rope_recipes.parse(raw)
-            if sections is not None:
-                raise Unsupported(f"{family} config key rope_parameters.mrope_section is not supported")
         else:
             act = raw.get("hidden_act", "silu")
             if act != "silu":
                 raise Unsupported(f"config.json hidden_act {act!r} is not supported (only silu)")
-            _refuse_sliding_window(raw)
-            rope, sections = rope_recipes.parse(raw)
+        num_layers = int(raw["num_hidden_layers"])
+        windows = layer_windows(raw, family, num_layers)
+        if family == "phi3":     # Phi3Config's default, which its longrope reads when config.json omits it
+            raw = {"original_max_position_embeddings": 4096, **raw}
+        rope, sections = (_gemma3_ropes(raw)[0], None) if family == "gemma3_text" else rope_recipes.parse(raw)
+        if sections is not None and family in GEMMA:
+            raise Unsupported(f"{family} config key rope_parameters.mrope_section is not supported")
+        if rope.partial_rotary_factor != 1.0 and family != "phi3":
+            raise Unsupported(f"config.json partial_rotary_factor {rope.partial_rotary_factor:g} is not supported for "
+                              f"model_type {family!r} (its layers rotate whole heads)")
         heads = int(raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         if heads % kv_heads:
@@ -121,10 +136,12 @@ class ModelConfig:
         rope_recipes.check_dims(rope, head_dim)
         if sections is not None and 2 * sum(sections) != head_dim:
             raise InvalidArgument(f"mrope_section {sections} must total head_dim/2 = {head_dim // 2} pairs")
-        attention_bias = bool(raw.get("attention_bias", False))
+        attention_bias = bool(raw.get("attention_bias", False)) and family != "phi3"   # Phi-3 has no biases
         # Qwen2 always has q/k/v bias and never o bias; the other families use attention_bias for all four.
         qkv_bias = True if family == "qwen2" else attention_bias
         o_bias = False if family == "qwen2" else attention_bias
+        if family == "qwen2_moe":           # Qwen2-MoE names its q/k/v bias qkv_bias (default on), never o's
+            qkv_bias, o_bias = bool(raw.get("qkv_bias", True)), False
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
         return ModelConfig(
@@ -132,7 +149,7 @@ class ModelConfig:
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -143,7 +160,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)) if family in ("llama", "granite") else False,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             **(_granite_multipliers(raw) if family == "granite" else {}),
             **(_gemma_fields(raw) if family in GEMMA else {}),
             mrope_sections=sections,
@@ -151,14 +168,16 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             vision=vision,
             rope=rope,
+            moe=moe_config.parse(raw, family) if family in moe_config.FAMILIES else None,
+            layer_windows=windows,
         )
 
 
 def _text_of_vision_language(raw: dict) -> tuple[dict, VisionTokens]:
-    """A Qwen2-VL config.json -> (a flat text-model config in FAMILIES' terms, its image tokens).
+    """A Qwen2-VL or Qwen2.5-VL config.json -> (a flat text-model config in FAMILIES' terms, its image tokens).
 
-    transformers 5 writes the text model under "text_config" (model_type "qwen2_vl_text") and keeps the
-    image-token ids and tie_word_embeddings at the top; transformers 4 wrote one flat dict (with
+    transformers 5 writes the text model under "text_config" (model_type "qwen2_vl_text" or "qwen2_5_vl_text")
+    and keeps the image-token ids and tie_word_embeddings at the top; transformers 4 wrote one flat dict (with
     rope_scaling {"type": "mrope", ...}). Both become the same flat dict: top-level keys first, then
     text_config's over them, except tie_word_embeddings, which transformers reads from the top.
     """
@@ -211,12 +230,47 @@ def _granite_multipliers(raw: dict) -> dict:
                 attention_scale=values["attention_multiplier"], logits_scaling=values["logits_scaling"])
 
 
-def _refuse_sliding_window(raw: dict) -> None:
-    if raw.get("use_sliding_window"):
-        raise Unsupported("config.json use_sliding_window (sliding-window attention) is not supported")
-    kinds = set(raw.get("layer_types") or ["full_attention"])
-    if kinds != {"full_attention"}:
-        raise Unsupported(f"config.json layer_types {sorted(kinds)} are not supported (only full_attention)")
+# Families whose transformers class never slides: a sliding layer_types there is refused, not guessed at.
+_FULL_ONLY = ("llama", "granite", "olmo2")
+
+
+def layer_windows(raw: dict, family: str, num_layers: int) -> tuple[int | None, ...]:
+    """config.json -> ModelConfig.layer_windows, as transformers 5 reads each family's keys.
+
+    Mistral and Phi-3: `sliding_window` on every layer (null: full), `layer_types` ignored as their classes
+    ignore it.
+    Qwen2/Qwen3: `sliding_window` only with `use_sliding_window`; `layer_types` when written,
+    else layers from `max_window_layers` on slide. Any other family: `layer_types` (sliding_attention/full_attention)
+    with `sliding_window`. A window w means a query at position p sees keys p - w + 1 .. p (transformers'
+    sliding_window_overlay: kv_idx > q_idx - w). () when every layer attends to its whole context.
+    """
+    window = raw.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
+        window = None
+    if family in ("mistral", "phi3"):
+        types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
+    else:
+        types = raw.get("layer_types")
+        if types is None and family in ("qwen2", "qwen3"):
+            first = int(raw.get("max_window_layers", num_layers))
+            types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                     for i in range(num_layers)]
+        types = types or ["full_attention"] * num_layers
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise InvalidArgument(f"config.json layer_types must list one type per layer ({num_layers})")
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise Unsupported(f"config.json layer_types {unknown} are not supported "
+                          "(only full_attention, sliding_attention)")
+    if "sliding_attention" not in types:
+        return ()
+    if family in _FULL_ONLY:
+        raise Unsupported(f"config.json layer_types sliding_attention is not supported for {family} "
+                          "(its transformers class attends to the whole context)")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise InvalidArgument(f"config.json sliding_window must be a positive integer for sliding_attention "
+                              f"layers, got {window!r}")
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 # transformers' Gemma2Config / Gemma3TextConfig defaults for the keys their math reads: a config.json
@@ -258,8 +312,8 @@ def _positive(raw: dict, key: str, *, optional: bool = False) -> float | None:
 
 
 def _gemma_fields(raw: dict) -> dict:
-    """Gemma 2 / Gemma 3 text as ModelConfig fields: the attention scale query_pre_attn_scalar**-0.5, the soft-caps,
-    and each layer's window from layer_types and sliding_window (Gemma 3 also the local layers' RoPE)."""
+    """Gemma 2 / Gemma 3 text as ModelConfig fields: the attention scale query_pre_attn_scalar**-0.5 and the
+    soft-caps (Gemma 3 also the local layers' RoPE); their windows are layer_windows'."""
     family = raw["model_type"]
     if raw.get("use_bidirectional_attention"):
         raise Unsupported(f"{family} config key use_bidirectional_attention is not supported (causal only)")
@@ -270,25 +324,7 @@ def _gemma_fields(raw: dict) -> dict:
     return dict(attention_scale=_positive(raw, "query_pre_attn_scalar") ** -0.5,
                 attn_softcap=_positive(raw, "attn_logit_softcapping", optional=True),
                 final_softcap=_positive(raw, "final_logit_softcapping", optional=True),
-                layer_windows=_gemma_windows(raw),
                 local_rope=_gemma3_ropes(raw)[1] if family == "gemma3_text" else None)
-
-
-def _gemma_windows(raw: dict) -> tuple[int | None, ...]:
-    """Each layer's window: sliding_window on the layer_types "sliding_attention" layers, None on the others."""
-    family, layers, kinds = raw["model_type"], int(raw["num_hidden_layers"]), raw["layer_types"]
-    unknown = sorted(set(kinds) - set(_GEMMA_LAYER_TYPES))
-    if unknown:
-        raise Unsupported(f"{family} config key layer_types {unknown} is not supported "
-                          f"(only {', '.join(_GEMMA_LAYER_TYPES)})")
-    if len(kinds) != layers:
-        raise InvalidArgument(f"{family} config key layer_types has {len(kinds)} entries for {layers} layers")
-    window = None
-    if "sliding_attention" in kinds:
-        window = raw.get("sliding_window")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise InvalidArgument(f"{family} config key sliding_window must be a positive integer, got {window!r}")
-    return tuple(window if k == "sliding_attention" else None for k in kinds)
 
 
 def _gemma3_ropes(raw: dict) -> tuple[RopeScaling, RopeScaling]:

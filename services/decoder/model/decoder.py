@@ -10,6 +10,8 @@ fast paths that do not compute its math (`unsupported`).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -18,6 +20,22 @@ from services.decoder.model.config import ModelConfig
 from services.decoder.model.layers import MLP, AttentionFn, DecoderLayer, RMSNorm
 from services.decoder.model.linear import Linear
 from services.decoder.model.rotary import Rotary
+
+# Engine features a family may decline in refused_features(), each refused at load with the family's
+# reason: the bf16 dtype and int8 weights (runner/runner.py) and LoRA adapters (lora/bank.py). The rest
+# (chunked prefill, prefix caching, preemption, n > 1, sampling, logprobs, structured outputs, speculative
+# decoding) act on tokens, KV blocks and logits only, so every family whose forward the runner runs serves them.
+DECLINABLE = ("bf16", "int8", "lora")
+
+
+@dataclass(frozen=True)
+class StoredPart:
+    """Where a checkpoint tensor stored under another name goes: param[index] of our parameter `param`,
+    which `parts` such tensors fill together (index () and parts 1: a whole tensor renamed)."""
+
+    param: str
+    index: tuple
+    parts: int
 
 
 class Backbone(nn.Module):
@@ -34,6 +52,9 @@ class CausalLM(nn.Module):
     # A family's decoder layer (cfg, index) and final norm (width, eps); see model/families.py.
     Layer: type[nn.Module] = DecoderLayer
     Norm: type[nn.Module] = RMSNorm
+    # A checkpoint projection that stores several of ours side by side in its rows (Phi-3's qkv_proj): its
+    # name -> ours, in row order. The loader splits its weights and the adapter loader its lora_B rows.
+    checkpoint_fused: dict[str, tuple[str, ...]] = {}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -81,6 +102,16 @@ class CausalLM(nn.Module):
         math, for each that does not: those run the reference path and the plan says why. Llama's layer is
         what every fast path computes, so none here."""
         return {}
+
+    def refused_features(self) -> dict[str, str]:
+        """Engine feature (DECLINABLE) -> why this family does not serve it, for each it declines; the
+        runner and the adapter bank refuse it at load with that reason. Every family served declines none."""
+        return {}
+
+    def stored_part(self, name: str) -> StoredPart | None:
+        """A checkpoint key that is not one of our parameter names -> where its tensor goes; None: the key
+        is our parameter's own name (every family whose checkpoint names are transformers' module names)."""
+        return None
 
     def setup_rotary(self, device: torch.device | str) -> None:
         cfg = self.config

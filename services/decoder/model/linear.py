@@ -32,7 +32,8 @@ from torch import nn
 from services.common import linear_path, native
 from services.common import plan as execution
 from services.decoder.kernels import gemv_cpu
-from services.decoder.model import quantization
+from services.decoder.model import moe, quantization
+from services.decoder.model.moe import Experts
 
 log = logging.getLogger("tessera.linear")
 
@@ -134,7 +135,20 @@ def quantize_linears(model: nn.Module, mode: str) -> str:
         m.quantize(release=id(m.weight) not in shared)
     left = f"; {len(linears) - len(chosen)} dense (in_features not a multiple of {quantization.K_MULTIPLE})" \
         if len(chosen) < len(linears) else ""
-    return f"{mode}: {len(chosen)} of {len(linears)} linears{left}"
+    return f"{mode}: {len(chosen)} of {len(linears)} linears{left}{_quantize_experts(model)}"
+
+
+def _quantize_experts(model: nn.Module) -> str:
+    """Quantize the experts of a mixture-of-experts model (model/moe.py); what to add to the summary."""
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    if not experts:
+        return ""
+    chosen = [m for m in experts if Experts.eligible(m.down_proj.shape[1], m.size)]
+    for m in chosen:
+        m.quantize()
+    left = f" ({len(experts) - len(chosen)} dense: widths not multiples of {quantization.K_MULTIPLE})" \
+        if len(chosen) < len(experts) else ""
+    return f"; experts of {len(chosen)} of {len(experts)} layers{left}"
 
 
 def pack_linears(model: nn.Module, record: execution.ExecutionPlan) -> str:
@@ -148,6 +162,28 @@ def pack_linears(model: nn.Module, record: execution.ExecutionPlan) -> str:
     for m in linears:
         m.adopt(plan)
     return plan.summary
+
+
+def _timed_rows(group: list, timer: GemvTimer, record: execution.ExecutionPlan, name: str) -> int:
+    """Time group (modules of one shape) at 1..MAX_ROWS rows; set and record (as name) their gemv_rows."""
+    best = {r: [math.inf, math.inf] for r in range(1, gemv_cpu.MAX_ROWS + 1)}
+    # A first pass, discarded. In a fresh process it once kept a 49152x576 bf16 LM head off gemv_cpu,
+    # which then ran it at 1 row in 1.4-1.7 ms against the library's 1.9-2.4 (Zen 4, 2 threads); the
+    # packed copy pack_linears has just written is likely still partly in L3 for its first call.
+    for r in best:
+        timer(group, r)
+    for _ in range(GEMV_PASSES):
+        for r in best:
+            own, kernel = timer(group, r)
+            best[r] = [min(best[r][0], own), min(best[r][1], kernel)]
+    rows = 0
+    while rows < gemv_cpu.MAX_ROWS and execution.beats(best[rows + 1][1], best[rows + 1][0]):
+        rows += 1
+    for m in group:
+        m.gemv_rows = rows
+    timings = [execution.Timing(path, t, r) for r, (o, k) in best.items() for path, t in (("off", o), ("on", k))]
+    record.record(name, f"on rows<={rows}" if rows else "off", timings)
+    return rows
 
 
 # (modules of one shape, rows) -> (seconds on their own path, seconds on gemv_cpu) for one pass over all of them.
@@ -174,15 +210,20 @@ def time_gemv(group: list[Linear], rows: int) -> tuple[float, float]:
     return best["own"], best["gemv"]
 
 
-def choose_gemv(model: nn.Module, record: execution.ExecutionPlan, timer: GemvTimer | None = None) -> str:
-    """Set gemv_rows on every CPU Linear of model (the `gemv` path of record): pinned on, MAX_ROWS; off,
-    0; auto, from timings (fastest of GEMV_PASSES passes per shape and row count): the largest r such
-    that gemv_cpu beats the library path (plan.beats) at every row count <= r, one choice per shape.
-    A summary such as "gemv rows<=4 on 960x576,576x576; rows<=1 on 49152x576", or why not."""
+def choose_gemv(model: nn.Module, record: execution.ExecutionPlan, timer: GemvTimer | None = None,
+                expert_timer: GemvTimer | None = None) -> str:
+    """Set gemv_rows on every CPU Linear of model (the `gemv` path of record), and on a mixture of experts'
+    experts (model/moe.py): pinned on, MAX_ROWS; off, 0; auto, from timings (fastest of GEMV_PASSES passes per
+    shape and row count): the largest r such that gemv_cpu beats the library path (plan.beats) at every row
+    count <= r, one choice per shape. A summary such as "gemv rows<=4 on 960x576,576x576; rows<=1 on
+    49152x576", or why not."""
     pin = record.pinned("gemv")
     linears = [m for m in model.modules() if isinstance(m, Linear) and (m.qweight is not None or not m.released)]
-    for m in linears:
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    for m in linears + experts:
         m.gemv_rows = 0
+    experts = [m for m in experts if m.down_scale is not None or (m.down_proj.device.type == "cpu"
+                                                                  and m.down_proj.dtype in gemv_cpu.WEIGHT_DTYPES)]
     linears = [m for m in linears if m.weight.device.type == "cpu"
                and (m.qweight is not None or m.weight.dtype in gemv_cpu.WEIGHT_DTYPES)]
     if pin == "off":
@@ -202,7 +243,7 @@ def choose_gemv(model: nn.Module, record: execution.ExecutionPlan, timer: GemvTi
         record.record("gemv", "off", reason=f"unavailable: {str(e).splitlines()[0]}", level=logging.WARNING)
         return f"gemv: unavailable ({str(e).splitlines()[0]})"
     if pin == "on":
-        for m in linears:
+        for m in linears + experts:
             m.gemv_rows = gemv_cpu.MAX_ROWS
         record.record("gemv", f"on rows<={gemv_cpu.MAX_ROWS}")
         return f"gemv rows<={gemv_cpu.MAX_ROWS} on every shape (--fast-paths gemv=on)"
@@ -213,25 +254,16 @@ def choose_gemv(model: nn.Module, record: execution.ExecutionPlan, timer: GemvTi
         groups.setdefault(key, []).append(m)
     chosen: dict[int, list[str]] = {}
     for (out, inp, int8, _, bias), group in groups.items():
-        best = {r: [math.inf, math.inf] for r in range(1, gemv_cpu.MAX_ROWS + 1)}
-        # A first pass, discarded. In a fresh process it once kept a 49152x576 bf16 LM head off gemv_cpu,
-        # which then ran it at 1 row in 1.4-1.7 ms against the library's 1.9-2.4 (Zen 4, 2 threads); the
-        # packed copy pack_linears has just written is likely still partly in L3 for its first call.
-        for r in best:
-            timer(group, r)
-        for _ in range(GEMV_PASSES):
-            for r in best:
-                own, kernel = timer(group, r)
-                best[r] = [min(best[r][0], own), min(best[r][1], kernel)]
-        rows = 0
-        while rows < gemv_cpu.MAX_ROWS and execution.beats(best[rows + 1][1], best[rows + 1][0]):
-            rows += 1
-        for m in group:
-            m.gemv_rows = rows
+        rows = _timed_rows(group, timer, record,
+                           # Named as linear_path names shapes, so that two groups of one size stay two choices.
+                           f"gemv {out}x{inp}{'+b' if bias else ''}{' int8' if int8 else ''}")
         chosen.setdefault(rows, []).append(f"{out}x{inp}")
-        timings = [execution.Timing(path, t, r) for r, (o, k) in best.items() for path, t in (("off", o), ("on", k))]
-        # Named as linear_path names shapes, so that two groups of one size stay two choices.
-        name = f"gemv {out}x{inp}{'+b' if bias else ''}{' int8' if int8 else ''}"
-        record.record(name, f"on rows<={rows}" if rows else "off", timings)
+    shapes: dict[tuple, list[Experts]] = {}
+    for m in experts:
+        shapes.setdefault((m.num_experts, m.size, m.hidden, m.quantized, m.dtype), []).append(m)
+    for (count, size, hidden, int8, _), group in shapes.items():
+        name = f"experts {count}x{2 * size}x{hidden}{' int8' if int8 else ''}"
+        rows = _timed_rows(group, expert_timer or moe.time_gemv, record, f"gemv {name}")
+        chosen.setdefault(rows, []).append(name)
     body = "; ".join(f"rows<={r} on {','.join(shapes)}" for r, shapes in sorted(chosen.items(), reverse=True) if r)
     return f"gemv {body}" if body else "gemv: none (the library path was as fast at every shape)"

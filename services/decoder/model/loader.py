@@ -17,7 +17,7 @@ from torch import nn
 from services.common import dtypes
 from services.common.errors import InvalidArgument, TesseraError, Unsupported
 from services.decoder.model.config import ModelConfig
-from services.decoder.model.decoder import CausalLM
+from services.decoder.model.decoder import CausalLM, StoredPart
 from services.decoder.model.families import model_class
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
@@ -73,6 +73,7 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "fp32",
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight")
     loaded: set[str] = set()
+    assembled: dict[str, tuple[torch.Tensor, set[str], int]] = {}   # param -> (tensor, parts filled, of parts)
     for path in checkpoint_files(folder):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for stored in f.keys():
@@ -81,14 +82,17 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "fp32",
                     continue  # the vision tower's tensors: the vision service loads those
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue  # transformers ties it to the embedding and ignores the stored copy
-                if name not in expected:
-                    raise InvalidArgument(f"unexpected tensor {name!r} in {path.name} for a {cfg.family} model")
-                tensor = f.get_tensor(stored)
-                if tensor.shape != expected[name]:
-                    raise InvalidArgument(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                          f"expected {tuple(expected[name])}")
-                _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
-                loaded.add(name)
+                part = model.stored_part(name)
+                if part is not None and part.param in expected:
+                    _assemble(assembled, part, expected[part.param], f.get_tensor(stored), name, dtype, device)
+                    continue
+                for ours, tensor in _ours(type(model), name, f.get_tensor(stored), expected, path, cfg.family):
+                    _set_parameter(model, ours, tensor.to(device=device, dtype=dtype))
+                    loaded.add(ours)
+    for param, (tensor, filled, parts) in assembled.items():
+        if len(filled) == parts:
+            _set_parameter(model, param, tensor)
+            loaded.add(param)
     missing = sorted(set(expected) - loaded)
     if missing:
         raise InvalidArgument(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -111,6 +115,43 @@ def _text_model_name(stored: str) -> str | None:
     if stored.startswith(_TEXT_PREFIX):
         return "model." + stored[len(_TEXT_PREFIX):]
     return stored
+
+
+def _ours(family: type[CausalLM], name: str, tensor: torch.Tensor, expected: dict[str, torch.Size], path: Path,
+          kind: str) -> list[tuple[str, torch.Tensor]]:
+    """A stored tensor -> our (name, tensor) pairs: itself, or a fused projection's rows split into ours
+    (CausalLM.checkpoint_fused), each checked against the shape our module expects."""
+    owner, _, param = name.rpartition(".")
+    prefix, _, module = owner.rpartition(".")
+    parts = family.checkpoint_fused.get(module)
+    if parts is None:
+        if name not in expected:
+            raise InvalidArgument(f"unexpected tensor {name!r} in {path.name} for a {kind} model")
+        if tensor.shape != expected[name]:
+            raise InvalidArgument(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}")
+        return [(name, tensor)]
+    names = [f"{prefix}.{p}.{param}" for p in parts]
+    if any(n not in expected for n in names):
+        raise InvalidArgument(f"unexpected tensor {name!r} in {path.name} for a {kind} model")
+    rows = [expected[n][0] for n in names]
+    want = (sum(rows), *expected[names[0]][1:])
+    if tuple(tensor.shape) != want:
+        raise InvalidArgument(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want} "
+                              f"({' | '.join(parts)} rows)")
+    return list(zip(names, tensor.split(rows), strict=True))
+
+
+def _assemble(assembled: dict, part: StoredPart, shape: torch.Size, tensor: torch.Tensor, name: str,
+              dtype: torch.dtype, device: torch.device) -> None:
+    """Copy a checkpoint tensor into its place in the parameter it is a part of (model.stored_part)."""
+    if part.param not in assembled:
+        assembled[part.param] = (torch.empty(shape, dtype=dtype, device=device), set(), part.parts)
+    target, filled, _ = assembled[part.param]
+    piece = target[part.index]
+    if tensor.shape != piece.shape:
+        raise InvalidArgument(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(piece.shape)}")
+    piece.copy_(tensor)
+    filled.add(repr(part.index))
 
 
 def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

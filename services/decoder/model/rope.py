@@ -64,6 +64,13 @@ class RopeScaling:
     truncate: bool = True                        # yarn
     short_factor: tuple[float, ...] | None = None   # longrope
     long_factor: tuple[float, ...] | None = None    # longrope
+    # The share of each head that rotates (Phi-4-mini: 0.75): the first int(head_dim * factor) dims, as
+    # transformers' inits size the tables; the rest pass through. Only families that slice q/k accept it.
+    partial_rotary_factor: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many leading dims of a head_dim-wide head rotate (the tables' width)."""
+        return int(head_dim * self.partial_rotary_factor)
 
     @property
     def switch_position(self) -> int | None:
@@ -78,6 +85,8 @@ class RopeScaling:
         """The recipe in words for the load log, e.g. "llama3 theta=500000 factor=8 ..."."""
         words = [self.kind, f"theta={self.theta:g}"]
         for f in fields(self)[3:]:
+            if f.name == "partial_rotary_factor":
+                continue
             value = getattr(self, f.name)
             if isinstance(value, tuple):
                 words.append(f"{f.name}=[{len(value)} values]")
@@ -87,6 +96,8 @@ class RopeScaling:
                 words.append(f"{f.name}={value}")
         if self.kind == "yarn" and not self.truncate:
             words.append("truncate=False")
+        if self.partial_rotary_factor != 1.0:
+            words.append(f"partial_rotary_factor={self.partial_rotary_factor:g}")
         return " ".join(words)
 
 
@@ -103,8 +114,11 @@ def parse(raw: dict) -> tuple[RopeScaling, tuple[int, int, int] | None]:
         raise Unsupported(f"config.json {key}.rope_type {kind!r} is not supported (supported: {', '.join(RECIPES)})")
     theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
     sections = params.pop("mrope_section", None)
-    if params.pop("partial_rotary_factor", 1.0) != 1.0 or raw.get("partial_rotary_factor", 1.0) != 1.0:
-        raise Unsupported("config.json partial_rotary_factor != 1 is not supported")
+    # As transformers' convert_rope_params_to_dict: the recipe's own value wins over a top-level one.
+    partial = params.pop("partial_rotary_factor", None)
+    partial = raw.get("partial_rotary_factor", 1.0) if partial is None else partial
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise InvalidArgument(f"config.json partial_rotary_factor must be a number in (0, 1], got {partial!r}")
     if params.pop("mrope_interleaved", False):
         raise Unsupported(f"config.json {key}.mrope_interleaved (interleaved M-RoPE) is not supported")
     missing = [k for k in _REQUIRED[kind] if params.get(k) is None]
@@ -133,7 +147,8 @@ def parse(raw: dict) -> tuple[RopeScaling, tuple[int, int, int] | None]:
     rope = RopeScaling(kind=kind, theta=float(theta), max_position_embeddings=max_pos,
                        original_max_position_embeddings=original, truncate=bool(params.get("truncate", True)),
                        short_factor=_factors(params, "short_factor", key),
-                       long_factor=_factors(params, "long_factor", key), **numbers)
+                       long_factor=_factors(params, "long_factor", key), partial_rotary_factor=float(partial),
+                       **numbers)
     return rope, sections
 
 
@@ -155,8 +170,12 @@ def _factors(params: dict, name: str, key: str) -> tuple[float, ...] | None:
     return tuple(float(v) for v in value)
 
 
-def check_dims(rope: RopeScaling, dim: int) -> None:
-    """Refuse, at load, parameters that cannot fit a rotary dimension of `dim`."""
+def check_dims(rope: RopeScaling, head_dim: int) -> None:
+    """Refuse, at load, parameters that cannot fit heads of head_dim (rotating rope.rotary_dim of them)."""
+    dim = rope.rotary_dim(head_dim)
+    if dim < 2 or dim % 2:
+        raise InvalidArgument(f"config.json partial_rotary_factor {rope.partial_rotary_factor:g} of head_dim "
+                              f"{head_dim} leaves {dim} rotary dims; rotary pairs need an even number of at least 2")
     if rope.kind == "longrope":
         for name in ("short_factor", "long_factor"):
             if len(getattr(rope, name)) != dim // 2:

@@ -22,10 +22,14 @@ Then each request's new queries attend to its context [0, start + len):
 
 Slot indices and masks are built once per step (AttentionPlan) and reused by every layer,
 and the gathers write into a reused workspace so steady-state decode allocates no new
-large buffers per layer.
+large buffers per layer. Sliding windows and the soft-cap (runner/windows.py) hold on every path: one
+mask (or first key, for the operator) per distinct window, each layer picking its own, and gathers that
+start at the first key any layer still reads; soft-capped layers run the scores written out in torch
+(softcapped_attention) or the operator's own soft-cap.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -37,6 +41,7 @@ from services.common import native
 from services.common import plan as execution
 from services.decoder.kernels import paged_attention_cpu
 from services.decoder.runner.kv_cache import KVCache
+from services.decoder.runner.windows import Windows, key_mask, softcapped_attention
 
 log = logging.getLogger("tessera.attention")
 
@@ -82,14 +87,18 @@ def slots_of(block_table: torch.Tensor, positions: torch.Tensor, block_size: int
     return blocks * block_size + positions % block_size
 
 
+# A window's mask (or first keys): window -> its tensor, or None where nothing beyond causality is masked.
+Masks = dict[int | None, torch.Tensor | None]
+
+
 @dataclass
 class PrefillSpan:
     """One multi-token chunk: rows [lo, hi) of the step, physical positions start .. start+hi-lo-1."""
 
     lo: int
     hi: int
-    context_slots: torch.Tensor | None   # [start + len] slots to read, None when start == 0
-    mask: torch.Tensor | None            # [len, start + len] bool, True = attend; None: plain causal
+    context_slots: torch.Tensor | None   # [S] slots of keys first .. start + len - 1; None when start == 0
+    masks: Masks                         # per window [len, S] bool, True = attend; None: plain causal
 
 
 @dataclass
@@ -97,8 +106,9 @@ class DecodeGroup:
     """All 1-token rows of the step, attended in one batched call over whole gathered blocks."""
 
     rows: torch.Tensor                   # [B] indices into the step's tokens
-    blocks: torch.Tensor                 # [B * nb] block ids, row-major; short tables padded with block 0
-    mask: torch.Tensor | None            # [B, 1, 1, nb * block_size] bool; None when every key is valid
+    blocks: torch.Tensor                 # [B * nb] block ids from each row's first read block, row-major;
+    #                                      short tables padded with block 0
+    masks: Masks                         # per window [B, 1, 1, nb * block_size] bool; None: every key valid
     num_blocks: int                      # nb: blocks gathered per row
 
 
@@ -110,6 +120,7 @@ class DecodeRows:
     rows: torch.Tensor | None            # [B] long indices into the step's tokens; None: they are 0..B-1
     block_tables: torch.Tensor           # [B, nb] int32, short tables padded with block 0 (never read)
     context_lens: torch.Tensor           # [B] int32, keys per row (its position + 1)
+    first_keys: Masks = dataclasses.field(default_factory=dict)  # per window [B] int32 first key; None: 0
 
 
 @dataclass
@@ -118,12 +129,14 @@ class AttentionPlan:
     prefills: list[PrefillSpan]
     decode: list[DecodeGroup]            # torch-gather backend; empty on cpp-paged
     decode_rows: DecodeRows | None = None  # cpp-paged backend, None when the step has no decode row
+    windows: Windows = Windows()         # each layer's window and the soft-cap
 
     @staticmethod
     def build(spans: list[tuple[int, int, list[int]]], block_size: int,
-              device: torch.device, backend: str) -> AttentionPlan:
-        """spans: per chunk (start, length, block_table), in step order. backend: the runner's decode
-        backend (CPP or TORCH); off CPU the torch path runs whatever it says."""
+              device: torch.device, backend: str, windows: Windows = Windows()) -> AttentionPlan:
+        """spans: per chunk (start, length, block_table), in step order; a table entry before the chunk's
+        first read key (windows.first_key) may be a freed block's placeholder and is never read. backend: the
+        runner's decode backend (CPP or TORCH); off CPU the torch path runs whatever it says."""
         device = torch.device(device)
         if backend not in (CPP, TORCH):
             raise ValueError(f"decode attention backend {backend!r}: expected {CPP} or {TORCH}")
@@ -148,25 +161,32 @@ class AttentionPlan:
                 offset += length
                 continue
             bt = torch.tensor(table[:needed], dtype=torch.long, device=device)
+            query_pos = torch.arange(start, start + length, device=device)
             if start > 0:
-                key_pos = torch.arange(start + length, device=device)
+                first = windows.first_key(start)
+                key_pos = torch.arange(first, start + length, device=device)
                 context = slots_of(bt, key_pos, block_size)
-                query_pos = torch.arange(start, start + length, device=device)
-                mask = key_pos[None, :] <= query_pos[:, None]
-                prefills.append(PrefillSpan(offset, offset + length, context, mask))
-                slots.add_tensor(context[start:])
+                masks = {w: key_mask(query_pos, key_pos, w) for w in windows.distinct}
+                prefills.append(PrefillSpan(offset, offset + length, context, masks))
+                slots.add_tensor(context[start - first:])
             else:
-                prefills.append(PrefillSpan(offset, offset + length, None, None))
-                slots.add_tensor(slots_of(bt, torch.arange(length, device=device), block_size))
+                masks = {w: None if w is None or w >= length else key_mask(query_pos, query_pos, w)
+                         for w in windows.distinct}
+                prefills.append(PrefillSpan(offset, offset + length, None, masks))
+                slots.add_tensor(slots_of(bt, query_pos, block_size))
             offset += length
         if backend == CPP:
-            rows = _decode_rows(decode_rows, decode_starts, decode_tables, device) if decode_rows else None
-            return AttentionPlan(slots.tensor(), prefills, [], rows)
+            rows = _decode_rows(decode_rows, decode_starts, decode_tables, device, windows) if decode_rows else None
+            return AttentionPlan(slots.tensor(), prefills, [], rows, windows)
+        # Each torch row gathers from the block of its first read key: freed blocks before it are not read.
+        firsts = [windows.first_key(p) // block_size for p in decode_starts]
+        tables = [t[f:] for t, f in zip(decode_tables, firsts, strict=True)]
         decode = [_decode_group([decode_rows[i] for i in g], [decode_starts[i] for i in g],
-                                [torch.tensor(decode_tables[i], dtype=torch.long, device=device) for i in g],
-                                block_size, device)
-                  for g in _group_by_length([len(t) for t in decode_tables])]
-        return AttentionPlan(slots.tensor(), prefills, decode)
+                                [firsts[i] * block_size for i in g],
+                                [torch.tensor(tables[i], dtype=torch.long, device=device) for i in g],
+                                block_size, device, windows)
+                  for g in _group_by_length([len(t) for t in tables])]
+        return AttentionPlan(slots.tensor(), prefills, decode, None, windows)
 
 
 class _SlotMapping:
@@ -194,13 +214,18 @@ class _SlotMapping:
         return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
 
 
-def _decode_rows(rows: list[int], starts: list[int], tables: list[list[int]], device: torch.device) -> DecodeRows:
+def _decode_rows(rows: list[int], starts: list[int], tables: list[list[int]], device: torch.device,
+                 windows: Windows) -> DecodeRows:
     nb = max(len(t) for t in tables)
     padded = [t + [0] * (nb - len(t)) for t in tables]
     identity = rows == list(range(len(rows)))
+    firsts: Masks = {}
+    for w in windows.distinct:
+        keys = [0 if w is None else max(0, p - w + 1) for p in starts]
+        firsts[w] = torch.tensor(keys, dtype=torch.int32, device=device) if any(keys) else None
     return DecodeRows(None if identity else torch.tensor(rows, dtype=torch.long, device=device),
                       torch.tensor(padded, dtype=torch.int32, device=device),
-                      torch.tensor(starts, dtype=torch.int32, device=device) + 1)
+                      torch.tensor(starts, dtype=torch.int32, device=device) + 1, firsts)
 
 
 def _group_by_length(num_blocks: list[int]) -> list[list[int]]:
@@ -215,16 +240,21 @@ def _group_by_length(num_blocks: list[int]) -> list[list[int]]:
     return groups
 
 
-def _decode_group(rows: list[int], starts: list[int], tables: list[torch.Tensor], block_size: int,
-                  device: torch.device) -> DecodeGroup:
+def _decode_group(rows: list[int], starts: list[int], bases: list[int], tables: list[torch.Tensor],
+                  block_size: int, device: torch.device, windows: Windows) -> DecodeGroup:
+    """bases: per row the position of its first gathered key (its first table entry's first slot)."""
     nb = max(len(t) for t in tables)
     blocks = torch.zeros(len(tables), nb, dtype=torch.long, device=device)
     for i, t in enumerate(tables):
         blocks[i, :len(t)] = t
-    lens = torch.tensor(starts, dtype=torch.long, device=device) + 1             # [B] keys per row
-    valid = torch.arange(nb * block_size, device=device)[None, :] < lens[:, None]
-    mask = None if bool(valid.all()) else valid[:, None, None, :]
-    return DecodeGroup(torch.tensor(rows, dtype=torch.long, device=device), blocks.reshape(-1), mask, nb)
+    pos = torch.tensor(starts, dtype=torch.long, device=device)                  # [B] each row's query
+    key_pos = torch.tensor(bases, dtype=torch.long, device=device)[:, None] + \
+        torch.arange(nb * block_size, device=device)[None, :]                    # [B, nb * bs]
+    masks: Masks = {}
+    for w in windows.distinct:
+        valid = key_mask(pos[:, None], key_pos, w)[:, 0]                         # [B, nb * bs]
+        masks[w] = None if bool(valid.all()) else valid[:, None, None, :]
+    return DecodeGroup(torch.tensor(rows, dtype=torch.long, device=device), blocks.reshape(-1), masks, nb)
 
 
 class Workspace:
@@ -256,28 +286,38 @@ class PagedAttention:
         k_flat.index_copy_(0, self.plan.slot_mapping, k)
         v_flat.index_copy_(0, self.plan.slot_mapping, v)
         out = torch.empty_like(q)
+        window, softcap = self.plan.windows.of(layer), self.plan.windows.softcap
         for span in self.plan.prefills:
-            out[span.lo:span.hi] = self._prefill(span, q, k, v, k_flat, v_flat, scale)
+            out[span.lo:span.hi] = self._prefill(span, q, k, v, k_flat, v_flat, scale, window)
         if self.plan.decode_rows is not None:
             d = self.plan.decode_rows
             paged_attention_cpu.paged_decode(q, self.cache.k[layer], self.cache.v[layer], d.block_tables,
-                                             d.context_lens, scale, rows=d.rows, out=out)
+                                             d.context_lens, scale, rows=d.rows, out=out,
+                                             first_keys=d.first_keys.get(window), softcap=softcap)
         for group in self.plan.decode:
-            out.index_copy_(0, group.rows, self._decode(group, layer, q, scale))
+            out.index_copy_(0, group.rows, self._decode(group, layer, q, scale, window))
         return out
 
-    def _prefill(self, span: PrefillSpan, q, k, v, k_flat, v_flat, scale: float | None) -> torch.Tensor:
+    def _prefill(self, span: PrefillSpan, q, k, v, k_flat, v_flat, scale: float | None,
+                 window: int | None) -> torch.Tensor:
         qs = q[span.lo:span.hi].transpose(0, 1)[None]                        # [1, H, L, D]
         if span.context_slots is None:
             ks, vs = k[span.lo:span.hi], v[span.lo:span.hi]
         else:
             ks, vs = k_flat[span.context_slots], v_flat[span.context_slots]   # [S, KVH, D]
-        out = F.scaled_dot_product_attention(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
-                                             attn_mask=span.mask, is_causal=span.mask is None,
-                                             scale=scale, enable_gqa=True)
+        ks, vs, mask = ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], span.masks[window]
+        softcap = self.plan.windows.softcap
+        if softcap is not None:
+            if mask is None:
+                mask = torch.ones(qs.shape[2], qs.shape[2], dtype=torch.bool, device=qs.device).tril()
+            out = softcapped_attention(qs, ks, vs, mask, scale, softcap)
+        else:
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
+                                                 scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)                                         # [L, H, D]
 
-    def _decode(self, group: DecodeGroup, layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+    def _decode(self, group: DecodeGroup, layer: int, q: torch.Tensor, scale: float | None,
+                window: int | None) -> torch.Tensor:
         b, nb = len(group.rows), group.num_blocks
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]           # [blocks, bs, KVH, D]
         _, bs, kvh, d = k_cache.shape
@@ -289,7 +329,12 @@ class PagedAttention:
         # Query heads of one KV group become that KV head's query rows: q head h reads KV head
         # h // G, so [B, H, D] -> [B, KVH, G, D]; SDPA then reads each K/V once, not G times.
         qs = q.index_select(0, group.rows).view(b, kvh, -1, d)
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=group.mask, scale=scale)
+        mask, softcap = group.masks[window], self.plan.windows.softcap
+        if softcap is not None:
+            out = softcapped_attention(qs.reshape(b, -1, 1, d), ks, vs,
+                                       None if mask is None else mask[:, :, None], scale, softcap)
+        else:
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         return out.reshape(b, -1, d)                                          # [B, H, D]
 
 

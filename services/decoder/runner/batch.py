@@ -17,6 +17,7 @@ import torch
 from services.common.errors import InvalidArgument, Unsupported
 from services.decoder.engine.step import ScheduledChunk, StepInput
 from services.decoder.runner.attention import AttentionPlan
+from services.decoder.runner.windows import Windows
 
 
 @dataclass
@@ -33,8 +34,10 @@ class StepBatch:
 
     @staticmethod
     def build(step: StepInput, block_size: int, device: torch.device,
-              mrope_sections: tuple[int, int, int] | None, attention_backend: str) -> StepBatch:
-        """attention_backend: the runner's decode attention (runner/attention.py's CPP or TORCH)."""
+              mrope_sections: tuple[int, int, int] | None, attention_backend: str,
+              windows: Windows = Windows()) -> StepBatch:
+        """attention_backend: the runner's decode attention (runner/attention.py's CPP or TORCH); windows: the
+        model's sliding windows and soft-cap (runner/windows.py)."""
         chunks = step.chunks
         if not chunks or any(not c.token_ids for c in chunks):
             raise InvalidArgument("a step needs at least one chunk and every chunk at least one token")
@@ -63,7 +66,7 @@ class StepBatch:
         if any(c.images is not None for c in chunks):
             positions = _mrope_positions(chunks, positions, mrope_sections)
         plan = AttentionPlan.build([(c.start, len(c.token_ids), c.block_table) for c in chunks],
-                                   block_size, device, attention_backend)
+                                   block_size, device, attention_backend, windows)
         return StepBatch(torch.tensor(ids, dtype=torch.long, device=device), positions, plan,
                          torch.tensor(sample_rows, dtype=torch.long, device=device), sampled, images,
                          lora_spans=lora)

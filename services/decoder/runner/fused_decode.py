@@ -7,7 +7,8 @@ step in one call over the same weights and the same paged cache, each projection
 Linear chose at load for that row count (gemv_cpu, packed or plain). A step takes it when:
 - every row is a decode row of the in-place attention operator (no prefill span; a short chunk
   after 0, e.g. speculative drafts, and a short first chunk count as rows), at most `max_rows` of them;
-- no row uses a LoRA adapter (those steps need the per-projection corrections of the layers).
+- no row uses a LoRA adapter (those steps need the per-projection corrections of the layers);
+- the model has no sliding-window layer and no attention soft-cap (the stack's attention has neither).
 Any other step runs the model's own layers, which stay the reference (tests compare the two).
 
 `FusedDecode.build` makes it at load, when the model is on CPU in float32 or bfloat16 (int8 weights
@@ -42,6 +43,7 @@ from services.decoder.model.linear import Linear
 from services.decoder.runner.attention import CPP, AttentionPlan, PagedAttention, Workspace
 from services.decoder.runner.batch import StepBatch
 from services.decoder.runner.kv_cache import KVCache
+from services.decoder.runner.windows import binding
 
 log = logging.getLogger("tessera.decode_stack")
 
@@ -67,7 +69,8 @@ class FusedDecode:
         """(the stack or None, a one-line summary), the choice "decode_stack" of record; timer (tests)
         replaces the clock in choose."""
         pin = record.pinned("decode_stack")
-        reason = "--fast-paths decode_stack=off" if pin == "off" else _ineligible(model, attention_backend, record)
+        reason = "--fast-paths decode_stack=off" if pin == "off" else \
+            _ineligible(model, cache, attention_backend, record)
         if reason:
             if pin == "on":
                 raise ValueError(f"--fast-paths decode_stack=on: the decode stack cannot run here ({reason})")
@@ -179,13 +182,19 @@ class FusedDecode:
 Timer = Callable[[str, int, Callable[[], object]], float]
 
 
-def _ineligible(model: CausalLM, attention_backend: str, record: execution.ExecutionPlan) -> str:
+def _ineligible(model: CausalLM, cache: KVCache, attention_backend: str, record: execution.ExecutionPlan) -> str:
     """Why the stack cannot run this model here, or "" when it can."""
     # The stack computes Llama's layer (and Qwen's biases and per-head q/k norms): a family whose math
     # differs says so (CausalLM.unsupported) and decodes through its own layers.
     reason = model.unsupported().get("decode_stack", "") or glue.ineligible(model)
     if reason:
         return reason
+    cfg = model.config
+    # The stack's attention reads every key of a row with plain softmax scores.
+    if binding(cfg.layer_windows, cache.num_blocks * cache.block_size):
+        return "the C++ decode stack attends to the whole context; this model has sliding-window layers"
+    if cfg.attn_softcap is not None:
+        return "the C++ decode stack has no attention soft-cap (attn_softcap)"
     if attention_backend != CPP:
         return f"decode attention is {attention_backend}"
     if record.pinned("linear") != execution.AUTO:

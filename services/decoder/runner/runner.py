@@ -29,6 +29,7 @@ from services.decoder.runner.batch import StepBatch
 from services.decoder.runner.fused_decode import FusedDecode
 from services.decoder.runner.kv_cache import KVCache
 from services.decoder.runner.sampler import Sampler, check_sampling
+from services.decoder.runner.windows import Windows, binding
 
 if TYPE_CHECKING:
     from services.decoder.lora.bank import AdapterBank
@@ -41,6 +42,11 @@ class Runner:
                  fast_paths: str | Pins | None = None, quantization: str = "none"):
         """fast_paths: what --fast-paths pins (services/common/plan.py); every other path is timed here."""
         self.model = model
+        declined = model.refused_features()
+        for feature, asked, key in (("bf16", model.lm_head.weight.dtype == torch.bfloat16, "dtype"),
+                                    ("int8", quantization == "int8", "quantization")):
+            if asked and feature in declined:
+                raise Unsupported(f"--{key} {feature}: {declined[feature]}", param=key)
         # Every load-time choice of a fast path, made under the pins and reported by GetModelInfo.
         self.plan = plan = ExecutionPlan(fast_paths, DECODER_PATHS)
         huge_pages = plan.pinned("huge_pages") != "off"
@@ -67,6 +73,8 @@ class Runner:
         plan.record("huge_pages", "on" if huge_pages else "off",
                     reason=f"weights: {weight_pages}; KV cache: {self.cache.pages}")
         self.workspace = Workspace()
+        # Each layer's sliding window and the soft-cap: every attention path honours them (runner/windows.py).
+        self.windows = Windows(binding(cfg.layer_windows, num_blocks * block_size), cfg.attn_softcap)
         # Decode attention: the C++ operator over the paged cache or the torch gather path,
         # timed at this model's heads at load (runner/attention.py); CUDA runs the torch path.
         self.attention_backend = choose_decode_backend(plan, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -112,6 +120,12 @@ class Runner:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.config.eos_token_ids
 
+    @property
+    def attention_reach(self) -> int | None:
+        """Keys a query reads back when every layer slides (the largest window), else None: the engine
+        returns a request's blocks before position p - reach + 1 once its next query is at p."""
+        return self.windows.reach
+
     @torch.inference_mode()
     def logits(self, step: StepInput) -> tuple[torch.Tensor, StepBatch]:
         """Run the step; fp32 logits [R, vocab] of the sampled rows: per sampled chunk (batch.sampled
@@ -127,7 +141,7 @@ class Runner:
             if fault is not None:
                 raise fault
         batch = StepBatch.build(step, self.block_size, self.device, self.config.mrope_sections,
-                                self.attention_backend)
+                                self.attention_backend, self.windows)
         embeds = self.model.embed(batch.input_ids)
         if batch.image_rows:
             rows, values = zip(*batch.image_rows, strict=True)

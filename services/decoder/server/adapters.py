@@ -66,7 +66,8 @@ class Adapters:
 
     def read(self, folder: Path) -> LoraWeights:
         """Validate a PEFT folder into host weights (any thread; writes nothing shared)."""
-        return load_peft(folder, layers=self.bank.shapes, max_rank=self.bank.max_rank, dtype=self.bank.dtype)
+        return load_peft(folder, layers=self.bank.shapes, max_rank=self.bank.max_rank, dtype=self.bank.dtype,
+                         fused=self.bank.fused)
 
     def resolve_path(self, path: str) -> Path:
         """`path` inside --lora-root, symlinks and `..` resolved. PermissionDenied when runtime

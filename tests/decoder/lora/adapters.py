@@ -84,4 +84,4 @@ def lora_engine(base_folder: Path, *, slots: int = 4, max_rank: int = 8, cpu_lor
 def register(registry: AdapterRegistry, name: str, folder: Path):
     bank = registry.bank
     return registry.register(name, load_peft(folder, layers=bank.shapes, max_rank=bank.max_rank,
-                                             dtype=bank.dtype))
+                                             dtype=bank.dtype, fused=bank.fused))

@@ -112,6 +112,9 @@ CASES = {
     "modules_to_save": (_config(modules_to_save=["lm_head"]), Unsupported, "modules_to_save"),
     "rank_pattern": (_config(rank_pattern={"q_proj": 2}), Unsupported, "rank_pattern"),
     "alpha_pattern": (_config(alpha_pattern={"q_proj": 32}), Unsupported, "alpha_pattern"),
+    "rank_pattern_regex": (_config(rank_pattern={r".*\.v_proj": 2}), Unsupported,
+                           "rank_pattern.* for model.layers.0.self_attn.v_proj"),
+    "bad_pattern": (_config(alpha_pattern={"q_proj(": 2}), InvalidArgument, "not a valid regex"),
     "not_lora": (_config(peft_type="IA3"), Unsupported, "peft_type 'IA3'"),
     "fan_in_fan_out": (_config(fan_in_fan_out=True), Unsupported, "fan_in_fan_out"),
     "pissa_init": (_config(init_lora_weights="pissa"), Unsupported, "rewrites the base weights"),
@@ -148,6 +151,15 @@ def test_refused_and_nothing_written(case, registry, base, tmp_path):
             registry.register(name, read(registry, folder))
         assert info.value.row.code.name in ("INVALID_ARGUMENT", "NOT_FOUND")
         assert_unchanged(registry, before)
+
+
+def test_patterns_for_modules_the_adapter_lacks_change_nothing(registry, base, tmp_path):
+    """peft 0.21 writes rank and alpha patterns for its weight conversions' modules (a mixture's stacked
+    experts, `.*\\.gate_up_proj`) into adapters that have none of them: such an adapter is the plain one."""
+    folder = tmp_path / "patterns"
+    shutil.copytree(base[1]["good"], folder)
+    _config(rank_pattern={r".*\.gate_up_proj": 2}, alpha_pattern={r".*\.gate_up_proj": 4, "k_proj": 1})(folder)
+    assert read(registry, folder).digest == read(registry, base[1]["good"]).digest
 
 
 def test_rank_over_maximum(registry, base):

@@ -19,20 +19,32 @@ from transformers import (
     GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 VOCAB = 160
 _CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
             "qwen3": (Qwen3Config, Qwen3ForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),
-            "olmo2": (Olmo2Config, Olmo2ForCausalLM),
+            "olmo2": (Olmo2Config, Olmo2ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
+            "mistral": (MistralConfig, MistralForCausalLM),
+            "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+            "mixtral": (MixtralConfig, MixtralForCausalLM),
             "gemma2": (Gemma2Config, Gemma2ForCausalLM), "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM)}
-
 # Families whose RMSNorm weight is stored as an offset from 1 (the norm multiplies by 1 + weight).
 _ONE_PLUS_NORMS = ("gemma2", "gemma3_text")
 
@@ -59,6 +71,53 @@ CASES = {
                                                  attention_multiplier=0.07, logits_scaling=1.5), {}),
     "olmo2_gqa4_postnorm": ("olmo2", dict(num_attention_heads=8, num_key_value_heads=2, attention_bias=True,
                                           tie_word_embeddings=False), {}),
+    # Phi-3 (fused qkv_proj / gate_up_proj in the checkpoint) with whole-head rotary; Phi-4-mini's shape: GQA,
+    # tied, partial_rotary_factor 0.75 (12 of 16 dims rotate); and its longrope (6 factors: the rotary dim's
+    # pairs) switching at 32, past the 19-token forwards of the model tests, inside the engine tests' output.
+    "phi3_mha_untied": ("phi3", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False), {}),
+    "phi4mini_gqa4_partial_tied": ("phi3", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+                                                partial_rotary_factor=0.75), {}),
+    "phi3_longrope_partial": ("phi3", dict(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
+                                           max_position_embeddings=128, original_max_position_embeddings=32,
+                                           rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                                partial_rotary_factor=0.75,
+                                                                short_factor=[1.0, 1.0, 1.1, 1.3, 1.6, 2.0],
+                                                                long_factor=[1.0, 1.5, 2.5, 4.0, 7.0, 11.0])), {}),
+    # Mixtures of experts, 8 experts top-2 (model/moe_decoder.py): Qwen3-MoE with norm_topk_prob and a dense
+    # middle layer (mlp_only_layers), Qwen2-MoE's shared expert with unnormalised top-k, Mixtral with GQA 4.
+    "qwen3_moe_8x2_dense_mid": ("qwen3_moe", dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                                                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                  norm_topk_prob=True, mlp_only_layers=[1],
+                                                  tie_word_embeddings=False), {}),
+    "qwen2_moe_8x2_shared": ("qwen2_moe", dict(num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                                               num_experts_per_tok=2, moe_intermediate_size=32,
+                                               shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                               tie_word_embeddings=True), {}),
+    "mixtral_8x2_gqa4": ("mixtral", dict(num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
+                                         num_experts_per_tok=2, intermediate_size=48, tie_word_embeddings=False),
+                         dict(max_shard_size="40KB")),
+    # Sliding windows shorter than the prompts: Mistral's on every layer, Qwen2's on layers from
+    # max_window_layers (layer 0 full, layer 1 sliding).
+    "mistral_gqa2_window8": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                                             tie_word_embeddings=False), {}),
+    "qwen2_sliding_layers": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                           sliding_window=6, max_window_layers=1, tie_word_embeddings=True), {}),
+    # Gemma 2 and Gemma 3 text (model/gemma.py), local layer then global: windows of 5 and 6 keys, shorter than the
+    # prompts; query_pre_attn_scalar unlike head_dim; soft-caps near the scores' and logits' spread so tanh bends
+    # them; Gemma 3's global RoPE linear-scaled at base 1e6, its local layers' at their own base.
+    "gemma2_gqa2_window_softcap": ("gemma2", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                  query_pre_attn_scalar=24, sliding_window=5,
+                                                  attn_logit_softcapping=2.0, final_logit_softcapping=4.0,
+                                                  tie_word_embeddings=True), {}),
+    "gemma3_gqa4_local_rope": ("gemma3_text", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                                   query_pre_attn_scalar=20, sliding_window=6,
+                                                   layer_types=["sliding_attention", "full_attention"],
+                                                   rope_parameters={
+                                                       "full_attention": dict(rope_type="linear", factor=4.0,
+                                                                              rope_theta=1e6),
+                                                       "sliding_attention": dict(rope_type="default",
+                                                                                 rope_theta=1e4)},
+                                                   tie_word_embeddings=False), {}),
 }
 
 # RoPE recipes (services/decoder/model/rope.py), sized so each recipe's parts are exercised at head_dim 16
@@ -92,32 +151,9 @@ ROPE_CASES = {
 }
 
 
-# Gemma 2 and Gemma 3 text (model/gemma.py): windows of 5 and 6 keys, shorter than the prompts, so the local layers
-# see less than the global ones; query_pre_attn_scalar unlike head_dim; soft-caps near the scores' and logits'
-# spread so tanh bends them; Gemma 3 with 3 layers (local, global, local), linear-scaled global RoPE at base 1e6
-# and the local layers' own base. Not in CASES: the model tests over CASES attend without windows or soft-caps
-# and force the C++ glue, neither of which computes these families (tests/decoder/families/test_gemma.py).
-GEMMA_CASES = {
-    "gemma2_gqa2_window_softcap": ("gemma2", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                                  query_pre_attn_scalar=24, sliding_window=5,
-                                                  attn_logit_softcapping=2.0, final_logit_softcapping=4.0,
-                                                  tie_word_embeddings=True), {}),
-    "gemma3_gqa4_local_rope": ("gemma3_text", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16,
-                                                   num_hidden_layers=3, query_pre_attn_scalar=20, sliding_window=6,
-                                                   layer_types=["sliding_attention", "full_attention",
-                                                                "sliding_attention"],
-                                                   rope_parameters={
-                                                       "full_attention": dict(rope_type="linear", factor=4.0,
-                                                                              rope_theta=1e6),
-                                                       "sliding_attention": dict(rope_type="default",
-                                                                                 rope_theta=1e4)},
-                                                   tie_word_embeddings=False), {}),
-}
-
-
 def build(root: Path, name: str, seed: int = 0, vocab_size: int = VOCAB) -> Path:
     """Write checkpoint `name` (with another vocabulary size if given) under root and return its folder."""
-    family, overrides, save_kwargs = {**CASES, **ROPE_CASES, **GEMMA_CASES}[name]
+    family, overrides, save_kwargs = {**CASES, **ROPE_CASES}[name]
     config_cls, model_cls = _CLASSES[family]
     kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,

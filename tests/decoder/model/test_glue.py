@@ -9,7 +9,7 @@ from services.decoder.model import load_model
 from services.decoder.model.glue import choose
 from services.decoder.model.layers import MLP, RMSNorm
 from tests.decoder.model.checkpoints import CASES, TINY_SHAPE, build, load_reference
-from tests.decoder.model.test_model import causal_attention
+from tests.decoder.model.test_model import causal_attention, reference_attention
 from tests.tolerance import assert_close
 
 pytestmark = pytest.mark.numerics
@@ -75,7 +75,7 @@ def test_logits_on_either_glue_match_transformers(folders, name, native):
     ids = torch.randint(0, ours.config.vocab_size, (19,), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         expected = ref(ids[None]).logits[0]
-        got = ours.logits(ours(ours.embed(ids), torch.arange(19), causal_attention))
+        got = ours.logits(ours(ours.embed(ids), torch.arange(19), reference_attention(ours.config)))
     assert_close(got, expected, **TINY_SHAPE)
 
 

@@ -31,6 +31,25 @@ def causal_attention(layer, q, k, v, scale=None):
     return out[0].transpose(0, 1)
 
 
+def reference_attention(cfg):
+    """causal_attention as cfg says, in plain torch: per layer its sliding window (a query at p sees keys
+    p - w + 1 .. p) and the soft-cap of the scaled scores (cap * tanh(s / cap)), fp32."""
+    def attend(layer, q, k, v, scale=None):
+        n, h, d = q.shape
+        g = h // k.shape[1]
+        s = torch.einsum("qhd,khd->hqk", q.float(), k.repeat_interleave(g, 1).float()) * (scale or d ** -0.5)
+        if cfg.attn_softcap is not None:
+            s = cfg.attn_softcap * torch.tanh(s / cfg.attn_softcap)
+        pos = torch.arange(n)
+        mask = pos[None, :] <= pos[:, None]
+        window = cfg.layer_windows[layer] if cfg.layer_windows else None
+        if window is not None:
+            mask &= pos[None, :] > pos[:, None] - window
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+        return torch.einsum("hqk,khd->qhd", p, v.repeat_interleave(g, 1).float()).to(q.dtype)
+    return attend
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_logits_match_transformers(folders, name):
     ours, ref = load_model(folders[name], "fp32"), load_reference(folders[name])
@@ -38,7 +57,7 @@ def test_logits_match_transformers(folders, name):
     with torch.no_grad():
         expected = ref(ids).logits
         for b in range(2):
-            hidden = ours(ours.embed(ids[b]), torch.arange(19), causal_attention)
+            hidden = ours(ours.embed(ids[b]), torch.arange(19), reference_attention(ours.config))
             assert_close(ours.logits(hidden), expected[b], **TINY_SHAPE, what=f"sequence {b}")
     assert expected.std() > 0.5, "logits too flat to be a meaningful comparison"
 
@@ -86,8 +105,10 @@ def test_legacy_rope_keys_and_refusals(folders, tmp_path):
                              rope_theta=5000.0, rope_scaling={"type": "linear", "factor": 2.0})
     rope = load_model(legacy).config.rope       # transformers 4 spelling (tests/decoder/model/test_rope.py)
     assert (rope.kind, rope.factor, rope.theta) == ("linear", 2.0, 5000.0)
-    sliding = _rewrite_config(folders["qwen2_gqa2_odd_tied"], tmp_path / "sw", use_sliding_window=True)
-    with pytest.raises(Unsupported, match="sliding"):
+    # Sliding windows are served (tests/decoder/families/test_sliding_window.py); other layer types are not.
+    sliding = _rewrite_config(folders["qwen2_gqa2_odd_tied"], tmp_path / "sw",
+                              layer_types=["chunked_attention", "full_attention"])
+    with pytest.raises(Unsupported, match="layer_types"):
         load_model(sliding)
     gelu = _rewrite_config(folders["qwen2_gqa2_odd_tied"], tmp_path / "gelu", hidden_act="gelu")
     with pytest.raises(Unsupported, match="gelu"):

@@ -44,7 +44,7 @@ def test_slot_mapping_follows_block_tables():
     assert plan.slot_mapping.tolist() == expected
     assert AttentionPlan.build(spans, BS, torch.device("cpu"), backend=CPP).slot_mapping.tolist() == expected
     assert [(p.lo, p.hi) for p in plan.prefills] == [(0, 6), (7, 10)]
-    assert plan.prefills[0].context_slots is None and plan.prefills[1].mask.shape == (3, 12)
+    assert plan.prefills[0].context_slots is None and plan.prefills[1].masks[None].shape == (3, 12)
 
 
 def test_decode_groups_bound_padding_and_cover_every_row():
@@ -71,7 +71,7 @@ def test_cpp_plan_holds_every_decode_row_once():
     rows = plan.decode_rows
     assert plan.decode == [] and rows.rows is None         # rows 0..11 are 0..B-1: the operator needs no index
     assert [(p.lo, p.hi) for p in plan.prefills] == [(12, 12 + long), (12 + long, 12 + long + first_long)]
-    assert plan.prefills[1].context_slots is None and plan.prefills[1].mask is None
+    assert plan.prefills[1].context_slots is None and plan.prefills[1].masks[None] is None
     assert rows.context_lens.tolist() == [1, 2, 3, 4, 5, 6, 6, 10, 11, 12, 1, 13]
     assert rows.block_tables.dtype == torch.int32
     assert rows.block_tables.tolist() == [[7, 2, 0, 0]] * 6 + [[3, 9, 0, 0], [1, 4, 8, 0], [1, 4, 8, 0],
