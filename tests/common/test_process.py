@@ -170,7 +170,7 @@ def folder_with(path: Path, config: dict | None, *files: str) -> Path:
     ("services.decoder", "--model", lambda t: t / "absent", "absent is not a folder"),
     ("services.decoder", "--model", lambda t: folder_with(t / "m", {"model_type": "gemma9"}),
      "config.json model_type 'gemma9' is not supported (supported: llama, qwen2, qwen3, granite, olmo2, phi3, "
-     "mistral, qwen3_moe, qwen2_moe, mixtral, qwen2_vl, qwen2_5_vl)"),
+     "mistral, gemma2, gemma3_text, qwen3_moe, qwen2_moe, mixtral, qwen2_vl, qwen2_5_vl)"),
     ("services.decoder", "--model",
      lambda t: folder_with(t / "m", {**LLAMA, "rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}}),
      "config.json rope_parameters.rope_type 'proportional' is not supported"),

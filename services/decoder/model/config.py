@@ -5,7 +5,8 @@ Granite (embedding, residual, attention and logit multipliers) and OLMo 2 (post-
 over the whole projection) decoders with SiLU-gated MLPs, Qwen3-MoE, Qwen2-MoE and Mixtral with
 mixtures of SiLU-gated experts (model/moe_config.py), causal attention (per layer over the whole
 context or a sliding window, `layer_windows`) and RoPE under transformers' recipes (model/rope.py;
-unscaled RoPE optionally with M-RoPE sections). Each family's module is named in model/families.py.
+unscaled RoPE optionally with M-RoPE sections); and Gemma 2 / Gemma 3 text (model/gemma.py: GeGLU,
+sandwich norms, soft-caps). Each family's module is named in model/families.py.
 Anything else a config asks for is refused with Unsupported at load, in one line naming the config key,
 because silently ignoring it would compute a different model.
 
@@ -24,7 +25,9 @@ from services.decoder.model import rope as rope_recipes
 from services.decoder.model.moe_config import MoeConfig
 from services.decoder.model.rope import RopeScaling
 
-FAMILIES = ("llama", "qwen2", "qwen3", "granite", "olmo2", "phi3", "mistral") + moe_config.FAMILIES
+FAMILIES = ("llama", "qwen2", "qwen3", "granite", "olmo2", "phi3", "mistral", "gemma2", "gemma3_text") + \
+    moe_config.FAMILIES
+GEMMA = ("gemma2", "gemma3_text")
 # Vision-language checkpoints whose text model is one of FAMILIES: model_type -> text family.
 # The decoder loads only the text model; the vision service loads the tower from the same folder.
 # Qwen2.5-VL's text model and its M-RoPE positions for images are Qwen2-VL's (its tower differs).
@@ -78,6 +81,8 @@ class ModelConfig:
     # sliding mask), or None for full attention; () when every layer attends to its whole context.
     layer_windows: tuple[int | None, ...] = ()
     attn_softcap: float | None = None     # scores become softcap * tanh(scores / softcap) (Gemma 2)
+    final_softcap: float | None = None    # logits become cap * tanh(logits / cap) (Gemma 2, optionally Gemma 3)
+    local_rope: RopeScaling | None = None  # RoPE of the sliding-window layers (Gemma 3); None: `rope`
     moe: MoeConfig | None = None          # the experts of a mixture-of-experts family (model/moe_config.py)
 
     @staticmethod
@@ -107,14 +112,19 @@ class ModelConfig:
         if family not in FAMILIES:
             raise Unsupported(f"config.json model_type {family!r} is not supported "
                               f"(supported: {', '.join(FAMILIES + tuple(VISION_LANGUAGE))})")
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise Unsupported(f"config.json hidden_act {act!r} is not supported (only silu)")
+        if family in GEMMA:
+            raw = _gemma_defaults(raw)
+        else:
+            act = raw.get("hidden_act", "silu")
+            if act != "silu":
+                raise Unsupported(f"config.json hidden_act {act!r} is not supported (only silu)")
         num_layers = int(raw["num_hidden_layers"])
         windows = layer_windows(raw, family, num_layers)
         if family == "phi3":     # Phi3Config's default, which its longrope reads when config.json omits it
             raw = {"original_max_position_embeddings": 4096, **raw}
-        rope, sections = rope_recipes.parse(raw)
+        rope, sections = (_gemma3_ropes(raw)[0], None) if family == "gemma3_text" else rope_recipes.parse(raw)
+        if sections is not None and family in GEMMA:
+            raise Unsupported(f"{family} config key rope_parameters.mrope_section is not supported")
         if rope.partial_rotary_factor != 1.0 and family != "phi3":
             raise Unsupported(f"config.json partial_rotary_factor {rope.partial_rotary_factor:g} is not supported for "
                               f"model_type {family!r} (its layers rotate whole heads)")
@@ -152,6 +162,7 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)) if family in ("llama", "granite") else False,
             qk_norm=family in ("qwen3", "qwen3_moe"),
             **(_granite_multipliers(raw) if family == "granite" else {}),
+            **(_gemma_fields(raw) if family in GEMMA else {}),
             mrope_sections=sections,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
@@ -260,3 +271,81 @@ def layer_windows(raw: dict, family: str, num_layers: int) -> tuple[int | None, 
         raise InvalidArgument(f"config.json sliding_window must be a positive integer for sliding_attention "
                               f"layers, got {window!r}")
     return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+# transformers' Gemma2Config / Gemma3TextConfig defaults for the keys their math reads: a config.json
+# without one of these computes with the default there, so here too.
+_GEMMA_DEFAULTS = {
+    "gemma2": dict(head_dim=256, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+                   sliding_window=4096, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                   tie_word_embeddings=True, max_position_embeddings=8192),
+    "gemma3_text": dict(head_dim=256, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+                        sliding_window=4096, final_logit_softcapping=None, attn_logit_softcapping=None,
+                        tie_word_embeddings=True, max_position_embeddings=131072),
+}
+_GEMMA_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _gemma_defaults(raw: dict) -> dict:
+    """A Gemma config.json with transformers' defaults filled in (layer_types too: older configs have none,
+    Gemma 2 alternates from a local layer, Gemma 3 repeats sliding_window_pattern), its activation checked:
+    GeGLU with the tanh GELU, which transformers reads from hidden_activation (hidden_act, where an older
+    config also has it, must agree)."""
+    raw = {**_GEMMA_DEFAULTS[raw["model_type"]], **raw}
+    if raw.get("layer_types") is None:
+        pattern = 2 if raw["model_type"] == "gemma2" else int(raw.get("sliding_window_pattern", 6))
+        raw["layer_types"] = [_GEMMA_LAYER_TYPES[(i + 1) % pattern == 0] for i in range(int(raw["num_hidden_layers"]))]
+    for key in ("hidden_activation", "hidden_act"):
+        act = raw.get(key, "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise Unsupported(f"{raw['model_type']} config key {key} {act!r} is not supported (only gelu_pytorch_tanh)")
+    return raw
+
+
+def _positive(raw: dict, key: str, *, optional: bool = False) -> float | None:
+    value = raw.get(key)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidArgument(f"{raw['model_type']} config key {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _gemma_fields(raw: dict) -> dict:
+    """Gemma 2 / Gemma 3 text as ModelConfig fields: the attention scale query_pre_attn_scalar**-0.5 and the
+    soft-caps (Gemma 3 also the local layers' RoPE); their windows are layer_windows'."""
+    family = raw["model_type"]
+    if raw.get("use_bidirectional_attention"):
+        raise Unsupported(f"{family} config key use_bidirectional_attention is not supported (causal only)")
+    if family == "gemma3_text" and raw.get("attn_logit_softcapping") is not None:
+        # transformers' Gemma 3 reads the key but never applies it: refused rather than guessed.
+        raise Unsupported("gemma3_text config key attn_logit_softcapping is not supported "
+                          "(transformers' Gemma 3 does not apply it)")
+    return dict(attention_scale=_positive(raw, "query_pre_attn_scalar") ** -0.5,
+                attn_softcap=_positive(raw, "attn_logit_softcapping", optional=True),
+                final_softcap=_positive(raw, "final_logit_softcapping", optional=True),
+                local_rope=_gemma3_ropes(raw)[1] if family == "gemma3_text" else None)
+
+
+def _gemma3_ropes(raw: dict) -> tuple[RopeScaling, RopeScaling]:
+    """Gemma 3's (global, local) RoPE: transformers 5 nests rope_parameters by layer type; older configs give
+    rope_theta and rope_scaling for the global layers and rope_local_base_freq for the local ones."""
+    nested = raw.get("rope_parameters")
+    if nested is None:
+        nested = {"full_attention": dict(raw.get("rope_scaling") or {}, rope_theta=raw.get("rope_theta", 1e6)),
+                  "sliding_attention": {"rope_theta": raw.get("rope_local_base_freq", 1e4)}}
+    if not isinstance(nested, dict) or not set(nested) <= set(_GEMMA_LAYER_TYPES):
+        raise Unsupported("gemma3_text config key rope_parameters must be nested by layer type "
+                          f"({', '.join(_GEMMA_LAYER_TYPES)})")
+    ropes = []
+    for kind, theta in (("full_attention", raw.get("rope_theta", 1e6)),
+                        ("sliding_attention", raw.get("rope_local_base_freq", 1e4))):
+        params = dict(nested.get(kind) or {})
+        params.setdefault("rope_theta", theta)
+        rope, _ = rope_recipes.parse({"rope_parameters": params,
+                                      "max_position_embeddings": raw["max_position_embeddings"]})
+        if rope.kind not in ("default", "linear"):
+            raise Unsupported(f"gemma3_text config key rope_parameters.{kind}.rope_type {rope.kind!r} is not "
+                              "supported (only default, linear)")
+        ropes.append(rope)
+    return ropes[0], ropes[1]

@@ -108,6 +108,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    # The gate's activation on the torch path; a family with another (Gemma's GeGLU) sets its own and declares
+    # glue.act unsupported, since the C++ row op computes SiLU only.
+    activation = staticmethod(F.silu)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
@@ -130,7 +134,7 @@ class MLP(nn.Module):
         # bit-equal to the step without adapters.
         if self.native:
             return self.down_proj(glue_cpu.silu_mul(gate, up))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.activation(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -10,6 +10,10 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     GraniteConfig,
     GraniteForCausalLM,
@@ -39,7 +43,10 @@ _CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwe
             "olmo2": (Olmo2Config, Olmo2ForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
             "mistral": (MistralConfig, MistralForCausalLM),
             "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
-            "mixtral": (MixtralConfig, MixtralForCausalLM)}
+            "mixtral": (MixtralConfig, MixtralForCausalLM),
+            "gemma2": (Gemma2Config, Gemma2ForCausalLM), "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM)}
+# Families whose RMSNorm weight is stored as an offset from 1 (the norm multiplies by 1 + weight).
+_ONE_PLUS_NORMS = ("gemma2", "gemma3_text")
 
 # Accumulation shape of these checkpoints (and the tiny chat models of the other decoder tests)
 # for tests/tolerance.py: the longest dot product of a layer is the MLP's (intermediate size at
@@ -95,6 +102,22 @@ CASES = {
                                              tie_word_embeddings=False), {}),
     "qwen2_sliding_layers": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
                                            sliding_window=6, max_window_layers=1, tie_word_embeddings=True), {}),
+    # Gemma 2 and Gemma 3 text (model/gemma.py), local layer then global: windows of 5 and 6 keys, shorter than the
+    # prompts; query_pre_attn_scalar unlike head_dim; soft-caps near the scores' and logits' spread so tanh bends
+    # them; Gemma 3's global RoPE linear-scaled at base 1e6, its local layers' at their own base.
+    "gemma2_gqa2_window_softcap": ("gemma2", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                  query_pre_attn_scalar=24, sliding_window=5,
+                                                  attn_logit_softcapping=2.0, final_logit_softcapping=4.0,
+                                                  tie_word_embeddings=True), {}),
+    "gemma3_gqa4_local_rope": ("gemma3_text", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                                   query_pre_attn_scalar=20, sliding_window=6,
+                                                   layer_types=["sliding_attention", "full_attention"],
+                                                   rope_parameters={
+                                                       "full_attention": dict(rope_type="linear", factor=4.0,
+                                                                              rope_theta=1e6),
+                                                       "sliding_attention": dict(rope_type="default",
+                                                                                 rope_theta=1e4)},
+                                                   tie_word_embeddings=False), {}),
 }
 
 # RoPE recipes (services/decoder/model/rope.py), sized so each recipe's parts are exercised at head_dim 16
@@ -140,8 +163,8 @@ def build(root: Path, name: str, seed: int = 0, vocab_size: int = VOCAB) -> Path
     model = model_cls(config_cls(**kwargs)).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
+            if "norm" in pname:         # scales near 1: Gemma's norms multiply by 1 + weight
+                p.copy_((0 if family in _ONE_PLUS_NORMS else 1) + 0.2 * torch.randn_like(p))
             else:
                 p.copy_(0.15 * torch.randn_like(p))
     folder = root / (name if vocab_size == VOCAB else f"{name}_vocab{vocab_size}")
