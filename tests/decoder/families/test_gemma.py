@@ -19,14 +19,12 @@ import torch.nn.functional as F
 from transformers import Gemma2Config, Gemma3TextConfig
 
 from services.common.errors import InvalidArgument, Unsupported
-from services.decoder.engine.config import EngineConfig
-from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.step import SamplingParams, StepInput
 from services.decoder.model import ModelConfig, load_model
 from services.decoder.model.families import MODELS
 from services.decoder.model.gemma import Gemma2, Gemma3
 from services.decoder.runner import Runner
-from tests.decoder.drive import drive
+from tests.decoder.families.engine_parity import check_chunks_preemption_and_n, check_prefix_hit
 from tests.decoder.model.checkpoints import TINY_SHAPE, build, greedy_reference, load_reference
 from tests.decoder.model.test_quantization import dequantized_reference
 from tests.decoder.runner.driver import BlockAllocator, Seq
@@ -320,46 +318,15 @@ def test_int8_runner_matches_the_dequantized_reference(folders, family):
         seq.tokens.append(int(logits[0].argmax()))
 
 
-def run_engine(folder, *, num_blocks=256, budget=512, stagger=1, prefix_caching=True, n=1, fast_paths="screen=on"):
-    runner = Runner.from_folder(folder, "fp32", BLOCK, num_blocks, fast_paths=fast_paths)
-    core = EngineCore(runner, EngineConfig(block_size=BLOCK, num_blocks=num_blocks, max_num_batched_tokens=budget,
-                                           max_num_seqs=8, max_model_len=64, enable_prefix_caching=prefix_caching))
-    sampling = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True, n=n)
-    tokens = drive(core, PROMPTS, sampling, stagger=stagger)
-    return [[[t.token_id for t in tokens[(i, c)]] for c in range(n)] for i in range(len(PROMPTS))], core.stats()
-
-
 @pytest.mark.parametrize("family", CASES)
 def test_engine_equals_transformers_through_chunks_preemption_and_n(folders, expected, family):
-    folder, want = folders[family], expected[family]
-    # Small chunks of staggered arrivals (chunked prefill), with the fast paths pinned on and off.
-    for pins in (PLANS["fast"], PLANS["reference"]):
-        got, _ = run_engine(folder, budget=5, stagger=3, fast_paths=pins)
-        assert [g[0] for g in got] == want, pins
-    # A KV pool small enough to preempt.
-    got, stats = run_engine(folder, num_blocks=12, budget=16, prefix_caching=False)
-    assert stats.num_preemptions > 0 and [g[0] for g in got] == want
-    # n = 2 greedy choices share the prompt's blocks; each equals the one greedy answer.
-    got, _ = run_engine(folder, n=2)
-    assert got == [[w, w] for w in want]
+    check_chunks_preemption_and_n(folders[family], PROMPTS, GREEDY, expected[family],
+                                  (PLANS["fast"], PLANS["reference"]))
 
 
 @pytest.mark.parametrize("family", CASES)
 def test_prefix_hit_same_output_and_cached_tokens(folders, expected, family):
-    runner = Runner.from_folder(folders[family], "fp32", BLOCK, 64, fast_paths="screen=on")
-    core = EngineCore(runner, EngineConfig(block_size=BLOCK, num_blocks=64, max_num_batched_tokens=64,
-                                           max_model_len=64))
-    results = []
-    for rid in ("a", "b"):
-        core.add_request(rid, PROMPTS[2], GREEDY)
-        toks, cached = [], 0
-        while core.has_unfinished():
-            for out in core.step():
-                toks.extend(out.new_token_ids)
-                cached = out.num_cached_tokens
-        results.append((toks, cached))
-    assert results == [(expected[family][2], 0), (expected[family][2], 20)]   # 5 full blocks of 4
-    core.check_idle()
+    check_prefix_hit(folders[family], PROMPTS[2], GREEDY, expected[family][2])
 
 
 def test_the_screen_follows_the_final_soft_cap(folders, tmp_path):

@@ -19,8 +19,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.common.errors import InvalidArgument, Unsupported
-from services.decoder.engine.config import EngineConfig
-from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.step import SamplingParams, StepInput
 from services.decoder.lora import adapter_request, load_peft
 from services.decoder.model import ModelConfig, load_model
@@ -29,7 +27,7 @@ from services.decoder.model.families import MODELS
 from services.decoder.model.phi3 import Phi3
 from services.decoder.model.rotary import Rotary
 from services.decoder.runner import Runner
-from tests.decoder.drive import drive
+from tests.decoder.families.engine_parity import check_chunks_preemption_and_n, check_prefix_hit, run_engine
 from tests.decoder.families.test_granite_olmo2 import PLANS, prompt
 from tests.decoder.lora.adapters import Spec, lora_engine, peft_mixed, register, write_adapter
 from tests.decoder.model.checkpoints import TINY_SHAPE, build, greedy_reference, load_reference
@@ -258,18 +256,16 @@ def test_decode_stack_pinned_on_is_refused_for_partial_rotary(folders):
                            fast_paths="attention=cpp,decode_stack=on")
 
 
-def run_engine(folder, *, fast_paths, num_blocks=256, budget=512, stagger=1, prefix_caching=True, n=1):
-    runner = Runner.from_folder(folder, "fp32", BLOCK, num_blocks, fast_paths=fast_paths)
+def run_stacked(folder, fast_paths: str, **kw):
+    """engine_parity.run_engine, counting the C++ decode stack's calls -> (ids, stats, calls)."""
     stacked = []
-    if runner.fused_decode is not None:
-        run = runner.fused_decode._run
-        runner.fused_decode._run = lambda *a: stacked.append(1) or run(*a)
-    core = EngineCore(runner, EngineConfig(block_size=BLOCK, num_blocks=num_blocks, max_num_batched_tokens=budget,
-                                           max_num_seqs=8, max_model_len=64, enable_prefix_caching=prefix_caching))
-    sampling = dataclasses.replace(GREEDY, n=n)
-    tokens = drive(core, PROMPTS, sampling, stagger=stagger)
-    got = [[[t.token_id for t in tokens[(i, c)]] for c in range(n)] for i in range(len(PROMPTS))]
-    return got, core.stats(), len(stacked)
+
+    def count(runner):
+        if runner.fused_decode is not None:
+            run = runner.fused_decode._run
+            runner.fused_decode._run = lambda *a: stacked.append(1) or run(*a)
+    got, stats = run_engine(folder, PROMPTS, GREEDY, fast_paths=fast_paths, on_runner=count, **kw)
+    return got, stats, len(stacked)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -277,33 +273,16 @@ def test_engine_equals_transformers_through_chunks_preemption_and_n(folders, exp
     folder, want = folders[name], expected[name]
     # Small chunks of staggered arrivals (chunked prefill), with the fast paths pinned on and off.
     for plan in ("fast", "reference"):
-        got, _, stacked = run_engine(folder, budget=5, stagger=3, fast_paths=pins(name, plan))
+        got, _, stacked = run_stacked(folder, pins(name, plan), budget=5, stagger=3)
         assert [g[0] for g in got] == want, plan
         assert (stacked > 0) == (plan == "fast" and name == WHOLE)
-    # A KV pool small enough to preempt.
-    got, stats, _ = run_engine(folder, num_blocks=12, budget=16, prefix_caching=False, fast_paths="screen=on")
-    assert stats.num_preemptions > 0 and [g[0] for g in got] == want
-    # n = 2 greedy choices share the prompt's blocks; each equals the one greedy answer.
-    got, _, _ = run_engine(folder, n=2, fast_paths="screen=on")
-    assert got == [[w, w] for w in want]
+    # A KV pool small enough to preempt, and n = 2 greedy choices sharing the prompt's blocks.
+    check_chunks_preemption_and_n(folder, PROMPTS, GREEDY, want, ())
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_prefix_hit_same_output_and_cached_tokens(folders, expected, name):
-    runner = Runner.from_folder(folders[name], "fp32", BLOCK, 64, fast_paths="screen=on")
-    core = EngineCore(runner, EngineConfig(block_size=BLOCK, num_blocks=64, max_num_batched_tokens=64,
-                                           max_model_len=64))
-    results = []
-    for rid in ("a", "b"):
-        core.add_request(rid, PROMPTS[2], GREEDY)
-        toks, cached = [], 0
-        while core.has_unfinished():
-            for out in core.step():
-                toks.extend(out.new_token_ids)
-                cached = out.num_cached_tokens
-        results.append((toks, cached))
-    assert results == [(expected[name][2], 0), (expected[name][2], 20)]   # 5 full blocks of 4
-    core.check_idle()
+    check_prefix_hit(folders[name], PROMPTS[2], GREEDY, expected[name][2])
 
 
 @pytest.mark.parametrize("name", CASES)
