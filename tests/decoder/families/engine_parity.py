@@ -1,4 +1,4 @@
-"""Engine-level greedy parity that each family's own test file runs over its checkpoints.
+"""Runner- and engine-level greedy parity that each family's own test file runs over its checkpoints.
 
 test_features.py covers one checkpoint per family; a family's file runs these over each of its checkpoints
 (its GQA ratios, ties and options): staggered small chunks with the fast paths pinned on and off, a KV pool
@@ -10,11 +10,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import torch
+
 from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.engine_core import EngineCore
-from services.decoder.engine.step import SamplingParams
+from services.decoder.engine.step import SamplingParams, StepInput
 from services.decoder.runner import Runner
 from tests.decoder.drive import drive
+from tests.decoder.model.checkpoints import TINY_SHAPE
+from tests.decoder.runner.driver import BlockAllocator, Seq
+from tests.tolerance import assert_close
 
 BLOCK = 4
 
@@ -60,3 +65,27 @@ def check_prefix_hit(folder, prompt: list[int], greedy: SamplingParams, want: li
         results.append((toks, cached))
     assert results == [(want, 0), (want, len(prompt) // BLOCK * BLOCK)]
     core.check_idle()
+
+
+def check_chunks_then_decode(runner: Runner, ref, tokens: list[int]) -> None:
+    """The prompt in uneven chunks (one of a single token mid-prompt), then 7 decode steps: each step's logits
+    equal ref's (transformers' model) and the greedy tokens equal ref.generate's."""
+    alloc, seq = BlockAllocator(64), Seq("a", list(tokens))
+    n, out = len(tokens), None
+    for size in (5, 1, 9, n - 15):             # uneven, and one 1-token chunk mid-prompt (n > 15)
+        out = runner.execute(StepInput([seq.chunk(size, alloc, BLOCK)]))
+        assert out.sampled == {} or seq.computed == n
+    produced = [out.sampled["a"].token_id]
+    seq.tokens.append(produced[-1])
+    for _ in range(7):
+        logits, _ = runner.logits(StepInput([seq.chunk(1, alloc, BLOCK)]))
+        with torch.no_grad():
+            want = ref(torch.tensor([seq.tokens])).logits[0, -1]
+        assert_close(logits[0], want, **TINY_SHAPE)
+        produced.append(int(logits[0].argmax()))
+        seq.tokens.append(produced[-1])
+    with torch.no_grad():
+        expected = ref.generate(torch.tensor([seq.tokens[:n]]), do_sample=False, max_new_tokens=8,
+                                pad_token_id=0)[0, n:].tolist()
+    assert produced == expected
+

@@ -24,7 +24,11 @@ from services.decoder.model import ModelConfig, load_model
 from services.decoder.model.families import MODELS
 from services.decoder.model.gemma import Gemma2, Gemma3
 from services.decoder.runner import Runner
-from tests.decoder.families.engine_parity import check_chunks_preemption_and_n, check_prefix_hit
+from tests.decoder.families.engine_parity import (
+    check_chunks_preemption_and_n,
+    check_chunks_then_decode,
+    check_prefix_hit,
+)
 from tests.decoder.model.checkpoints import TINY_SHAPE, build, greedy_reference, load_reference
 from tests.decoder.model.test_quantization import dequantized_reference
 from tests.decoder.runner.driver import BlockAllocator, Seq
@@ -258,24 +262,7 @@ def test_chunked_prefill_then_decode_matches_transformers(folders, references, f
         assert not any(getattr(m, "native", False) for m in runner.model.modules())
         # Gemma 3 without a final soft-cap keeps the argmax screen (its logits are the head's).
         assert (runner.screen is not None) == (family == "gemma3_text")
-    ref = references[family]
-    alloc, seq = BlockAllocator(64), Seq("a", prompt(23, 1))
-    for size in (5, 1, 9, 8):                  # uneven, and one 1-token chunk mid-prompt
-        out = runner.execute(StepInput([seq.chunk(size, alloc, BLOCK)]))
-        assert out.sampled == {} or seq.computed == 23
-    produced = [out.sampled["a"].token_id]
-    seq.tokens.append(produced[-1])
-    for _ in range(7):
-        logits, _ = runner.logits(StepInput([seq.chunk(1, alloc, BLOCK)]))
-        with torch.no_grad():
-            want = ref(torch.tensor([seq.tokens])).logits[0, -1]
-        assert_close(logits[0], want, **TINY_SHAPE)
-        produced.append(int(logits[0].argmax()))
-        seq.tokens.append(produced[-1])
-    with torch.no_grad():
-        expected = ref.generate(torch.tensor([seq.tokens[:23]]), do_sample=False, max_new_tokens=8,
-                                pad_token_id=0)[0, 23:].tolist()
-    assert produced == expected
+    check_chunks_then_decode(runner, references[family], prompt(23, 1))
 
 
 @pytest.mark.parametrize("family", CASES)

@@ -23,7 +23,11 @@ from services.decoder.model.families import MODELS
 from services.decoder.model.granite import Granite
 from services.decoder.model.olmo2 import Olmo2
 from services.decoder.runner import Runner
-from tests.decoder.families.engine_parity import check_chunks_preemption_and_n, check_prefix_hit
+from tests.decoder.families.engine_parity import (
+    check_chunks_preemption_and_n,
+    check_chunks_then_decode,
+    check_prefix_hit,
+)
 from tests.decoder.model.checkpoints import TINY_SHAPE, build, greedy_reference, load_reference
 from tests.decoder.model.test_model import causal_attention
 from tests.decoder.model.test_quantization import dequantized_reference
@@ -165,24 +169,7 @@ def test_chunked_prefill_then_decode_matches_transformers(folders, references, f
         assert runner.plan.chosen("glue.act") == "cpp" and runner.model.model.layers[0].mlp.native
     if family == "granite" and plan == "fast":        # a Granite RMSNorm is Llama's: the C++ norm serves it
         assert runner.plan.chosen("glue.norm") == "cpp" and runner.model.model.norm.native
-    ref = references[family]
-    alloc, seq = BlockAllocator(64), Seq("a", prompt(23, 1))
-    for size in (5, 1, 9, 8):                  # uneven, and one 1-token chunk mid-prompt
-        out = runner.execute(StepInput([seq.chunk(size, alloc, BLOCK)]))
-        assert out.sampled == {} or seq.computed == 23
-    produced = [out.sampled["a"].token_id]
-    seq.tokens.append(produced[-1])
-    for _ in range(7):
-        logits, _ = runner.logits(StepInput([seq.chunk(1, alloc, BLOCK)]))
-        with torch.no_grad():
-            want = ref(torch.tensor([seq.tokens])).logits[0, -1]
-        assert_close(logits[0], want, **TINY_SHAPE)
-        produced.append(int(logits[0].argmax()))
-        seq.tokens.append(produced[-1])
-    with torch.no_grad():
-        expected = ref.generate(torch.tensor([seq.tokens[:23]]), do_sample=False, max_new_tokens=8,
-                                pad_token_id=0)[0, 23:].tolist()
-    assert produced == expected
+    check_chunks_then_decode(runner, references[family], prompt(23, 1))
 
 
 @pytest.mark.parametrize("family", CASES)
