@@ -262,6 +262,7 @@ def main() -> None:
         ours = Tessera(dtype, fast_paths=pins)
         print(f"{dtype}: quantization {ours.runner.quantization}; fast paths {ours.runner.plan.summary()}; "
               f"memory {ours.runner.plan.get('huge_pages').reason}")
+        print(f"{dtype}: {ours.runner.plan.get('gemv_bf16_row').line()}")   # the bf16 loop and its load-time times
         reference = dtype in DTYPES        # transformers and vLLM run this variant too
         if "a" in parts or peers:
             vllm_here = "vllm" in peers and reference

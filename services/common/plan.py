@@ -43,6 +43,8 @@ PATHS: dict[str, tuple[str, ...]] = {
     "linear": ("plain", "packed"),
     # decoder: the few-row kernel at 1..4 rows (services/decoder/model/linear.py)
     "gemv": ("off", "on"),
+    # decoder: the few-row kernel's loop for bf16 x over bf16 weights (services/decoder/model/linear.py)
+    "gemv_bf16_row": ("rowwise", "interleave4"),
     # decoder: RMSNorm and SiLU(gate) * up by torch's ops or the C++ row ops (services/decoder/model/glue.py)
     "glue": ("torch", "cpp"),
     # decoder: decode attention (services/decoder/runner/attention.py)
@@ -62,7 +64,8 @@ PATHS: dict[str, tuple[str, ...]] = {
 }
 
 # The paths each service runs.
-DECODER = ("linear", "gemv", "glue", "attention", "decode_stack", "screen", "grammar_mask", "huge_pages", "malloc")
+DECODER = ("linear", "gemv", "gemv_bf16_row", "glue", "attention", "decode_stack", "screen", "grammar_mask",
+           "huge_pages", "malloc")
 POOLING = ("linear", "encoder_attention", "malloc")
 
 

@@ -47,12 +47,14 @@ struct Proj {
   std::vector<int64_t> starts;
   std::vector<bool> flags;
   int64_t N = 0, K = 0, gemv_rows = 0;
+  tessera_gemv::Bf16Row bf16_row = tessera_gemv::Bf16Row::rowwise;  // the Linear's loop (gemv_bf16.h)
 
   Proj() = default;
   Proj(at::Tensor w_, c10::optional<at::Tensor> s, c10::optional<at::Tensor> b, c10::optional<at::Tensor> packed_,
        std::vector<int64_t> starts_, std::vector<bool> flags_, int64_t gemv_rows_,
-       c10::optional<at::Tensor> tiles_)
-      : w(std::move(w_)), starts(std::move(starts_)), flags(std::move(flags_)), gemv_rows(gemv_rows_) {
+       c10::optional<at::Tensor> tiles_, int64_t bf16_row_)
+      : w(std::move(w_)), starts(std::move(starts_)), flags(std::move(flags_)), gemv_rows(gemv_rows_),
+        bf16_row(tessera_gemv::bf16_row(bf16_row_)) {
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
                 "decode_stack: a projection weight must be a contiguous 2-D CPU tensor");
     N = w.size(0);
@@ -117,7 +119,7 @@ struct Proj {
     const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (w.scalar_type() == at::kBFloat16) {
-        tessera_gemv::dispatch_bf16(M, x, w.data_ptr<at::BFloat16>(), bp, y, N, K);
+        tessera_gemv::dispatch_bf16(M, x, w.data_ptr<at::BFloat16>(), bp, y, N, K, bf16_row);
         return {y, nullptr};
       }
     }
@@ -357,9 +359,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using tessera_stack::Proj;
   pybind11::class_<Proj>(m, "Projection")
       .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                          std::vector<int64_t>, std::vector<bool>, int64_t, c10::optional<at::Tensor>>(),
+                          std::vector<int64_t>, std::vector<bool>, int64_t, c10::optional<at::Tensor>, int64_t>(),
            pybind11::arg("weight"), pybind11::arg("scale"), pybind11::arg("bias"), pybind11::arg("packed"),
-           pybind11::arg("starts"), pybind11::arg("flags"), pybind11::arg("gemv_rows"), pybind11::arg("tiles"));
+           pybind11::arg("starts"), pybind11::arg("flags"), pybind11::arg("gemv_rows"), pybind11::arg("tiles"),
+           pybind11::arg("bf16_row"));
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor>(),
            pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("hidden"),

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from services.common import native
 
+from . import gemv_cpu
 from .gemv_cpu import gemv_ref
 from .paged_attention_cpu import paged_decode_ref
 
@@ -40,6 +41,8 @@ class Projection:
     # Above KERNEL_ROWS rows, a weight with tiles = tile_gemm_cpu.pack(weight) runs tile_gemm_cpu
     # instead (fp32 sums, like the others).
     tiles: torch.Tensor | None = None
+    # bf16 x over a bf16 weight: which of gemv_cpu.BF16_ROWS the few-row kernel runs (its Linear's choice).
+    bf16_row: str = gemv_cpu.BF16_ROWS[0]
 
 
 @dataclass
@@ -79,7 +82,7 @@ def make_stack(shape: Shape, layers: list[LayerWeights], final_norm: torch.Tenso
 
 def _projection(p: Projection):
     return load().Projection(p.weight, p.scale, p.bias, p.packed, list(p.rule[0]), list(p.rule[1]), p.gemv_rows,
-                             p.tiles)
+                             p.tiles, gemv_cpu.BF16_ROWS.index(p.bf16_row))
 
 
 def decode_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,

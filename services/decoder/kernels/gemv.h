@@ -15,6 +15,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "gemv_bf16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -142,73 +144,6 @@ inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, 
     for (int64_t j = k; j < K; ++j) s += x[m * K + j] * widen(wn[j]);
     acc[m * N + n] = s;
   }
-}
-#endif
-
-#ifdef __AVX512BF16__
-// bf16 x times bf16 weights with the CPU's bf16 dot product (avx512_bf16): 32 products per instruction
-// against three widening ops per 16 in row1, so the loop keeps up with memory. Products of two bf16
-// are exact in fp32 either way; only the order of the fp32 sums differs (and, as the instruction
-// does, subnormal inputs and sums count as zero).
-template <int M>
-inline void row1_dp(const at::BFloat16* x, const at::BFloat16* wn, int64_t K, int64_t n, float* acc, int64_t N) {
-  __m512 a[M][UNROLL] = {};
-  int64_t k = 0;
-  for (; k + 32 * UNROLL <= K; k += 32 * UNROLL) {
-    for (int u = 0; u < UNROLL; ++u) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wn + k + 32 * u);
-      for (int m = 0; m < M; ++m)
-        a[m][u] = _mm512_dpbf16_ps(a[m][u], (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u), wv);
-    }
-  }
-  for (; k < K; k += 32) {
-    const __mmask32 mask = K - k >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (K - k)) - 1);
-    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wn + k);
-    for (int m = 0; m < M; ++m)
-      a[m][0] = _mm512_dpbf16_ps(a[m][0], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), wv);
-  }
-  store_sums<M>(a, acc, n, N);
-}
-
-// One row of x against R weight rows at a time, two accumulators each: with R = 4, eight independent
-// chains, and the four horizontal sums overlap. On a 2-core AMD EPYC Zen 5, over a 3072 x 576 weight: from
-// cache 165 GB/s against row1_dp's 157; a chain of them from memory 48.9 against 47.8 GB/s.
-// With 2 or 4 rows of x the interleave was faster from cache but 17-30 % slower from memory, so those keep
-// row1_dp. A weight row's sums are the same with R = 1 (the rows left over where the threads split the
-// weight), so they do not depend on the thread count.
-template <int R>
-inline void rows_dp(const at::BFloat16* x, const at::BFloat16* wn, int64_t K, int64_t n, float* acc) {
-  __m512 a[R][2] = {};
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    for (int u = 0; u < 2; ++u) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k + 32 * u);
-      for (int r = 0; r < R; ++r)
-        a[r][u] = _mm512_dpbf16_ps(a[r][u], xv, (__m512bh)_mm512_loadu_si512(wn + r * K + k + 32 * u));
-    }
-  }
-  for (; k < K; k += 32) {
-    const __mmask32 mask = K - k >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (K - k)) - 1);
-    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k);
-    for (int r = 0; r < R; ++r)
-      a[r][0] = _mm512_dpbf16_ps(a[r][0], xv, (__m512bh)_mm512_maskz_loadu_epi16(mask, wn + r * K + k));
-  }
-  for (int r = 0; r < R; ++r) acc[n + r] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1]));
-}
-
-template <int M>
-void run_dp(const at::BFloat16* x, const at::BFloat16* w, const float* bias, float* y, int64_t N, int64_t K) {
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    int64_t n = n0;
-    if constexpr (M == 1) {
-      for (; n + 4 <= n1; n += 4) rows_dp<4>(x, w + n * K, K, n, y);
-      for (; n < n1; ++n) rows_dp<1>(x, w + n * K, K, n, y);
-    }
-    for (; n < n1; ++n) row1_dp<M>(x, w + n * K, K, n, y, N);
-    if (bias)
-      for (int m = 0; m < M; ++m)
-        for (int64_t n = n0; n < n1; ++n) y[m * N + n] += bias[n];
-  });
 }
 #endif
 
@@ -410,11 +345,11 @@ void dispatch_rows(int64_t M, const float* x, const W* w, const float* bias, flo
 }
 
 // y [M, N] fp32 = x [M, K] bf16 @ w [N, K] bf16 ^T (+ bias): the dot-product instruction where the CPU
-// has it, else x widened once and the fp32 loop.
+// has it, by `loop` (gemv_bf16.h), else x widened once and the fp32 loop (the same for either loop).
 void dispatch_bf16(int64_t M, const at::BFloat16* x, const at::BFloat16* w, const float* bias, float* y, int64_t N,
-                   int64_t K) {
+                   int64_t K, Bf16Row loop) {
 #ifdef __AVX512BF16__
-  with_rows(M, [&](auto R) { run_dp<R.value>(x, w, bias, y, N, K); });
+  with_rows(M, [&](auto R) { run_dp<R.value>(x, w, bias, y, N, K, loop); });
 #else
   std::vector<float> xs(M * K);
   for (int64_t i = 0; i < M * K; ++i) xs[i] = widen(x[i]);
@@ -425,8 +360,10 @@ void dispatch_bf16(int64_t M, const at::BFloat16* x, const at::BFloat16* w, cons
 // out [M, N] = x [M, K] @ w[N, K]^T (* scale [N] fp32) (+ bias [N] fp32); all contiguous. x and out
 // are both float32 or both bfloat16: bf16 x is widened once into fp32 and the fp32 result rounded
 // once into out (round to nearest even), here rather than by two more torch ops per call.
+// bf16_row: gemv_bf16.h's loop for bf16 x over bf16 weights (Bf16Row's value).
 void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
-          c10::optional<torch::Tensor> bias) {
+          c10::optional<torch::Tensor> bias, int64_t bf16_row) {
+  const Bf16Row loop = tessera_gemv::bf16_row(bf16_row);
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "gemv: x, w and out must be 2-D");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K, "gemv: w is [", N, ", ", w.size(1), "] but x has ", K, " columns");
@@ -471,7 +408,7 @@ void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<tor
     case at::kBFloat16:
       TORCH_CHECK(!sp, "gemv: scale is for int8 weights");
       if (bf16) {
-        dispatch_bf16(M, x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), bp, yp, N, K);
+        dispatch_bf16(M, x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), bp, yp, N, K, loop);
       } else {
         dispatch_rows(M, xp, w.data_ptr<at::BFloat16>(), bp, yp, N, K);
       }

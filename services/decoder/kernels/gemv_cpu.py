@@ -18,21 +18,29 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 MAX_ROWS = 4          # the kernel keeps every row of x in registers' reach; more rows go to GEMMs
 QBLOCK = 32           # over int8 weights, x is rounded to int8 in blocks of this many inputs
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+# The loops for bf16 x over bf16 weights (gemv_bf16.h), in the order of its Bf16Row values: one weight row
+# at a time against every row of x, or one row of x against four weight rows at a time. Same sums up to
+# their order; which streams faster depends on the CPU (model/linear.py times them at load).
+BF16_ROWS = ("rowwise", "interleave4")
 OPERATOR = native.Operator("gemv_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
-         bias: torch.Tensor | None = None) -> torch.Tensor:
+         bias: torch.Tensor | None = None, bf16_row: str = BF16_ROWS[0]) -> torch.Tensor:
     """x [M <= MAX_ROWS, K] (fp32 or bf16) -> [M, N] in x's dtype = x @ (w * scale[:, None])^T + bias.
 
     w [N, K] contiguous float32, bfloat16, or int8 with scale [N] (int8 only); bias [N] or None.
     Products and sums in fp32 (bf16 weights widen exactly), one rounding to x's dtype at the end. Over
     int8 weights x is first rounded as round_blocks does and each block's products are summed in int32.
+    bf16_row: one of BF16_ROWS, the loop for bf16 x over bf16 weights on a CPU with the bf16 dot product.
+    Each row's result is the same whatever the other rows of x and the thread count.
     """
+    if bf16_row not in BF16_ROWS:
+        raise ValueError(f"gemv: bf16_row {bf16_row!r}: expected one of {', '.join(BF16_ROWS)}")
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
     load().gemv(out, x.contiguous(), w, None if scale is None else scale.float(),
-                None if bias is None else bias.float())
+                None if bias is None else bias.float(), BF16_ROWS.index(bf16_row))
     return out
 
 

@@ -16,7 +16,9 @@ Linear (Q/K/V, gate/up) and releases theirs.
 A decode step of a few rows reads every weight once; for it kernels/gemv_cpu.cpp streams each
 weight row once for all rows. `choose_gemv` times it against the Linear's own path over every
 module of a shape (as a forward would stream them, not one weight hot in cache) at 1..4 rows,
-and each Linear keeps `gemv_rows`: up to how many rows the kernel runs.
+and each Linear keeps `gemv_rows`: up to how many rows the kernel runs. For bf16 activations over bf16
+weights the kernel has two loops (gemv_cpu.BF16_ROWS) whose speed depends on the CPU; `choose_bf16_row`
+times both over the model's weights and each Linear keeps `bf16_row`.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class Linear(nn.Linear):
     qweight: torch.Tensor | None = None     # [out, in] int8 (quantization.quantize)
     qscale: torch.Tensor | None = None      # [out]
     gemv_rows: int = 0                       # rows up to which gemv_cpu runs (choose_gemv)
+    bf16_row: str = gemv_cpu.BF16_ROWS[0]    # its loop for bf16 x over a bf16 weight (choose_bf16_row)
     lora: RowCorrection | None = None        # each row's adapter correction, once an adapter bank installs it
 
     @property
@@ -86,7 +89,7 @@ class Linear(nn.Linear):
         """The few-row kernel over whichever weight this Linear holds (int8 with its scales)."""
         if self.qweight is not None:
             return gemv_cpu.gemv(x, self.qweight, self.qscale, self.bias)
-        return gemv_cpu.gemv(x, self.weight, None, self.bias)
+        return gemv_cpu.gemv(x, self.weight, None, self.bias, self.bf16_row)
 
     @torch.no_grad()
     def quantize(self, release: bool) -> None:
@@ -267,3 +270,53 @@ def choose_gemv(model: nn.Module, record: execution.ExecutionPlan, timer: GemvTi
         chosen.setdefault(rows, []).append(name)
     body = "; ".join(f"rows<={r} on {','.join(shapes)}" for r, shapes in sorted(chosen.items(), reverse=True) if r)
     return f"gemv {body}" if body else "gemv: none (the library path was as fast at every shape)"
+
+
+# (modules, rows) -> {loop: seconds for one pass of gemv_cpu over every module at `rows` rows}.
+Bf16RowTimer = Callable[[list[Linear], int], dict[str, float]]
+
+
+@torch.inference_mode()
+def time_bf16_row(group: list[Linear], rows: int) -> dict[str, float]:
+    """Each of gemv_cpu.BF16_ROWS over every module in group at `rows` bf16 rows, as a decode step streams
+    the weights (one after the other, not one weight hot in cache), by the plan's timer."""
+    xs = {m.in_features: torch.randn(rows, m.in_features, dtype=torch.bfloat16) for m in group}
+
+    def one_pass(loop: str) -> None:
+        for m in group:
+            gemv_cpu.gemv(xs[m.in_features], m.weight, None, m.bias, loop)
+    return execution.fastest({loop: (lambda loop=loop: one_pass(loop)) for loop in gemv_cpu.BF16_ROWS})
+
+
+def choose_bf16_row(model: nn.Module, record: execution.ExecutionPlan, timer: Bf16RowTimer | None = None) -> str:
+    """Set bf16_row on every Linear of a bf16 model whose bf16 weight runs gemv_cpu (after choose_gemv;
+    the `gemv_bf16_row` path of record). Pinned: that loop. Auto: one pass over all of them per loop and
+    row count (the plan's timer: fastest of REPS interleaved rounds), and interleave4 replaces the default
+    rowwise only where it beats it (plan.beats) at one row and no row count beats it: one loop for every
+    row count, so a row's sums do not depend on the batch. The chosen loop, or why rowwise."""
+    default, challenger = execution.PATHS["gemv_bf16_row"]
+    pin = record.pinned("gemv_bf16_row")
+    group = [m for m in model.modules() if isinstance(m, Linear) and m.gemv_rows and m.qweight is None
+             and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
+    chosen, timings, reason = default if pin == execution.AUTO else pin, [], ""
+    if not group:
+        reason = "no bf16 weight runs the few-row kernel"
+    elif not gemv_cpu.load().bf16_dot():
+        reason = "no bf16 dot product on this CPU: both loops widen to the fp32 one"
+    elif pin == execution.AUTO:
+        timer = timer or time_bf16_row
+        wins: dict[int, bool] = {}
+        for rows in range(1, max(m.gemv_rows for m in group) + 1):
+            at = [m for m in group if m.gemv_rows >= rows]
+            best = timer(at, rows)
+            timings += [execution.Timing(loop, best[loop], rows) for loop in (default, challenger)]
+            wins[rows] = execution.beats(best[challenger], best[default]) or \
+                (rows > 1 and not execution.beats(best[default], best[challenger]))
+        chosen = challenger if all(wins.values()) else default
+        reason = f"timed over {len(group)} bf16 weights"
+    if pin != execution.AUTO:
+        reason = f"pinned by --fast-paths gemv_bf16_row={pin}" + (f"; {reason}" if reason else "")
+    for m in group:
+        m.bf16_row = chosen
+    record.record("gemv_bf16_row", chosen, timings, reason)
+    return f"gemv bf16 loop: {chosen} ({reason})"

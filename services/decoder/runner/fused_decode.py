@@ -220,7 +220,7 @@ def _projection(linear: Linear, tiles: bool) -> decode_stack_cpu.Projection:
     panels = tile_gemm_cpu.pack(linear.weight) if tiles and tile_gemm_cpu.fits(linear.weight) else None
     return decode_stack_cpu.Projection(linear.weight, None, linear.bias, linear.gemv_rows, linear.packed,
                                        (rule.starts, rule.packed) if rule is not None else ((1,), (False,)),
-                                       panels)
+                                       panels, linear.bf16_row)
 
 
 def _layers(model: CausalLM, cache: KVCache, tiles: bool = False) -> list[decode_stack_cpu.LayerWeights]:

@@ -21,7 +21,7 @@ from services.common.plan import ExecutionPlan, Pins
 from services.decoder.engine.step import ScheduledChunk, StepInput, StepOutput
 from services.decoder.model.decoder import CausalLM
 from services.decoder.model.glue import choose as choose_glue
-from services.decoder.model.linear import choose_gemv, pack_linears, quantize_linears
+from services.decoder.model.linear import choose_bf16_row, choose_gemv, pack_linears, quantize_linears
 from services.decoder.model.loader import load_model
 from services.decoder.model.screen import build as build_screen
 from services.decoder.runner.attention import PagedAttention, Workspace, choose_decode_backend
@@ -61,6 +61,8 @@ class Runner:
         pack_linears(model, plan)
         # Then the few-row kernel where it beats that path (decode at batch 1 to 4), by timing.
         choose_gemv(model, plan)
+        # And its loop for bf16 activations over bf16 weights, by timing both at this model's weights.
+        choose_bf16_row(model, plan)
         # RMSNorm and SiLU(gate) * up by the C++ row ops or torch's, per op by timing (model/glue.py).
         choose_glue(model, plan)
         self.config = cfg = model.config

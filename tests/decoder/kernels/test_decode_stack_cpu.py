@@ -14,6 +14,7 @@ from services.decoder.kernels.decode_stack_cpu import (
     decode_stack_ref,
     make_stack,
 )
+from services.decoder.kernels.gemv_cpu import BF16_ROWS
 from services.decoder.model.quantization import quantize
 from tests.tolerance import assert_close
 
@@ -82,12 +83,21 @@ def clone(layers: list[LayerWeights]) -> list[LayerWeights]:
             for w in layers]
 
 
-def check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias, library="plain", gemv_rows=KERNEL_ROWS):
+def run_loop(layers: list[LayerWeights], loop: str) -> None:
+    """Every projection's few-row kernel over bf16 x and weights runs `loop` (gemv_cpu.BF16_ROWS)."""
+    for w in layers:
+        for p in (w.qkv, w.o, w.gate_up, w.down):
+            p.bf16_row = loop
+
+
+def check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias, library="plain", gemv_rows=KERNEL_ROWS,
+          loop=BF16_ROWS[0]):
     g = torch.Generator().manual_seed(rows * 100 + heads * 10 + block_size)
     shape = Shape(heads, kv_heads, head_dim, hidden=64, intermediate=96, eps=1e-5)
     lengths = [1 + (37 * r + 2 * block_size * (r % 2)) % 40 for r in range(rows)]
     num_blocks = rows * -(-40 // block_size) + 8
     layers, final = model(kind, shape, qk_norm, bias, num_blocks, block_size, g, library, gemv_rows)
+    run_loop(layers, loop)
     x, cos, sin, slots, tables, lens = step(rows, lengths, block_size, num_blocks, shape, DTYPES[kind], g)
     ref_layers = clone(layers)
     expected = decode_stack_ref(shape, ref_layers, final, x.clone(), cos, sin, slots, tables, lens)
@@ -114,6 +124,13 @@ def test_few_rows_match_reference(kind, rows, heads, kv_heads, head_dim, block_s
     check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias)
 
 
+@pytest.mark.parametrize("loop", BF16_ROWS)
+@pytest.mark.parametrize("rows", range(1, KERNEL_ROWS + 1))
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,qk_norm,bias", SHAPES)
+def test_bf16_loops_match_reference(loop, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias):
+    check("bf16", rows, heads, kv_heads, head_dim, block_size, qk_norm, bias, loop=loop)
+
+
 @pytest.mark.parametrize("kind,library", [(k, lib) for k in ("fp32", "bf16") for lib in ("plain", "packed", "both")]
                          + [("bf16", "widened")])     # only a bf16 weight has a wider copy
 @pytest.mark.parametrize("rows,gemv_rows", [(2, 1), (KERNEL_ROWS + 1, KERNEL_ROWS), (16, 2)])
@@ -125,11 +142,12 @@ def test_rows_past_gemv_rows_run_the_library_matmuls(kind, rows, gemv_rows, libr
     check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias, library, gemv_rows)
 
 
-@pytest.mark.parametrize("kind", ["fp32", "bf16"])
-def test_a_row_is_independent_of_the_others_and_the_thread_count_bit_for_bit(kind):
+@pytest.mark.parametrize("kind,loop", [("fp32", BF16_ROWS[0])] + [("bf16", loop) for loop in BF16_ROWS])
+def test_a_row_is_independent_of_the_others_and_the_thread_count_bit_for_bit(kind, loop):
     g = torch.Generator().manual_seed(7)
     shape = Shape(4, 2, 64, hidden=128, intermediate=192, eps=1e-6)
     layers, final = model(kind, shape, False, True, 64, 16, g)
+    run_loop(layers, loop)
     x, cos, sin, slots, tables, lens = step(4, [5, 70, 33, 128], 16, 64, shape, DTYPES[kind], g)
     stack = make_stack(shape, layers, final)
     caches = [(w.k_cache.clone(), w.v_cache.clone()) for w in layers]
