@@ -65,11 +65,12 @@ def peft_mixed(base_folder: Path, folders: dict[str, Path]) -> PeftModel:
 def lora_engine(base_folder: Path, *, slots: int = 4, max_rank: int = 8, cpu_loras: int = 8,
                 targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
                 block_size: int = 4, num_blocks: int = 128, budget: int = 64, max_seqs: int = 8,
-                prefix_caching: bool = True, speculative=None,
-                device: str = "cpu") -> tuple[EngineCore, AdapterRegistry]:
-    """EngineCore + Runner with an adapter bank, registry and leases (no adapters yet)."""
+                prefix_caching: bool = True, speculative=None, device: str = "cpu",
+                fast_paths: str = "screen=on") -> tuple[EngineCore, AdapterRegistry]:
+    """EngineCore + Runner with an adapter bank, registry and leases (no adapters yet); fast_paths: the CPU
+    runner's pins (off CPU none: the screen is CPU-only)."""
     runner = Runner.from_folder(base_folder, "fp32", block_size, num_blocks, device,
-                                fast_paths="screen=on" if device == "cpu" else "")   # the screen is CPU-only
+                                fast_paths=fast_paths if device == "cpu" else "")
     bank = AdapterBank(runner.model, targets, slots, max_rank)
     runner.attach_lora(bank)
     registry = AdapterRegistry(bank, cpu_loras)
