@@ -18,6 +18,7 @@ from services.decoder.engine.step import SamplingParams, StepInput
 from services.decoder.runner import Runner
 from tests.decoder.drive import drive
 from tests.decoder.model.checkpoints import TINY_SHAPE
+from tests.decoder.model.test_quantization import dequantized_reference
 from tests.decoder.runner.driver import BlockAllocator, Seq
 from tests.tolerance import assert_close
 
@@ -89,3 +90,19 @@ def check_chunks_then_decode(runner: Runner, ref, tokens: list[int]) -> None:
                                 pad_token_id=0)[0, n:].tolist()
     assert produced == expected
 
+
+
+def check_int8_decode(folder) -> None:
+    """int8 weights: a 6-token chunk, then 4 steps, each step's logits equal transformers' model with every
+    Linear's weight replaced by what the int8 path computes with."""
+    runner = Runner.from_folder(folder, "fp32", block_size=BLOCK, num_blocks=32, quantization="int8")
+    assert runner.quantization.startswith("int8: ")
+    ref = dequantized_reference(folder)
+    alloc, seq = BlockAllocator(32), Seq("a", [7, 9, 11, 13, 40, 41, 42, 100, 101, 150, 5])
+    runner.logits(StepInput([seq.chunk(6, alloc, BLOCK)]))
+    for _ in range(4):
+        logits, _ = runner.logits(StepInput([seq.chunk(len(seq.tokens) - seq.computed, alloc, BLOCK)]))
+        with torch.no_grad():
+            want = ref(torch.tensor([seq.tokens])).logits[0, -1]
+        assert_close(logits[0], want, dtype=torch.int8, **TINY_SHAPE)
+        seq.tokens.append(int(logits[0].argmax()))

@@ -26,11 +26,11 @@ from services.decoder.runner import Runner
 from tests.decoder.families.engine_parity import (
     check_chunks_preemption_and_n,
     check_chunks_then_decode,
+    check_int8_decode,
     check_prefix_hit,
 )
 from tests.decoder.model.checkpoints import TINY_SHAPE, build, greedy_reference, load_reference
 from tests.decoder.model.test_model import causal_attention
-from tests.decoder.model.test_quantization import dequantized_reference
 from tests.decoder.runner.driver import BlockAllocator, Seq
 from tests.tolerance import assert_close, is_close
 
@@ -202,17 +202,7 @@ def test_bf16_runner_tracks_fp32(folders, references, family):
 
 @pytest.mark.parametrize("family", CASES)
 def test_int8_runner_matches_the_dequantized_reference(folders, family):
-    runner = Runner.from_folder(folders[family], "fp32", block_size=BLOCK, num_blocks=32, quantization="int8")
-    assert runner.quantization.startswith("int8: ")
-    ref = dequantized_reference(folders[family])
-    alloc, seq = BlockAllocator(32), Seq("a", [7, 9, 11, 13, 40, 41, 42, 100, 101, 150, 5])
-    runner.logits(StepInput([seq.chunk(6, alloc, BLOCK)]))
-    for _ in range(4):
-        logits, _ = runner.logits(StepInput([seq.chunk(len(seq.tokens) - seq.computed, alloc, BLOCK)]))
-        with torch.no_grad():
-            want = ref(torch.tensor([seq.tokens])).logits[0, -1]
-        assert_close(logits[0], want, dtype=torch.int8, **TINY_SHAPE)
-        seq.tokens.append(int(logits[0].argmax()))
+    check_int8_decode(folders[family])
 
 
 @pytest.mark.parametrize("family", CASES)
