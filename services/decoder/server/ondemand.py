@@ -36,7 +36,7 @@ from pathlib import Path
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.common import compute
-from services.common.errors import AdapterNotFound, InvalidArgument, Overloaded, TesseraError
+from services.common.errors import AdapterNotFound, InvalidArgument, Overloaded, TesseraError, Unsupported
 from services.common.metrics import LATENCY_BUCKETS
 from services.decoder.engine.request import AdapterRef
 from services.decoder.lora import AdapterRegistry, AdapterStatus, LoraWeights
@@ -52,7 +52,7 @@ log = logging.getLogger("tessera.decoder.lora")
 MAX_LOADS = 2
 
 _LOADS = Counter("tessera_decoder_adapter_on_demand_loads", "adapters looked up in --lora-root on first use, "
-                 "by result (loaded, not_found, invalid, full)", ["result"])
+                 "by result (loaded, not_found, invalid, full, error)", ["result"])
 _LOADING = Gauge("tessera_decoder_adapter_on_demand_loading", "on-demand adapter loads in progress")
 _EVICTED = Counter("tessera_decoder_adapter_on_demand_evictions",
                    "on-demand adapters unregistered to make room for another")
@@ -69,9 +69,12 @@ class _Loaded:
 
 
 def _result(exc: TesseraError) -> str:
+    """The load counter's label for a failed load."""
     if isinstance(exc, AdapterNotFound):
         return "not_found"
-    return "full" if isinstance(exc, Overloaded) else "invalid"
+    if isinstance(exc, Overloaded):
+        return "full"
+    return "invalid" if isinstance(exc, InvalidArgument | Unsupported) else "error"
 
 
 class OnDemand:

@@ -13,10 +13,13 @@ import shutil
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from prometheus_client import REGISTRY
+from safetensors.torch import load_file, save_file
 
 from services.common.pb import decoder_pb2, decoder_pb2_grpc
 from tests.decoder.lora.adapters import Spec, write_adapter
@@ -24,6 +27,21 @@ from tests.decoder.lora.test_service_lora import generate, listed, rpc_error, wa
 from tests.loops import LoopThread
 
 D = decoder_pb2
+
+
+MANY = 24      # adapters under root/many, named many/00 ...
+
+
+def write_many(like: Path, out: Path, count: int) -> None:
+    """`count` adapters shaped as `like` with random weights of their own, as out/00, out/01, ..."""
+    tensors = load_file(like / "adapter_model.safetensors")
+    gen = torch.Generator().manual_seed(7)
+    for i in range(count):
+        folder = out / f"{i:02d}"
+        folder.mkdir(parents=True)
+        shutil.copy(like / "adapter_config.json", folder)
+        save_file({k: 0.5 * torch.randn(t.shape, generator=gen) for k, t in tensors.items()},
+                  folder / "adapter_model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +61,7 @@ def server(tiny_chat_model, tmp_path_factory):
     shutil.copytree(good, root / "broken")
     (root / "broken" / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
     (root / "plain").mkdir()
+    write_many(root / "two", root / "many", MANY)
     os.symlink(outside / "secret", root / "escape")
     loop = LoopThread()
     cfg = DecoderConfig(model=str(tiny_chat_model), num_blocks=64, block_size=4, max_num_batched_tokens=32,
@@ -235,3 +254,22 @@ def test_on_demand_needs_the_root(tiny_chat_model):
     from services.decoder.server.config import DecoderConfig
     with pytest.raises(ValueError, match="lora_on_demand"):
         DecoderConfig(model=str(tiny_chat_model), lora_on_demand=True)
+
+
+def test_many_adapters_cycle_through_a_small_registry(stub):
+    """Two clients walk 24 adapters on disk with room for two registered: every request is served, each
+    cold name is loaded once per walk, and the registry never grows past --max-cpu-loras."""
+    loads = metric("tessera_decoder_adapter_on_demand_loads_total", result="loaded")
+    names = [f"many/{i:02d}" for i in range(MANY)]
+    outputs = {}
+
+    def walk(part):
+        for name in part:
+            outputs[name] = generate(stub, name, max_tokens=3)[0]
+            assert len(listed(stub)) <= 3
+    joins = [in_thread(lambda part=part: walk(part)) for part in (names[::2], names[1::2])]
+    for join in joins:
+        join()
+    assert metric("tessera_decoder_adapter_on_demand_loads_total", result="loaded") == loads + MANY
+    assert len(set(map(tuple, outputs.values()))) > MANY // 2      # their own weights, mostly their own tokens
+    assert generate(stub, names[0], max_tokens=3)[0] == outputs[names[0]]   # reloaded alike
