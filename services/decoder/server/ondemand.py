@@ -68,6 +68,14 @@ class _Loaded:
     used: int
 
 
+def _check_name(name: str) -> None:
+    """check_name, for the request's `model` (the name is the request's, not a load call's)."""
+    try:
+        check_name(name)
+    except InvalidArgument as exc:
+        raise InvalidArgument(exc.message, param="model") from None
+
+
 def _result(exc: TesseraError) -> str:
     """The load counter's label for a failed load."""
     if isinstance(exc, AdapterNotFound):
@@ -147,7 +155,7 @@ class OnDemand:
         """The digest `name` was registered with, after the load it shares with the other requests for it."""
         if not self.enabled:
             raise AdapterNotFound(f"adapter {name!r} is not loaded", param="model")
-        check_name(name)
+        _check_name(name)
         task = self._loading.get(name)
         if task is None or task.done():
             task = asyncio.ensure_future(self._load(name))
@@ -188,7 +196,7 @@ class OnDemand:
 
     def _folder(self, name: str) -> Path:
         """--lora-root/name, confined as LoadAdapter's paths are, holding a PEFT config."""
-        check_name(name)
+        _check_name(name)
         try:
             folder = self.resolve(name)
         except InvalidArgument:
