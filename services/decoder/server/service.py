@@ -305,6 +305,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             speculative_decoding=_speculative(st.engine_config.speculative),
             tool_call_parser=self.cfg.tool_call_parser, quantization=st.info.quantization,
             max_loras=self.cfg.max_loras if st.adapters else 0, max_lora_rank=self.cfg.max_lora_rank,
+            lora_on_demand=bool(st.adapters) and self.cfg.lora_on_demand,
             limits=self._limits(st).to_proto(),
             stats=decoder_pb2.EngineStats(
                 free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, running=s.num_running,
