@@ -30,7 +30,7 @@ from services.common.pb import decoder_pb2
 
 from .backends import Backend
 from .routes.common import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, StrictBody
-from .routing import Route
+from .routing import Route, prefix_key
 from .structured_output import DECODER_PARAM, StructuredFields
 
 log = logging.getLogger("tessera.gateway.generation")
@@ -225,7 +225,8 @@ class Generation:
     async def _first(self, request: decoder_pb2.GenerateRequest):
         """(first message or None, its stream): each candidate at most once while it answers UNAVAILABLE
         before its first message, which is when a retry cannot duplicate or lose any output."""
-        candidates = await self._route.candidates()
+        key = prefix_key(request)
+        candidates = await self._route.candidates(key)
         for i, backend in enumerate(candidates):
             stream = self._open(backend, request)
             try:
@@ -238,7 +239,7 @@ class Generation:
                 log.warning("%s before the first token (request_id=%s); retrying on %s", err.message,
                             request.request_id, candidates[i + 1].label)
                 continue
-            self._route.answered(backend)
+            self._route.answered(backend, key)
             return first, stream
         raise Internal("no decoder replica to call")  # unreachable: candidates is never empty
 

@@ -92,6 +92,36 @@ def test_streams_spread_by_outstanding_requests(replicas):
     assert grown[0] > 0 and grown[0] == grown[1], (before, after)
 
 
+def test_prefix_affinity_follows_the_replica_that_served_the_prompt_start(replicas):
+    """A call whose prompt starts as an earlier one's goes where that one went (its KV blocks are cached
+    there), though ties by load would pick the first replica; another prompt start does not follow."""
+    http, addresses = replicas["http"], replicas["addresses"]
+    system = "You are a careful assistant who answers in one short sentence. " * 6     # > PREFIX_CHARS
+
+    def chat(question: str) -> None:
+        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+                "max_tokens": 2, "temperature": 0}
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+    with http.stream("POST", "/v1/chat/completions", json=LONG) as busy:
+        held = first_events(busy, 2)        # replica 0 carries a stream: the first call goes to replica 1
+        before = admitted(addresses)
+        chat("What is 2 + 2?")
+        after = admitted(addresses)
+        del held
+    assert after[0] == before[0] and after[1] > before[1], (before, after)
+    before = admitted(addresses)
+    for question in ("What is 3 + 3?", "Name a colour.", "Say hello."):
+        chat(question)                     # both replicas idle now: the prompt start decides
+    after = admitted(addresses)
+    assert after[0] == before[0] and after[1] > before[1], (before, after)
+    body = {"messages": [{"role": "user", "content": "A short question without a shared start?"}], "max_tokens": 2}
+    before = admitted(addresses)
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    after = admitted(addresses)
+    assert after[0] > before[0] and after[1] == before[1], (before, after)
+
+
 def test_adapter_affinity_prefers_the_resident_replica(replicas):
     loop = LoopThread()
     cfg = replicas["cfg"]

@@ -84,9 +84,17 @@ class DecoderConfig:
     max_cpu_loras: int = option(16, "adapters registered on the host (>= --max-loras); the rest wait for a slot")
     lora_targets: tuple[str, ...] = option(LORA_TARGETS, "projections that can carry adapters (repeatable)",
                                            metavar="PROJ")
-    lora_root: str = option("", "folder that LoadAdapter paths are confined to; empty refuses runtime loads",
+    lora_root: str = option("", "folder that LoadAdapter paths (and --lora-on-demand names) are confined to; "
+                                "empty refuses runtime loads",
                             metavar="DIR")
     lora: tuple[str, ...] = option((), "preload an adapter at start: NAME=DIR (repeatable)", metavar="NAME=DIR")
+    lora_on_demand: bool = option(False, "load an adapter that a request names and nobody registered from "
+                                         "--lora-root/NAME on first use, as LoRAX and vLLM's filesystem resolver "
+                                         "do: read off the engine thread, two at a time, while other requests "
+                                         "run; with --max-cpu-loras registered, the least recently used idle "
+                                         "adapter loaded this way is unregistered first (never a --lora or "
+                                         "LoadAdapter one). Off by default: it lets every client, not only the "
+                                         "admin, load any adapter folder under --lora-root")
     # Speculative decoding (services/decoder/engine/drafter.py), vLLM's flag and keys.
     speculative_config: str = option(
         "", 'n-gram (prompt lookup) speculative decoding as JSON, e.g. \'{"method": "ngram", '
@@ -140,6 +148,8 @@ class DecoderConfig:
             raise ValueError(f"lora: a name is given twice in {names}")
         if self.lora and not self.max_loras:
             raise ValueError("lora: preloading adapters needs --max-loras >= 1")
+        if self.lora_on_demand and not (self.lora_root and self.max_loras):
+            raise ValueError("lora_on_demand loads adapters from --lora-root DIR: set it, and --max-loras >= 1")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
