@@ -11,6 +11,9 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from services.common.errors import InvalidArgument
 from services.decoder.engine.step import SamplingParams, StepInput
@@ -19,6 +22,7 @@ from services.decoder.lora.pool import step_rows
 from services.decoder.model.loader import load_model
 from tests.decoder.lora.adapters import Spec, lora_engine, peft_mixed, register, write_adapter
 from tests.decoder.lora.test_engine_lora import drive, run_one
+from tests.decoder.lora.test_registry import NAMES, RegistryMachine
 from tests.decoder.model.checkpoints import TINY_SHAPE, build
 from tests.decoder.runner.driver import BlockAllocator, Seq
 from tests.tolerance import assert_close, is_close
@@ -334,3 +338,56 @@ def test_64_distinct_adapters_in_one_batch_match_peft(tmp_path_factory):
     assert [tokens[str(i)] for i in range(64)] == out[:, 6:].tolist()
     core.check_idle()
     assert registry.total_refs == 0
+
+
+# -- the registry over the pool: random calls, what must always hold ----------------------------------
+
+class PoolRegistryMachine(RegistryMachine):
+    """test_registry's machine over a pool that holds about two of its adapters (ranks 1..3, so one
+    eviction may or may not make room): None from acquire only when even every idle adapter gone would
+    not; a leased adapter always reads back exactly; the pool within its budget."""
+
+    def __init__(self):
+        RuleBasedStateMachine.__init__(self)
+        probe = AdapterPool(load_model(POOL_MODEL[0]), budget_bytes=2**30)
+        unit = probe.footprint(make_weights(probe, 0, 1, ("q_proj", "down_proj")))
+        self.reg = AdapterRegistry(AdapterPool(load_model(POOL_MODEL[0]), budget_bytes=5 * unit, max_rank=4),
+                                   max_cpu_loras=4)
+        self.weights = [make_weights(self.reg.bank, s, 1 + s % 3, ("q_proj", "down_proj")) for s in range(4)]
+        self.leases = []
+
+    @rule(name=st.sampled_from(NAMES))
+    def acquire(self, name):
+        entry = self.reg.entries.get(name)
+        if entry is None:
+            return
+        before = dict(self.reg.resident)
+        idle = [h for h, r in self.reg.residents.items() if r.refs == 0]
+        slot = self.reg.acquire(name, entry.digest)
+        if slot is None:
+            assert not self.reg.bank.would_fit(entry.weights, idle) and self.reg.resident == before
+        else:
+            self.leases.append((name, slot, entry.digest))
+
+    @invariant()
+    def consistent(self):
+        reg = self.reg
+        for slot, held in reg.residents.items():
+            assert held.refs == sum(s == slot for _, s, _ in self.leases)
+        for name, entry in reg.entries.items():
+            assert entry.refs == sum(n == name for n, _, _ in self.leases)
+        for name, slot, digest in self.leases:
+            w = reg.entries[name].weights
+            assert w.digest == digest and reg.resident[digest] == slot and holds(reg.bank, slot, w)
+        assert set(reg.residents) == set(reg.bank.placed) and len(reg.resident) == len(reg.residents)
+        assert reg.bank.used_bytes <= reg.bank.budget and reg.bank.nbytes <= reg.bank.budget
+
+
+POOL_MODEL: list = []
+
+
+def test_registry_over_pool_state_machine(model_folder):
+    POOL_MODEL[:] = [model_folder]
+    PoolRegistryMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
+                                                     suppress_health_check=list(HealthCheck))
+    PoolRegistryMachine.TestCase().runTest()
