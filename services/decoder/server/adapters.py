@@ -1,4 +1,4 @@
-"""The decoder service's LoRA side: bank + registry + leases through the engine, admin paths, metrics.
+"""The decoder service's LoRA side: adapter store + registry + leases through the engine, admin paths, metrics.
 
 Who runs what:
 - reading and validating a PEFT folder is slow file work: it runs off the event loop
@@ -41,7 +41,8 @@ class Adapters:
     """LoRA for one loaded decoder. Install once, before the engine starts."""
 
     def __init__(self, cfg: DecoderConfig, engine: AsyncEngine):
-        self.bank = engine.install_adapters(cfg.lora_targets, cfg.max_loras, cfg.max_lora_rank)
+        self.bank = engine.install_adapters(cfg.lora_targets, cfg.max_loras, cfg.max_lora_rank,
+                                            int(cfg.lora_memory_gb * 2**30))
         self.registry = AdapterRegistry(self.bank, cfg.max_cpu_loras)
         self.leases = AdapterLeases(self.registry)
         engine.use_leases(self.leases)
@@ -60,10 +61,9 @@ class Adapters:
             status = self.registry.register(name, self.read(Path(folder)))
             log.info("preloaded adapter %s from %s: rank %d on %s, slot %d, digest %s", name, folder,
                      status.rank, ",".join(status.targets), status.slot, status.digest[:12])
-        log.info("LoRA: backend %s, %d slots of rank %d on %s (%.1f MiB), up to %d registered, root %s%s",
-                 self.bank.backend, self.bank.num_slots, self.bank.max_rank, ",".join(self.bank.targets),
-                 self.bank.nbytes / 2**20, cfg.max_cpu_loras, self.root or "(runtime loads disabled)",
-                 ", loaded on demand by name" if cfg.lora_on_demand else "")
+        log.info("LoRA: backend %s, %s on %s, up to %d registered, root %s%s", self.bank.backend,
+                 self.bank.describe(), ",".join(self.bank.targets), cfg.max_cpu_loras,
+                 self.root or "(runtime loads disabled)", ", loaded on demand by name" if cfg.lora_on_demand else "")
         self.export_registry()
 
     # -- loading ------------------------------------------------------------------
@@ -108,7 +108,8 @@ class Adapters:
         r = self.registry
         _SLOTS.labels("leased").set(r.slots_leased)
         _SLOTS.labels("filled").set(r.slots_in_use)
-        _SLOTS.labels("total").set(self.bank.num_slots)
+        if self.bank.num_slots is not None:       # the CPU pool has no slot count
+            _SLOTS.labels("total").set(self.bank.num_slots)
         _REGISTERED.set(len(r.entries))
         _LEASES.set(r.total_refs)
         _LOADS.set(r.num_slot_loads)

@@ -71,9 +71,16 @@ class DecoderConfig:
                                                   " the chat template must render tools")
     tool_call_parser: str = option("", f"the model's tool-call format, named as in vLLM: {TOOL_CALL_PARSERS_HELP};"
                                        f" needs --enable-auto-tool-choice", metavar="NAME")
-    # LoRA adapters (services/decoder/lora). --max-loras 0 installs no bank at all.
-    max_loras: int = option(4, "adapter slots resident on the device (adapters in one batch); 0 disables LoRA")
-    max_lora_rank: int = option(16, "largest adapter rank; every slot is padded to it")
+    # LoRA adapters (services/decoder/lora). --max-loras 0 installs no adapter store at all; on CPU the
+    # adapters live in a byte-budgeted pool (lora/pool.py), on CUDA in --max-loras fixed slots (lora/bank.py).
+    max_loras: int = option(4, "CUDA: adapter slots resident on the device (adapters in one batch); CPU: no cap "
+                               "(adapters share the --lora-memory-gb pool); 0 disables LoRA")
+    max_lora_rank: int = option(16, "largest adapter rank; on CUDA every slot is padded to it, on CPU it only "
+                                    "bounds ranks")
+    lora_memory_gb: float = option(1.0, "CPU: GiB that resident adapters may take (each adapter costs its rank "
+                                        "times (in + out) of every projection it covers, in the serving dtype; "
+                                        "idle ones are evicted least recently used first when a request needs "
+                                        "room); unused on CUDA", metavar="GB")
     max_cpu_loras: int = option(16, "adapters registered on the host (>= --max-loras); the rest wait for a slot")
     lora_targets: tuple[str, ...] = option(LORA_TARGETS, "projections that can carry adapters (repeatable)",
                                            metavar="PROJ")
@@ -126,6 +133,8 @@ class DecoderConfig:
     def _check_lora(self) -> None:
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError("max_loras must be >= 0 and max_lora_rank at least 1")
+        if not self.lora_memory_gb > 0:
+            raise ValueError("lora_memory_gb must be positive")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         bad = sorted(set(self.lora_targets) - set(LORA_TARGETS))
