@@ -33,7 +33,8 @@ from bench.workload import SMOLLM2, run_vllm_peer  # noqa: E402
 from services.decoder.engine.config import EngineConfig  # noqa: E402
 from services.decoder.engine.engine_core import EngineCore  # noqa: E402
 from services.decoder.engine.step import SamplingParams  # noqa: E402
-from services.decoder.lora import AdapterBank, AdapterLeases, AdapterRegistry, adapter_request, load_peft  # noqa: E402
+from services.decoder.lora import AdapterLeases, AdapterRegistry, adapter_request, load_peft  # noqa: E402
+from services.decoder.lora.pool import AdapterPool  # noqa: E402
 from services.decoder.runner.runner import Runner  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -73,19 +74,20 @@ def make_adapters(folder: Path, count: int, seed: int = 0, ranks: tuple[int, ...
 
 
 class Engine:
-    """The in-process engine as the decoder service runs it, with an adapter bank when `folders` is given."""
+    """The in-process engine as the decoder service runs it on CPU, with its adapter pool (a 1 GiB budget, as
+    --lora-memory-gb's default) when `folders` is given."""
 
-    def __init__(self, folders: dict[str, Path] | None, num_blocks: int = 2048):
-        self.runner = Runner.from_folder(SMOLLM2, "fp32", 16, num_blocks)
+    def __init__(self, folders: dict[str, Path] | None, dtype: str = "fp32", targets: tuple[str, ...] = TARGETS,
+                 rank: int = RANK, num_blocks: int = 2048):
+        self.runner = Runner.from_folder(SMOLLM2, dtype, 16, num_blocks)
         self.registry = None
         leases = None
         if folders is not None:
-            bank = AdapterBank(self.runner.model, TARGETS, len(folders), RANK)
-            self.runner.attach_lora(bank)
-            self.registry = AdapterRegistry(bank, len(folders))
+            pool = AdapterPool(self.runner.model, targets, 2**30, rank)
+            self.runner.attach_lora(pool)
+            self.registry = AdapterRegistry(pool, len(folders))
             for name, folder in folders.items():
-                self.registry.register(name, load_peft(folder, layers=bank.shapes, max_rank=RANK,
-                                                       dtype=bank.dtype))
+                self.registry.register(name, load_peft(folder, layers=pool.shapes, max_rank=rank, dtype=pool.dtype))
             leases = AdapterLeases(self.registry)
         # Prefix caching off: the same prompts run several times and must cost the same each time.
         self.core = EngineCore(self.runner, EngineConfig(

@@ -118,8 +118,9 @@ async def drive(port: int, prompts: list[list[int]], adapters: list[str | None],
 def start_decoder(port: int, root: Path, threads: int, rank: int, registered: int, memory_gb: float,
                   log: Path) -> subprocess.Popen:
     argv = [sys.executable, "-m", "services.decoder", "--model", str(SMOLLM2), "--host", "127.0.0.1",
-            "--port", str(port), "--threads", str(threads), "--insecure-no-auth", "--lora-root", str(root), "--lora-on-demand",
-            "--max-cpu-loras", str(registered), "--max-lora-rank", str(rank), "--lora-memory-gb", str(memory_gb),
+            "--port", str(port), "--threads", str(threads), "--insecure-no-auth", "--lora-root", str(root),
+            "--lora-on-demand", "--max-cpu-loras", str(registered), "--max-lora-rank", str(rank),
+            "--lora-memory-gb", str(memory_gb),
             "--max-num-seqs", "64", "--no-enable-prefix-caching"]
     for target in ZIPF_TARGETS:
         argv += ["--lora-targets", target]
