@@ -102,6 +102,8 @@ class Runner:
         if self.model.get_submodule(name).lora is not slots:
             raise ValueError("the adapter store is not installed on this runner's model")
         self.lora = bank
+        if self.fused_decode is not None:
+            self.fused_decode.attach_lora(bank)
 
     @classmethod
     def from_folder(cls, folder: str | Path, dtype: str | torch.dtype = "fp32", block_size: int = 16,
@@ -151,10 +153,10 @@ class Runner:
         # The per-step adapter grouping is built once here and shared by every layer.
         scope = self.lora.activate(batch.lora_spans, len(batch.input_ids)) if self.lora is not None \
             else nullcontext()
-        if self.fused_decode is not None and self.fused_decode.applies(batch):
-            hidden = self.fused_decode(embeds, batch.positions, batch.plan)
-        else:
-            with scope:
+        with scope as adapters:
+            if self.fused_decode is not None and self.fused_decode.applies(batch):
+                hidden = self.fused_decode(embeds, batch.positions, batch.plan, adapters)
+            else:
                 hidden = self.model(embeds, batch.positions, PagedAttention(self.cache, batch.plan, self.workspace))
         return hidden.index_select(0, batch.sample_rows), batch
 
