@@ -261,4 +261,30 @@ void rows(const X* x, int64_t ldx, Y* y, int64_t ldy, const W* A, const W* Bt, i
   });
 }
 
+// For the decode stack: a layer's arenas per target, and one step's spans.
+constexpr int TARGETS = 7;  // lora.weights.TARGETS: q, k, v, o, gate, up, down
+
+struct Arenas {
+  at::Tensor a[TARGETS], bt[TARGETS];  // undefined where the layer has none
+};
+
+// One step's rows: offsets/ranks [TARGETS, M] int32 (row t: target t); active[t]: some row has rank > 0.
+struct Step {
+  const int32_t* offsets = nullptr;
+  const int32_t* ranks = nullptr;
+  int64_t M = 0;
+  bool active[TARGETS] = {};
+
+  Step() = default;
+  Step(const int32_t* o, const int32_t* r, int64_t m) : offsets(o), ranks(r), M(m) {
+    for (int t = 0; t < TARGETS; ++t)
+      for (int64_t i = 0; i < M && !active[t]; ++i) active[t] = r[t * M + i] > 0;
+  }
+  bool any(int t0, int t1) const {
+    for (int t = t0; t < t1; ++t)
+      if (active[t]) return true;
+    return false;
+  }
+};
+
 }  // namespace tessera_lora
