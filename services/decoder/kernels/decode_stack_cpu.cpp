@@ -228,7 +228,7 @@ class DecodeStack {
       arenas.a[target] = arenas.bt[target] = at::Tensor();
       return;
     }
-    const Columns c = columns(static_cast<int>(target));
+    const tessera_lora::Columns c = columns(static_cast<int>(target));
     TORCH_CHECK(A->dim() == 2 && Bt->dim() == 2 && A->size(0) == Bt->size(0) && A->size(1) == c.k &&
                     Bt->size(1) == c.n && A->is_contiguous() && Bt->is_contiguous() && A->device().is_cpu() &&
                     Bt->device().is_cpu() && A->scalar_type() == dtype_ && Bt->scalar_type() == dtype_,
@@ -276,42 +276,12 @@ class DecodeStack {
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
 
-  // Target t's place: its projection's output columns [col, col + n) and input width k.
-  struct Columns {
-    int64_t col, n, k;
-  };
-  Columns columns(int t) const {
-    const int64_t q = H_ * D_, kv = KVH_ * D_;
-    switch (t) {
-      case 0: return {0, q, hidden_};                // q_proj: qkv's first H D columns
-      case 1: return {q, kv, hidden_};               // k_proj
-      case 2: return {q + kv, kv, hidden_};          // v_proj
-      case 3: return {0, hidden_, q};                // o_proj
-      case 4: return {0, inter_, hidden_};           // gate_proj: gate_up's first I columns
-      case 5: return {inter_, inter_, hidden_};      // up_proj
-      default: return {0, hidden_, inter_};          // down_proj
-    }
-  }
+  tessera_lora::Columns columns(int t) const { return tessera_lora::columns(t, H_, KVH_, D_, hidden_, inter_); }
 
   tessera_lora::Step lora_step(const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& ranks,
                                int64_t M) const {
-    TORCH_CHECK(offsets.has_value() == ranks.has_value(), "decode_stack: lora_offsets and lora_ranks come together");
-    if (!offsets.has_value()) return {};
-    for (const at::Tensor* t : {&*offsets, &*ranks})
-      TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->dim() == 2 &&
-                      t->size(0) == tessera_lora::TARGETS && t->size(1) == M && t->device().is_cpu(),
-                  "decode_stack: lora_offsets and lora_ranks must be contiguous int32 [", tessera_lora::TARGETS, ", ",
-                  M, "]");
-    const tessera_lora::Step step(offsets->data_ptr<int32_t>(), ranks->data_ptr<int32_t>(), M);
-    for (int t = 0; t < tessera_lora::TARGETS; ++t) {
-      if (!step.active[t]) continue;
-      for (size_t l = 0; l < layers_.size(); ++l) {
-        const at::Tensor& a = layers_[l].lora.a[t];
-        TORCH_CHECK(a.defined(), "decode_stack: rows of target ", t, " have adapters but layer ", l, " has no arena");
-        tessera_lora::check_spans(step.offsets + t * M, step.ranks + t * M, M, a.size(0), "decode_stack lora");
-      }
-    }
-    return step;
+    return tessera_lora::make_step(offsets, ranks, M, static_cast<int64_t>(layers_.size()),
+                                   [&](int64_t l) -> const tessera_lora::Arenas& { return layers_[l].lora; });
   }
 
   static at::Tensor norm_weight(const at::Tensor& w, int64_t n, const char* name) {
@@ -395,7 +365,7 @@ class DecodeStack {
       });
       for (int t = t0; t < t1; ++t) {
         if (!step.active[t]) continue;
-        const Columns c = columns(t);
+        const tessera_lora::Columns c = columns(t);
         tessera_lora::rows<BF16>(in, c.k, buf + c.col, width, L.lora.a[t].data_ptr<T>(), L.lora.bt[t].data_ptr<T>(),
                                  c.k, c.n, step.offsets + t * M, step.ranks + t * M, M);
       }

@@ -287,4 +287,45 @@ struct Step {
   }
 };
 
+// Target t's place in a decoder layer: its projection's output columns [col, col + n) (q, k, v in the fused qkv
+// output, gate and up in gate_up's) and its input width k.
+struct Columns {
+  int64_t col, n, k;
+};
+inline Columns columns(int t, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t inter) {
+  const int64_t q = heads * head_dim, kv = kv_heads * head_dim;
+  switch (t) {
+    case 0: return {0, q, hidden};              // q_proj
+    case 1: return {q, kv, hidden};             // k_proj
+    case 2: return {q + kv, kv, hidden};        // v_proj
+    case 3: return {0, hidden, q};              // o_proj
+    case 4: return {0, inter, hidden};          // gate_proj
+    case 5: return {inter, inter, hidden};      // up_proj
+    default: return {0, hidden, inter};         // down_proj
+  }
+}
+
+// The step of lora_offsets/lora_ranks (both or neither: none), checked against every layer's arenas
+// (arenas(l) for l < layers): a target with rows on adapters needs an arena in each layer holding their spans.
+template <typename F>
+Step make_step(const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& ranks, int64_t M,
+               int64_t layers, F&& arenas) {
+  TORCH_CHECK(offsets.has_value() == ranks.has_value(), "decode_stack: lora_offsets and lora_ranks come together");
+  if (!offsets.has_value()) return {};
+  for (const at::Tensor* t : {&*offsets, &*ranks})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->dim() == 2 && t->size(0) == TARGETS &&
+                    t->size(1) == M && t->device().is_cpu(),
+                "decode_stack: lora_offsets and lora_ranks must be contiguous int32 [", TARGETS, ", ", M, "]");
+  const Step step(offsets->data_ptr<int32_t>(), ranks->data_ptr<int32_t>(), M);
+  for (int t = 0; t < TARGETS; ++t) {
+    if (!step.active[t]) continue;
+    for (int64_t l = 0; l < layers; ++l) {
+      const at::Tensor& a = arenas(l).a[t];
+      TORCH_CHECK(a.defined(), "decode_stack: rows of target ", t, " have adapters but layer ", l, " has no arena");
+      check_spans(step.offsets + t * M, step.ranks + t * M, M, a.size(0), "decode_stack lora");
+    }
+  }
+  return step;
+}
+
 }  // namespace tessera_lora
