@@ -118,6 +118,106 @@ inline void dots(const float* const* x, const W* a, int64_t K, float* h, int64_t
     _Pragma("GCC unroll 16") for (int j = 0; j < J; ++j) h[m * hs + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][j][0], acc[m][j][1]));
 }
 
+#ifdef __AVX512BF16__
+#define TESSERA_LORA_DOT_BF16 1
+// dots over bf16 x and a with the CPU's bf16 dot product (32 products per instruction, no widening; as
+// gemv_bf16.h: the products are exact, the fp32 sums in another order, subnormals count as zero).
+inline __m512bh load_bh(const c10::BFloat16* p, __mmask32 k) { return (__m512bh)_mm512_maskz_loadu_epi16(k, p); }
+inline __mmask32 first32(int64_t n) { return n >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << n) - 1); }
+
+template <int R, int J>
+inline void dots(const c10::BFloat16* const* x, const c10::BFloat16* a, int64_t K, float* h, int64_t hs) {
+  __m512 acc[R][J][2];
+  _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m)
+    _Pragma("GCC unroll 16") for (int j = 0; j < J; ++j) acc[m][j][0] = acc[m][j][1] = _mm512_setzero_ps();
+  const __mmask32 all = ~__mmask32{0};
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    _Pragma("GCC unroll 16") for (int j = 0; j < J; ++j) {
+      const __m512bh a0 = load_bh(a + j * K + k, all), a1 = load_bh(a + j * K + k + 32, all);
+      _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m) {
+        acc[m][j][0] = _mm512_dpbf16_ps(acc[m][j][0], load_bh(x[m] + k, all), a0);
+        acc[m][j][1] = _mm512_dpbf16_ps(acc[m][j][1], load_bh(x[m] + k + 32, all), a1);
+      }
+    }
+  }
+  if (k < K) {  // the rest, as dots' over fp32: at most two steps, one into each accumulator
+    const __mmask32 mask = first32(K - k);
+    _Pragma("GCC unroll 16") for (int j = 0; j < J; ++j) {
+      const __m512bh av = load_bh(a + j * K + k, mask);
+      _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m)
+        acc[m][j][0] = _mm512_dpbf16_ps(acc[m][j][0], load_bh(x[m] + k, mask), av);
+    }
+    k += 32;
+  }
+  if (k < K) {
+    const __mmask32 mask = first32(K - k);
+    _Pragma("GCC unroll 16") for (int j = 0; j < J; ++j) {
+      const __m512bh av = load_bh(a + j * K + k, mask);
+      _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m)
+        acc[m][j][1] = _mm512_dpbf16_ps(acc[m][j][1], load_bh(x[m] + k, mask), av);
+    }
+  }
+  _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m)
+    _Pragma("GCC unroll 16") for (int j = 0; j < J; ++j)
+      h[m * hs + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][j][0], acc[m][j][1]));
+}
+
+// columns over bf16 rows of Bt with the bf16 dot product, for h already rounded to bf16 (its values exact):
+// hp[m * pr + p] holds row m's h[2p] (low half) and h[2p + 1] (high; 0 past r), pr = (r + 1) / 2. Rows 2p and
+// 2p + 1 of Bt are interleaved per column, so each instruction adds both rank rows' products to 16 columns; the
+// lanes come out in the unpack's order and are put back in column order at the end. Each column's sum takes the
+// same steps whatever R and C are. d[m * 32 C + i] for the 32 C columns from n (the last 32 masked by `last`).
+template <int R, int C>
+inline void columns(const uint32_t* hp, int64_t r, const c10::BFloat16* bt, int64_t N, int64_t n, __mmask32 last,
+                    float* d) {
+  const int64_t pr = (r + 1) / 2;
+  __m512 acc[R][C][2];
+  _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m)
+    _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) acc[m][c][0] = acc[m][c][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pr; ++p) {
+    __m512i lo[C], hi[C];
+    _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) {
+      const __mmask32 k = c == C - 1 ? last : ~__mmask32{0};
+      const __m512i b0 = _mm512_maskz_loadu_epi16(k, bt + 2 * p * N + n + 32 * c);
+      const __m512i b1 = 2 * p + 1 < r ? _mm512_maskz_loadu_epi16(k, bt + (2 * p + 1) * N + n + 32 * c)
+                                       : _mm512_setzero_si512();
+      lo[c] = _mm512_unpacklo_epi16(b0, b1);
+      hi[c] = _mm512_unpackhi_epi16(b0, b1);
+    }
+    _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m) {
+      const __m512bh hv = (__m512bh)_mm512_set1_epi32(static_cast<int>(hp[m * pr + p]));
+      _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) {
+        acc[m][c][0] = _mm512_dpbf16_ps(acc[m][c][0], hv, (__m512bh)lo[c]);
+        acc[m][c][1] = _mm512_dpbf16_ps(acc[m][c][1], hv, (__m512bh)hi[c]);
+      }
+    }
+  }
+  // Lane 4 l + i of lo is column 8 l + i of the 32, of hi column 8 l + 4 + i (the unpacks work per 128 bits).
+  const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m)
+    _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) {
+      float* out = d + m * 32 * C + 32 * c;
+      _mm512_storeu_ps(out, _mm512_permutex2var_ps(acc[m][c][0], first16, acc[m][c][1]));
+      _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(acc[m][c][0], second16, acc[m][c][1]));
+    }
+}
+
+// h (rounded to bf16) as columns' pairs: hp [R * (r + 1) / 2].
+inline void pair_up(const float* h, int R, int64_t r, uint32_t* hp) {
+  const int64_t pr = (r + 1) / 2;
+  auto bits = [](float v) {
+    uint32_t b;
+    std::memcpy(&b, &v, sizeof b);
+    return b >> 16;
+  };
+  for (int m = 0; m < R; ++m)
+    for (int64_t p = 0; p < pr; ++p)
+      hp[m * pr + p] = bits(h[m * r + 2 * p]) | (2 * p + 1 < r ? bits(h[m * r + 2 * p + 1]) << 16 : 0u);
+}
+#endif
+
 // d[m * 16 C + i] = sum_j h[m * r + j] * bt[j * N + n + i] for the C vectors of columns from n (the last one
 // masked by `last`), one FMA chain per column over j in order.
 template <int R, int C, typename W>
@@ -168,20 +268,36 @@ inline void finish(Y* y, const float* d, int64_t w) {
 }
 
 // One block of R rows on one adapter: x[m] fp32 rows, y[m] their outputs; h [R * r] and d [R * 128] scratch.
-template <int R, bool ROUND, typename W, typename Y>
-void block(const float* const* x, Y* const* y, const W* a, const W* bt, int64_t K, int64_t N, int64_t r, float* h,
-           float* d) {
+template <int R, bool ROUND, typename XR, typename W, typename Y>
+void block(const XR* const* x, Y* const* y, const W* a, const W* bt, int64_t K, int64_t N, int64_t r, float* h,
+           float* d, uint32_t* hp) {
 #ifdef __AVX512F__
   constexpr int J = R <= 2 ? 4 : R <= 4 ? 2 : 1;  // rank rows per pass over x: 8 to 16 accumulators
   int64_t j = 0;
   for (; j + J <= r; j += J) dots<R, J>(x, a + j * K, K, h + j, r);
-  for (; j < r; ++j) dots<R, 1>(x, a + j * K, K, h + j, r);
+  for (; j < r; ++j) dots<R, 1>(x, a + j * K, K, h + j, r);  // the same sums as in the J-row pass
 #else
   for (int m = 0; m < R; ++m)
     for (int64_t j = 0; j < r; ++j) h[m * r + j] = dot(x[m], a + j * K, K);
 #endif
   if constexpr (ROUND)
     for (int64_t i = 0; i < R * r; ++i) h[i] = tessera_glue::to_bf16(h[i]);
+#ifdef TESSERA_LORA_DOT_BF16
+  if constexpr (ROUND && std::is_same_v<W, c10::BFloat16>) {
+    constexpr int C = R <= 2 ? 4 : R <= 4 ? 2 : 1;  // 32 columns per step: 4 to 16 accumulators
+    pair_up(h, R, r, hp);
+    int64_t n = 0;
+    for (; n + 32 * C <= N; n += 32 * C) {
+      columns<R, C>(hp, r, bt, N, n, ~__mmask32{0}, d);
+      for (int m = 0; m < R; ++m) finish<ROUND>(y[m] + n, d + m * 32 * C, 32 * C);
+    }
+    for (; n < N; n += 32) {
+      columns<R, 1>(hp, r, bt, N, n, first32(N - n), d);
+      for (int m = 0; m < R; ++m) finish<ROUND>(y[m] + n, d + m * 32, std::min<int64_t>(32, N - n));
+    }
+    return;
+  }
+#endif
 #ifdef __AVX512F__
   constexpr int C = R <= 2 ? 8 : R <= 4 ? 4 : 2;  // column vectors per pass over Bt: 8 to 16 accumulators
   int64_t n = 0;
@@ -218,6 +334,10 @@ inline void with_count(int64_t count, F&& f) {
   }
 }
 
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 2);
+}
+
 constexpr int64_t GRAIN = 1 << 16;  // arena weights (read, and multiplied by a block's rows) per task at least
 
 // y[m, :N] += (x[m, :K] @ A[o:o+r]^T) @ Bt[o:o+r] for every row m with r = ranks[m] > 0, o = offsets[m]; x rows
@@ -228,6 +348,13 @@ void rows(const X* x, int64_t ldx, Y* y, int64_t ldy, const W* A, const W* Bt, i
           const int32_t* offsets, const int32_t* ranks, int64_t M) {
   const std::vector<Block> blocks = make_blocks(offsets, ranks, M);
   if (blocks.empty()) return;
+  // x as it is (fp32; or bf16 over bf16 arenas where the CPU has the bf16 dot product), else widened per block.
+#ifdef TESSERA_LORA_DOT_BF16
+  constexpr bool RAW = std::is_same_v<X, float> || (std::is_same_v<X, c10::BFloat16> && std::is_same_v<W, X>);
+#else
+  constexpr bool RAW = std::is_same_v<X, float>;
+#endif
+  using XR = std::conditional_t<RAW, X, float>;
   int64_t work = 0;
   for (const Block& b : blocks) work += b.rank * (K + N) * (1 + b.count / 4);  // reads, and the rows' FMAs
   const int64_t nb = static_cast<int64_t>(blocks.size());
@@ -235,14 +362,15 @@ void rows(const X* x, int64_t ldx, Y* y, int64_t ldy, const W* A, const W* Bt, i
   at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
     int64_t most = 0;
     for (int64_t i = b0; i < b1; ++i) most = std::max(most, blocks[i].rank);
-    std::vector<float> h(BLOCK * most), d(BLOCK * 128), wide(std::is_same_v<X, float> ? 0 : BLOCK * K);
+    std::vector<float> h(BLOCK * most), d(BLOCK * 128), wide(RAW ? 0 : BLOCK * K);
+    std::vector<uint32_t> hp(BLOCK * (most + 1) / 2);
     for (int64_t i = b0; i < b1; ++i) {
       const Block& b = blocks[i];
-      const float* xs[BLOCK];
+      const XR* xs[BLOCK];
       Y* ys[BLOCK];
       for (int64_t m = 0; m < b.count; ++m) {
         const X* xr = x + b.rows[m] * ldx;
-        if constexpr (std::is_same_v<X, float>) {
+        if constexpr (RAW) {
           xs[m] = xr;
         } else {
           float* w = wide.data() + m * K;
@@ -252,10 +380,15 @@ void rows(const X* x, int64_t ldx, Y* y, int64_t ldy, const W* A, const W* Bt, i
         }
         ys[m] = y + b.rows[m] * ldy;
       }
+      if (i + 1 < b1) {
+        const Block& next = blocks[i + 1];
+        prefetch(A + next.offset * K, next.rank * K * sizeof(W));
+        prefetch(Bt + next.offset * N, next.rank * N * sizeof(W));
+      }
       const W* a = A + b.offset * K;
       const W* bt = Bt + b.offset * N;
       with_count(b.count, [&](auto R) {
-        block<R.value, ROUND>(xs, ys, a, bt, K, N, b.rank, h.data(), d.data());
+        block<R.value, ROUND>(xs, ys, a, bt, K, N, b.rank, h.data(), d.data(), hp.data());
       });
     }
   });
