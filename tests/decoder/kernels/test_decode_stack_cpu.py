@@ -146,23 +146,30 @@ def test_rows_past_gemv_rows_run_the_library_matmuls(kind, rows, gemv_rows, libr
 
 
 @pytest.mark.parametrize("kind,loop", [("fp32", BF16_ROWS[0])] + [("bf16", loop) for loop in BF16_ROWS])
-def test_a_row_is_independent_of_the_others_and_the_thread_count_bit_for_bit(kind, loop):
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_row_is_independent_of_the_others_and_the_thread_count_bit_for_bit(kind, loop, lora):
     g = torch.Generator().manual_seed(7)
     shape = Shape(4, 2, 64, hidden=128, intermediate=192, eps=1e-6)
     layers, final = model(kind, shape, False, True, 64, 16, g)
     run_loop(layers, loop)
     x, cos, sin, slots, tables, lens = step(4, [5, 70, 33, 128], 16, 64, shape, DTYPES[kind], g)
     stack = make_stack(shape, layers, final)
+    spans, row2 = (), ()
+    if lora:    # rows 0 and 2 on one adapter, 3 on another, 1 on none
+        set_arenas(stack, lora_arenas(shape, DTYPES[kind], g))
+        offsets = torch.tensor([[0, 0, 0, 54]] * NUM_TARGETS, dtype=torch.int32)
+        ranks = torch.tensor([[16, 0, 16, 13]] * NUM_TARGETS, dtype=torch.int32)
+        spans, row2 = (offsets, ranks), (offsets[:, 2:3].contiguous(), ranks[:, 2:3].contiguous())
     caches = [(w.k_cache.clone(), w.v_cache.clone()) for w in layers]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(max(2, threads))
-        four = decode_stack(stack, x.clone(), cos, sin, slots, tables, lens)
+        four = decode_stack(stack, x.clone(), cos, sin, slots, tables, lens, *spans)
         for w, (k, v) in zip(layers, caches, strict=True):
             w.k_cache.copy_(k)
             w.v_cache.copy_(v)
         torch.set_num_threads(1)
-        one = decode_stack(stack, x[2:3].clone(), cos[2:3], sin[2:3], slots[2:3], tables[2:3], lens[2:3])
+        one = decode_stack(stack, x[2:3].clone(), cos[2:3], sin[2:3], slots[2:3], tables[2:3], lens[2:3], *row2)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one[0], four[2])
