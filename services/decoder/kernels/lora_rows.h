@@ -260,6 +260,13 @@ __attribute__((noinline)) void axpys(const float* h, int64_t r, const W* bt, int
 }
 #endif
 
+// Reading rows of a new adapter, the hardware prefetcher starts each stream cold: a block asks for its Bt rows
+// before its shrink and for the next block's A rows before its expand, so each arrives while the other phase
+// computes (10% less time for 64 rows on 64 adapters out of cache, Zen 4, one thread).
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 2);
+}
+
 // y[i] = y[i] + delta[i] over w columns, rounded as the torch path stores them (ROUND: the delta and the sum).
 template <bool ROUND, typename Y>
 inline void finish(Y* y, const float* d, int64_t w) {
@@ -267,10 +274,11 @@ inline void finish(Y* y, const float* d, int64_t w) {
   for (int64_t i = 0; i < w; ++i) put(y, i, rnd<ROUND>(widen(y[i]) + rnd<ROUND>(d[i])));
 }
 
-// One block of R rows on one adapter: x[m] fp32 rows, y[m] their outputs; h [R * r] and d [R * 128] scratch.
+// One block of R rows on one adapter: x[m] rows (fp32, or bf16 for the dot product), y[m] their outputs; h [R r],
+// d [R * 128] and hp [R (r + 1) / 2] scratch; next, next_bytes: the next block's A rows, to prefetch.
 template <int R, bool ROUND, typename XR, typename W, typename Y>
 void block(const XR* const* x, Y* const* y, const W* a, const W* bt, int64_t K, int64_t N, int64_t r, float* h,
-           float* d, uint32_t* hp) {
+           float* d, uint32_t* hp, const W* next, int64_t next_bytes) {
 #ifdef __AVX512F__
   constexpr int J = R <= 2 ? 4 : R <= 4 ? 2 : 1;  // rank rows per pass over x: 8 to 16 accumulators
   int64_t j = 0;
@@ -282,6 +290,7 @@ void block(const XR* const* x, Y* const* y, const W* a, const W* bt, int64_t K, 
 #endif
   if constexpr (ROUND)
     for (int64_t i = 0; i < R * r; ++i) h[i] = tessera_glue::to_bf16(h[i]);
+  if (next) prefetch(next, next_bytes);
 #ifdef TESSERA_LORA_DOT_BF16
   if constexpr (ROUND && std::is_same_v<W, c10::BFloat16>) {
     constexpr int C = R <= 2 ? 4 : R <= 4 ? 2 : 1;  // 32 columns per step: 4 to 16 accumulators
@@ -334,9 +343,6 @@ inline void with_count(int64_t count, F&& f) {
   }
 }
 
-inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 2);
-}
 
 constexpr int64_t GRAIN = 1 << 16;  // arena weights (read, and multiplied by a block's rows) per task at least
 
@@ -380,15 +386,13 @@ void rows(const X* x, int64_t ldx, Y* y, int64_t ldy, const W* A, const W* Bt, i
         }
         ys[m] = y + b.rows[m] * ldy;
       }
-      if (i + 1 < b1) {
-        const Block& next = blocks[i + 1];
-        prefetch(A + next.offset * K, next.rank * K * sizeof(W));
-        prefetch(Bt + next.offset * N, next.rank * N * sizeof(W));
-      }
+      prefetch(Bt + b.offset * N, b.rank * N * sizeof(W));
       const W* a = A + b.offset * K;
       const W* bt = Bt + b.offset * N;
+      const W* next = i + 1 < b1 ? A + blocks[i + 1].offset * K : nullptr;
+      const int64_t next_bytes = i + 1 < b1 ? blocks[i + 1].rank * K * sizeof(W) : 0;
       with_count(b.count, [&](auto R) {
-        block<R.value, ROUND>(xs, ys, a, bt, K, N, b.rank, h.data(), d.data(), hp.data());
+        block<R.value, ROUND>(xs, ys, a, bt, K, N, b.rank, h.data(), d.data(), hp.data(), next, next_bytes);
       });
     }
   });
