@@ -30,8 +30,9 @@ def lora_rows(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tenso
 
         for m: o, r = offsets[m], ranks[m]; if r: y[m] += (x[m] @ A[o:o+r].T) @ Bt[o:o+r]
 
-    Sums in fp32; in bf16 rounded where the torch path stores (see lora_rows_ref). Rows with one (offset,
-    rank), consecutive or not, share reads of their rows in blocks of BLOCK; the blocks run on the threads.
+    Sums in fp32 (bf16 on a CPU with avx512_bf16: its dot product, exact products, subnormals as zero); in
+    bf16 rounded where the torch path stores (see lora_rows_ref). Rows with one (offset, rank), consecutive or
+    not, share reads of their rows in blocks of BLOCK; the blocks run on the threads (when there is enough work).
     Each row's result is the same bit for bit whatever the other rows and the thread count.
     """
     load().lora_rows(y, x, A, Bt, offsets, ranks)

@@ -8,8 +8,9 @@
 // (SGMV; a lone row is BGMV), and the blocks run on the threads.
 //
 // Each row's sums are the same whatever block it lands in and whichever thread runs it: per (row, rank row) one
-// dot product in a fixed order, per (row, column) one FMA chain over the rank rows in order. So a row's result
-// depends neither on the other rows nor on the thread count (the decode stack's batch invariance).
+// dot product in a fixed order, per (row, column) one chain over the rank rows in order (bf16 over bf16 arenas on
+// a CPU with avx512_bf16: its dot product, two rank rows per step, as gemv_bf16.h). So a row's result depends
+// neither on the other rows nor on the thread count (the decode stack's batch invariance).
 #pragma once
 
 #include <ATen/Parallel.h>
