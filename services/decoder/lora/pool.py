@@ -22,20 +22,23 @@ cover), which every wrapped projection's `PoolLayer.correct` passes to kernels/l
 from __future__ import annotations
 
 import itertools
+import logging
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from services.common import native
 from services.common.errors import Unsupported
 from services.decoder.kernels import lora_cpu
 from services.decoder.lora.store import RowSpan
 from services.decoder.lora.weights import TARGETS, LoraWeights, leaf
 from services.decoder.model.linear import Linear
 
+log = logging.getLogger("tessera.decoder.lora")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -45,8 +48,10 @@ class PoolStep:
 
     offsets, ranks [len(TARGETS), M] int32: row m of kind t reads arena rows
     [offsets[t, m], offsets[t, m] + ranks[t, m]); active[t]: some row of kind t has rank > 0.
+    rows: the pool's lora_rows (the C++ operator, or its torch form where it cannot be built).
     """
 
+    rows: Callable[..., torch.Tensor] = lora_cpu.lora_rows
     offsets: torch.Tensor | None = None
     ranks: torch.Tensor | None = None
     active: tuple[bool, ...] = (False,) * len(TARGETS)
@@ -79,7 +84,7 @@ class PoolLayer:
         if not step.active[self.kind]:
             return y
         y = y.contiguous()       # the kernel writes whole rows
-        return lora_cpu.lora_rows(y, x.contiguous(), self.A, self.Bt, step.offsets[self.kind], step.ranks[self.kind])
+        return step.rows(y, x.contiguous(), self.A, self.Bt, step.offsets[self.kind], step.ranks[self.kind])
 
 
 @dataclass
@@ -141,6 +146,16 @@ class Placed:
     nbytes: int
 
 
+def _rows_operator() -> Callable[..., torch.Tensor]:
+    """lora_cpu's C++ operator, or its torch form (said in the log) where the operator cannot be built."""
+    try:
+        lora_cpu.load()
+    except native.BuildError as e:
+        log.warning("lora_cpu unavailable, adapter rows run in torch: %s", str(e).splitlines()[0])
+        return lora_cpu.lora_rows_torch
+    return lora_cpu.lora_rows
+
+
 class AdapterPool:
     """The CPU adapter store over `model`'s `targets` projections (lora/store.py's interface).
 
@@ -149,7 +164,6 @@ class AdapterPool:
     tensor is replaced, so a holder of `arenas()` knows to read them again.
     """
 
-    backend = "cpu"
     num_slots = None
 
     def __init__(self, model: nn.Module, targets: Sequence[str] = TARGETS, budget_bytes: int = 2**30,
@@ -173,7 +187,8 @@ class AdapterPool:
         self.device, self.dtype = projections[0][1].weight.device, projections[0][1].weight.dtype
         if self.device.type != "cpu":
             raise ValueError("the adapter pool serves CPU models; use the adapter bank on CUDA")
-        self.step = PoolStep()
+        self.step = PoolStep(_rows_operator())
+        self.backend = "cpu" if self.step.rows is lora_cpu.lora_rows else "torch"
         self.layers: dict[str, PoolLayer] = {}
         self.kinds: dict[int, KindRows] = {}
         for name, module in projections:

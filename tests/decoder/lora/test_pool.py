@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from services.common.errors import InvalidArgument
 from services.decoder.engine.step import SamplingParams, StepInput
+from services.decoder.kernels import lora_cpu
 from services.decoder.lora import TARGETS, AdapterPool, AdapterRegistry, adapter_request, prepare_weights
 from services.decoder.lora.pool import step_rows
 from services.decoder.model.loader import load_model
@@ -243,13 +244,17 @@ def ranked(tmp_path_factory):
 
 
 @pytest.mark.numerics
+@pytest.mark.parametrize("rows", ["operator", "torch"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_pool_forward_matches_bank(ranked, dtype):
-    """Mixed ranks, prefill chunks and single rows, base rows: the pool's rows against the bank's slots."""
+def test_pool_forward_matches_bank(ranked, dtype, rows):
+    """Mixed ranks, prefill chunks and single rows, base rows: the pool's rows (the C++ operator, or its torch
+    form where the operator cannot be built) against the bank's slots."""
     folder, adapters = ranked
     results = []
     for pool_bytes in (None, 2**24):
         core, registry = lora_engine(folder, slots=4, max_rank=16, pool_bytes=pool_bytes, dtype=dtype)
+        if pool_bytes and rows == "torch":
+            registry.bank.step.rows = lora_cpu.lora_rows_torch
         handles = {n: register(registry, n, f).slot for n, f in adapters.items()}
         rows = ["m1", None, "m0", "m2", "m3", None, "m1"]
         torch.manual_seed(3)
