@@ -57,8 +57,8 @@ class GatewayConfig:
     max_concurrent_per_key: int | None = option(None, "most /v1 requests in flight at once under one API key;"
                                                       " past it that key gets 429 with Retry-After while others"
                                                       " still get through; unset: half of"
-                                                      " --max-concurrent-requests when two or more --api-key are"
-                                                      " set, else none; 0: no per-key limit")
+                                                      " --max-concurrent-requests when --api-key has two or more"
+                                                      " keys, else none; 0: no per-key limit")
     send_timeout_s: float = option(30.0, "a response whose client reads nothing for this many seconds while the"
                                          " gateway has bytes waiting for it is cut, freeing its place and"
                                          " cancelling its generation; 0: never")
