@@ -92,7 +92,10 @@ class SendTimeout:
 
     Past timeout_s the transport is aborted, which uvicorn reports to the app as a disconnect (its `receive`
     answers http.disconnect and later sends are dropped), so the response unwinds as for a client that left.
-    Under a server whose send is not uvicorn's the blocked send raises OSError instead."""
+    Under a server whose send is not uvicorn's the blocked send raises OSError instead.
+
+    A timer costs ~4 us a send, once per streamed token; uvicorn's send waits only while its flow control has
+    paused writing, so the timer is armed only then."""
 
     def __init__(self, app, *, timeout_s: float):
         self.app = app
@@ -103,7 +106,13 @@ class SendTimeout:
             await self.app(scope, receive, send)
             return
 
+        cycle = getattr(send, "__self__", None)   # uvicorn's RequestResponseCycle (h11 or httptools)
+        flow = getattr(cycle, "flow", None)
+
         async def bounded_send(message):
+            if flow is not None and not flow.write_paused:
+                await send(message)
+                return
             try:
                 # A timer per send, not a task (asyncio.wait_for's): a stream sends once per token.
                 async with asyncio.timeout(self.timeout_s):
@@ -112,7 +121,7 @@ class SendTimeout:
                 SEND_TIMEOUTS.inc()
                 rid = scope.get("state", {}).get("request_id", "-")
                 log.warning("client read nothing for %.0f s; connection cut (request_id=%s)", self.timeout_s, rid)
-                transport = getattr(getattr(send, "__self__", None), "transport", None)
+                transport = getattr(cycle, "transport", None)
                 if transport is None:
                     raise OSError(f"client read nothing for {self.timeout_s} s") from None
                 transport.abort()
