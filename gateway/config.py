@@ -59,9 +59,10 @@ class GatewayConfig:
                                                       " still get through; unset: half of"
                                                       " --max-concurrent-requests when --api-key has two or more"
                                                       " keys, else none; 0: no per-key limit")
-    send_timeout_s: float = option(30.0, "a response whose client reads nothing for this many seconds while the"
-                                         " gateway has bytes waiting for it is cut, freeing its place and"
-                                         " cancelling its generation; 0: never")
+    send_timeout_s: float = option(30.0, "a response that waits this many seconds to send because its client"
+                                         " does not read (it must take ~48 KiB of the 64 KiB the gateway buffers"
+                                         " per connection) is cut, freeing its place and cancelling its"
+                                         " generation; 0: never")
     tls_ca: str | None = option(None, "PEM CA: talk TLS to every backend and trust only servers it signed",
                                 metavar="FILE")
     tls_client_cert: str | None = option(None, "PEM certificate sent to the backends (mutual TLS; needs"

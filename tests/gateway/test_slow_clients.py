@@ -53,15 +53,15 @@ def fleet(tmp_path_factory, tiny_chat_model):
         yield f
 
 
-def stall(url: str, key: str) -> socket.socket:
-    """A raw client that sends STALLED and never reads; returned once the gateway has answered 200 (the
-    request holds its places)."""
+def stall(url: str, key: str, **fields) -> socket.socket:
+    """A raw client that sends STALLED (fields over it) and never reads; returned once the gateway has answered
+    200 (the request holds its places)."""
     host, port = url.removeprefix("http://").split(":")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # before connect: it sets the TCP window
     sock.settimeout(30)
     sock.connect((host, int(port)))
-    body = json.dumps(STALLED).encode()
+    body = json.dumps({**STALLED, **fields}).encode()
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
                  b"Authorization: Bearer " + key.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
                  + b"\r\n\r\n" + body)
@@ -102,6 +102,28 @@ def test_clients_that_never_read_are_cut_and_free_their_places(fleet):
         assert idle.free_blocks == idle.total_blocks
     assert timeouts() - before == LIMIT
     assert SEND_TIMEOUT_S <= waited < SEND_TIMEOUT_S + 20, waited
+
+
+def test_a_client_that_pauses_between_reads_is_not_cut(fleet):
+    """A client that reads 64 KiB, then reads nothing for 0.6 x the send timeout, and again, for a stream that
+    lasts longer than the timeout: it would be cut if the timeout bounded the whole stream or any pause. It
+    bounds one blocked send, which each burst unblocks (taking the ~48 KiB between uvicorn's high- and
+    low-water marks)."""
+    before = timeouts()
+    with contextlib.closing(stall(fleet["url"], KEYS[2], max_tokens=120)) as sock:
+        received, started = b"", time.monotonic()
+        while not received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+            time.sleep(SEND_TIMEOUT_S * 0.6)
+            burst = len(received) + 65536
+            sock.settimeout(0.5)
+            with contextlib.suppress(TimeoutError):
+                while len(received) < burst and (chunk := sock.recv(65536)):
+                    received += chunk
+            assert timeouts() == before, "a client that reads was cut"
+            assert time.monotonic() - started < 60, received[-300:]
+        assert time.monotonic() - started > SEND_TIMEOUT_S
+    assert received.count(b'"top_logprobs"') >= 120
+    wait_idle(fleet["stub"], timeout=30)
 
 
 def test_a_key_at_its_limit_gets_429_while_another_gets_through(fleet):
