@@ -300,14 +300,30 @@ MANY = [Spec(f"d{i:02d}", 4 + i % 13, float(8 + i % 5), (ATTN, MLP, TARGETS, ("q
              100 + i) for i in range(64)]
 
 
-@pytest.mark.numerics
-def test_64_distinct_adapters_in_one_batch_match_peft(tmp_path_factory):
+@pytest.fixture(scope="module")
+def many(tmp_path_factory):
+    """(base folder, the 64 MANY adapters' folders, peft holding them all)."""
     root = tmp_path_factory.mktemp("pool64")
     folder = build(root, "llama_mha_untied")
     folders = {s.name: write_adapter(folder, root / "adapters", s) for s in MANY}
-    peft = peft_mixed(folder, folders)
+    return folder, folders, peft_mixed(folder, folders)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("stack", ["on", "off"])
+def test_64_distinct_adapters_in_one_batch_match_peft(many, stack):
+    """With the C++ decode stack pinned on, decode steps with adapter rows run in it (counted); pinned off,
+    in the model's layers: both match peft."""
+    folder, folders, peft = many
     core, registry = lora_engine(folder, max_rank=16, pool_bytes=2**26, cpu_loras=64, num_blocks=1024,
-                                 budget=512, max_seqs=64)
+                                 budget=512, max_seqs=64, fast_paths=f"screen=on,attention=cpp,decode_stack={stack}")
+    fused = core.runner.fused_decode
+    assert (fused is not None) == (stack == "on")
+    stacked = []
+    if fused is not None:
+        fused.max_rows = 64         # the pin's largest timing row count may be below the batch
+        run = fused._run
+        fused._run = lambda *a: (stacked.append(a[-1] is not None), run(*a))[1]
     digests = {n: register(registry, n, f).digest for n, f in folders.items()}
     assert registry.slots_in_use == 64
     names = list(folders)
@@ -343,6 +359,7 @@ def test_64_distinct_adapters_in_one_batch_match_peft(tmp_path_factory):
     assert [tokens[str(i)] for i in range(64)] == out[:, 6:].tolist()
     core.check_idle()
     assert registry.total_refs == 0
+    assert (stack == "on") == (sum(stacked) >= 3)       # every decode step after the prefill, with adapters
 
 
 # -- the registry over the pool: random calls, what must always hold ----------------------------------
