@@ -7,6 +7,7 @@ until one fits; the pool's forward against the slot bank's torch path on the sam
 """
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from services.common.errors import InvalidArgument
+from services.decoder.engine.scheduler import LEASE_PATIENCE
 from services.decoder.engine.step import SamplingParams, StepInput
 from services.decoder.kernels import lora_cpu
 from services.decoder.lora import TARGETS, AdapterPool, AdapterRegistry, adapter_request, prepare_weights
@@ -293,6 +295,37 @@ def test_pool_swaps_under_a_small_budget(ranked):
     results, waited, _ = drive(core, registry, workload)
     assert results == expected
     assert registry.num_evictions > 0 and waited
+
+
+def test_a_busy_adapter_cannot_keep_a_cold_one_out(ranked):
+    """Room for one adapter, and a new request on the resident one arrives every step: the cold adapter's
+    request lets later ones pass LEASE_PATIENCE times, then no one overtakes it, the busy adapter goes idle
+    and is evicted for it."""
+    folder, adapters = ranked
+    _, probe = lora_engine(folder, max_rank=16, pool_bytes=2**24)
+    for n in ("m1", "m2"):
+        register(probe, n, adapters[n])
+    room = max(probe.bank.footprint(probe.entries[n].weights) for n in ("m1", "m2"))     # one of them at a time
+    core, registry = lora_engine(folder, max_rank=16, budget=64, max_seqs=8, pool_bytes=room)
+    busy, cold = (register(registry, n, adapters[n]).digest for n in ("m1", "m2"))
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    ids = itertools.count()
+
+    def add(name: str, digest: str) -> str:
+        rid = str(next(ids))
+        adapter, keys = adapter_request(name, digest)
+        core.add_request(rid, [5, 6, 7], greedy, extra_keys=keys, adapter=adapter)
+        return rid
+
+    add("m1", busy)
+    core.step()
+    waiting, done, steps = add("m2", cold), set(), 0
+    while waiting not in done and steps < 400:
+        done |= {o.request_id for o in core.step() if o.finished}
+        steps += 1
+        add("m1", busy)
+    assert waiting in done, "the cold adapter's request never ran"
+    assert LEASE_PATIENCE < steps < LEASE_PATIENCE + 20 and registry.num_evictions >= 1
 
 
 # 64 distinct adapters: ranks 4..16, attention, MLP and both.
