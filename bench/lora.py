@@ -1,19 +1,23 @@
 """LoRA benchmark: many adapters in one batch, tessera's engine vs no adapters, vs peft, vs vLLM, side by side.
 
-Workload: SmolLM2-135M-Instruct fp32 on CPU, `--threads` threads (2); 32 GSM8K chat prompts, the
-rows spread round-robin over 8 random rank-16 PEFT adapters on q/k/v/o (non-zero B, saved with peft into a
-temporary folder); greedy, `--max-tokens` new tokens per row (eos ignored, so every side emits the same count).
+Workload: SmolLM2-135M-Instruct on CPU, `--threads` threads (2), GSM8K chat prompts, random PEFT adapters
+(non-zero B, saved with peft into a temporary folder), greedy, `--max-tokens` new tokens per row (eos ignored, so
+every side emits the same count). The engine runs as the decoder service does on CPU: adapters in its pool.
+Decode tokens/s are timed from the step after the last row's first token (prefill out); each side runs twice,
+interleaved, and keeps its best (the machine is shared). `--part` picks:
 
-  (a) adapter overhead: decode tokens/s of the mixed batch / the same batch on the engine with no adapter
-      bank at all. Decode is timed from the step after the last row's first token, so prefill is out.
-      Each side runs twice, interleaved, and keeps its best (the machine is shared).
-  (b) vs peft: the same mixed batch through peft's mixed-adapter generate (adapter_names=[...], one left-padded
-      batch), end-to-end tokens/s; plus how many rows have greedy outputs identical to tessera's.
-  (c) vs vLLM: the same mixed batch on vLLM in .venv-peers (make bench-peers) with enable_lora=True,
-      max_loras=8, max_lora_rank=16 and a LoRARequest per row, end-to-end tokens/s; also vLLM's own
-      with/without-adapters ratio, and agreement. --no-peer skips it.
+  mixed (a)-(c): `--rows` rows round-robin over `--adapters` rank-16 adapters on q/k/v/o, fp32:
+      (a) decode tokens/s of the mixed batch / the same batch with no adapters;
+      (b) peft's mixed-adapter generate (adapter_names=[...], one left-padded batch), end-to-end tokens/s and
+          how many rows have greedy outputs identical to tessera's;
+      (c) vLLM in .venv-peers (make bench-peers), enable_lora, max_loras=8, a LoRARequest per row.
+  distinct (d)-(f): 64 rows, every row on its own adapter, for q/v rank 8 and for all seven projections at
+      ranks 8 and 16: (d) decode at 1, 4 and 64 rows against no adapters, fp32 and bf16, with the adapter bytes
+      a 64-row step reads beside the model's weights; (e) peft; (f) vLLM with max_loras = max_cpu_loras = 64.
+  zipf (z): bench/lora_zipf.py, 1,000 adapters on disk loaded on demand by the decoder service, Zipf traffic
+      from 64 clients, against the same service without adapters, and vLLM with the same adapter budget.
 
-The last line printed holds the ratios.
+--no-peer skips vLLM. The last line printed holds the ratios, with the CPU.
 """
 from __future__ import annotations
 
@@ -177,7 +181,7 @@ def mixed_part(args) -> list[str]:
 def best_of(lora: Engine, base: Engine, batch, adapters, max_tokens: int, rounds: int = 2):
     """Warm both engines, then alternate them `rounds` times; each one's best (outputs, e2e, decode)."""
     lora.generate(batch[:4], adapters[:4], 4)
-    base.generate(batch[:2], [None, None], 4)
+    base.generate(batch[:2], [None] * len(batch[:2]), 4)
     best_lora = best_base = None
     for _ in range(rounds):
         got = lora.generate(batch, adapters, max_tokens)
@@ -187,42 +191,60 @@ def best_of(lora: Engine, base: Engine, batch, adapters, max_tokens: int, rounds
     return best_lora, best_base
 
 
+# (label, targets, ranks): the issue's measured adapters (q/v, rank 8), and attention + MLP at ranks 8 and 16.
+DISTINCT = (("qv_r8", ("q_proj", "v_proj"), (8,)), ("all_r8_16", ALL_TARGETS, (8, 16)))
+
+
+def adapter_bytes(runner: Runner, targets: tuple[str, ...], ranks: tuple[int, ...], rows: int) -> float:
+    """Bytes of adapter rows one decode step of `rows` rows on distinct adapters reads (ranks cycled), in MB,
+    against the model's projection weights (read once per step whatever the row count)."""
+    mods = [m for name, m in runner.model.named_modules() if name.rsplit(".", 1)[-1] in targets
+            and hasattr(m, "in_features")]
+    per_rank = sum((m.in_features + m.out_features) * m.weight.element_size() for m in mods)
+    return sum(ranks[i % len(ranks)] for i in range(rows)) * per_rank / 1e6
+
+
 def distinct_part(args) -> list[str]:
-    """(d)-(f): every row on its own adapter (ranks 8 and 16 alternating, attention and MLP targets)."""
+    """(d)-(f): every row on its own adapter, for each of DISTINCT."""
     count = 64
     batch = prompts(count)
     names = [f"a{i}" for i in range(count)]
     ratios = []
-    with tempfile.TemporaryDirectory(prefix="tessera-bench-lora-") as tmp:
-        peft_model, folders = make_adapters(Path(tmp), count, ranks=(8, 16), targets=ALL_TARGETS)
-        print(f"(d) every row on its own adapter: {count} random adapters of rank 8 and 16 on "
-              f"{','.join(ALL_TARGETS)}; {args.max_tokens} new tokens per row; {args.threads} threads")
-        mine = None
-        for dtype in ("fp32", "bf16"):
-            lora, base = Engine(folders, dtype, ALL_TARGETS, 16), Engine(None, dtype)
-            cells = []
-            for rows in (1, 4, 64):
-                got, ref = best_of(lora, base, batch[:rows], names[:rows], args.max_tokens)
-                if rows == count and dtype == "fp32":
-                    mine, e2e = got[0], got[1]
-                cells.append(f"{rows} rows {got[2]:.1f} vs {ref[2]:.1f} tok/s ({got[2] / ref[2]:.2f})")
-                ratios.append(f"distinct_{dtype}_{rows}={got[2] / ref[2]:.2f}")
-            print(f"(d) {dtype} decode, {count} distinct adapters vs none: " + "; ".join(cells) +
-                  " (goal >= 0.9 at 64 rows, >= 0.85 at 1-4)")
-            del lora, base
-        theirs, peft_tps = peft_generate(peft_model, batch, names, args.max_tokens)
-        print(f"(e) peft mixed-adapter generate, {count} adapters: {peft_tps:.1f} tok/s end to end vs tessera "
-              f"{e2e:.1f} tok/s; identical greedy outputs {agreement(mine, theirs):.0%} of rows")
-        ratios.append(f"distinct_vs_peft={e2e / peft_tps:.2f}x")
-        del peft_model
-        if not args.no_peer:
-            job = {"prompts": batch, "adapters": names, "folders": {n: str(f) for n, f in folders.items()},
-                   "max_loras": count, "max_cpu_loras": count, "max_lora_rank": 16}
-            peer = run_vllm_peer("vllm_lora.py", ["--max-tokens", str(args.max_tokens)], job, args.threads)
-            print(f"(f) vLLM enable_lora, max_loras {count}: {peer['lora']['tok_s']:.1f} tok/s end to end vs "
-                  f"tessera {e2e:.1f}; vLLM's own ratio {peer['lora']['tok_s'] / peer['base']['tok_s']:.2f}; "
-                  f"identical outputs {agreement(mine, peer['lora']['outputs']):.0%} of rows")
-            ratios.append(f"distinct_vs_vllm={e2e / peer['lora']['tok_s']:.2f}x")
+    for label, targets, ranks in DISTINCT:
+        with tempfile.TemporaryDirectory(prefix="tessera-bench-lora-") as tmp:
+            peft_model, folders = make_adapters(Path(tmp), count, ranks=ranks, targets=targets)
+            print(f"(d) every row on its own adapter: {count} random adapters of rank "
+                  f"{' and '.join(map(str, ranks))} on {','.join(targets)}; {args.max_tokens} new tokens per row; "
+                  f"{args.threads} threads")
+            mine = e2e = None
+            for dtype in ("fp32", "bf16"):
+                lora, base = Engine(folders, dtype, targets, max(ranks)), Engine(None, dtype)
+                weights = sum(p.numel() * p.element_size() for p in base.runner.model.parameters()) / 1e6
+                cells = []
+                for rows in (1, 4, 64):
+                    got, ref = best_of(lora, base, batch[:rows], names[:rows], args.max_tokens)
+                    if rows == count and dtype == "fp32":
+                        mine, e2e = got[0], got[1]
+                    cells.append(f"{rows} rows {got[2]:.1f} vs {ref[2]:.1f} tok/s ({got[2] / ref[2]:.2f})")
+                    ratios.append(f"{label}_{dtype}_{rows}={got[2] / ref[2]:.2f}")
+                print(f"(d) {dtype} decode, {count} distinct adapters vs none: " + "; ".join(cells) +
+                      " (goal >= 0.9 at 64 rows, >= 0.85 at 1-4); a 64-row step reads "
+                      f"{adapter_bytes(lora.runner, targets, ranks, count):.0f} MB of adapter rows beside the "
+                      f"model's {weights:.0f} MB of weights")
+                del lora, base
+            theirs, peft_tps = peft_generate(peft_model, batch, names, args.max_tokens)
+            print(f"(e) peft mixed-adapter generate, {count} adapters: {peft_tps:.1f} tok/s end to end vs tessera "
+                  f"{e2e:.1f} tok/s; identical greedy outputs {agreement(mine, theirs):.0%} of rows")
+            ratios.append(f"{label}_vs_peft={e2e / peft_tps:.2f}x")
+            del peft_model
+            if not args.no_peer:
+                job = {"prompts": batch, "adapters": names, "folders": {n: str(f) for n, f in folders.items()},
+                       "max_loras": count, "max_cpu_loras": count, "max_lora_rank": max(ranks)}
+                peer = run_vllm_peer("vllm_lora.py", ["--max-tokens", str(args.max_tokens)], job, args.threads)
+                print(f"(f) vLLM enable_lora, max_loras {count}: {peer['lora']['tok_s']:.1f} tok/s end to end vs "
+                      f"tessera {e2e:.1f}; vLLM's own ratio {peer['lora']['tok_s'] / peer['base']['tok_s']:.2f}; "
+                      f"identical outputs {agreement(mine, peer['lora']['outputs']):.0%} of rows")
+                ratios.append(f"{label}_vs_vllm={e2e / peer['lora']['tok_s']:.2f}x")
     return ratios
 
 
