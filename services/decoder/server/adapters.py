@@ -22,6 +22,7 @@ from prometheus_client import Gauge
 from services.common.errors import AdapterNotFound, InvalidArgument, PermissionDenied
 from services.common.pb import decoder_pb2
 from services.decoder.lora import AdapterLeases, AdapterRegistry, AdapterStatus, LoraWeights, load_peft
+from services.decoder.lora.pool import AdapterPool
 from services.decoder.server.async_engine import AsyncEngine
 from services.decoder.server.config import DecoderConfig
 from services.decoder.server.ondemand import OnDemand
@@ -31,6 +32,9 @@ log = logging.getLogger("tessera.decoder.lora")
 _RUNNING = Gauge("tessera_decoder_adapter_running_requests", "running requests per adapter", ["adapter"])
 _WAITING = Gauge("tessera_decoder_adapter_waiting_requests", "waiting requests per adapter", ["adapter"])
 _SLOTS = Gauge("tessera_decoder_adapter_slots", "adapter slots by state", ["state"])
+_POOL_BYTES = Gauge("tessera_decoder_adapter_pool_bytes",
+                    "the CPU adapter pool: bytes of placed adapters (used), of its arenas (allocated), its budget",
+                    ["state"])
 _REGISTERED = Gauge("tessera_decoder_adapters_registered", "adapters registered on the host")
 _LEASES = Gauge("tessera_decoder_adapter_leases", "live adapter leases (requests holding a slot)")
 _LOADS = Gauge("tessera_decoder_adapter_slot_loads", "adapter weights written into a slot so far")
@@ -110,6 +114,10 @@ class Adapters:
         _SLOTS.labels("filled").set(r.slots_in_use)
         if self.bank.num_slots is not None:       # the CPU pool has no slot count
             _SLOTS.labels("total").set(self.bank.num_slots)
+        if isinstance(self.bank, AdapterPool):
+            _POOL_BYTES.labels("used").set(self.bank.used_bytes)
+            _POOL_BYTES.labels("allocated").set(self.bank.nbytes)
+            _POOL_BYTES.labels("budget").set(self.bank.budget)
         _REGISTERED.set(len(r.entries))
         _LEASES.set(r.total_refs)
         _LOADS.set(r.num_slot_loads)
