@@ -20,13 +20,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from services.common.errors import Unsupported
 from services.decoder.kernels.lora import backend_name
 from services.decoder.kernels.lora_meta import LoraBatchMeta, build_lora_meta
 from services.decoder.lora.layer import LoraSlots, LoraStep
 from services.decoder.lora.store import RowSpan
-from services.decoder.lora.weights import TARGETS, LoraWeights, leaf
-from services.decoder.model.linear import Linear
+from services.decoder.lora.store import projections as wrapped
+from services.decoder.lora.weights import TARGETS, LoraWeights
 
 # CPU: use the padded per-slot form (lora/layer.py) when rows * slots * rank is at most this
 # (decode-shaped steps), or when the rows are spread evenly enough over the slots (`_balanced`);
@@ -46,22 +45,11 @@ class AdapterBank:
 
     def __init__(self, model: nn.Module, targets: Sequence[str] = TARGETS, num_slots: int = 4,
                  max_rank: int = 16):
-        unknown = sorted(set(targets) - set(TARGETS))
-        if unknown or not targets:
-            raise ValueError(f"LoRA targets must be a non-empty subset of {', '.join(TARGETS)}; got {list(targets)}")
-        declined = getattr(model, "refused_features", dict)().get("lora")
-        if declined:
-            raise Unsupported(f"LoRA adapters: {declined} (serve this model with --max-loras 0)", param="max_loras")
         if num_slots < 1 or max_rank < 1:
             raise ValueError("the adapter bank needs at least one slot and a rank of at least 1")
-        if any(isinstance(m, Linear) and m.lora is not None for m in model.modules()):
-            raise ValueError("an adapter bank is already installed on this model")
-        self.num_slots, self.max_rank, self.targets = num_slots, max_rank, tuple(t for t in TARGETS if t in targets)
+        self.targets, projections = wrapped(model, targets)
+        self.num_slots, self.max_rank = num_slots, max_rank
         self.layers: dict[str, LoraSlots] = {}
-        projections = [(name, m) for name, m in model.named_modules()
-                       if leaf(name) in self.targets and isinstance(m, Linear)]
-        if not projections:
-            raise ValueError(f"the model has no projections named {', '.join(self.targets)}")
         self.device, self.dtype = projections[0][1].weight.device, projections[0][1].weight.dtype
         self.backend = backend_name(self.device)
         self.step = LoraStep(self.backend)

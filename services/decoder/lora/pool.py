@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from services.common import native
-from services.common.errors import Unsupported
 from services.decoder.kernels import lora_cpu
 from services.decoder.lora.store import RowSpan
+from services.decoder.lora.store import projections as wrapped
 from services.decoder.lora.weights import TARGETS, LoraWeights, leaf
 from services.decoder.model.linear import Linear
 
@@ -168,22 +168,10 @@ class AdapterPool:
 
     def __init__(self, model: nn.Module, targets: Sequence[str] = TARGETS, budget_bytes: int = 2**30,
                  max_rank: int = 16):
-        unknown = sorted(set(targets) - set(TARGETS))
-        if unknown or not targets:
-            raise ValueError(f"LoRA targets must be a non-empty subset of {', '.join(TARGETS)}; got {list(targets)}")
-        declined = getattr(model, "refused_features", dict)().get("lora")
-        if declined:
-            raise Unsupported(f"LoRA adapters: {declined} (serve this model with --max-loras 0)", param="max_loras")
         if budget_bytes < 1 or max_rank < 1:
             raise ValueError("the adapter pool needs a positive byte budget and a rank of at least 1")
-        if any(isinstance(m, Linear) and m.lora is not None for m in model.modules()):
-            raise ValueError("an adapter store is already installed on this model")
+        self.targets, projections = wrapped(model, targets)
         self.budget, self.max_rank = budget_bytes, max_rank
-        self.targets = tuple(t for t in TARGETS if t in targets)
-        projections = [(name, m) for name, m in model.named_modules()
-                       if leaf(name) in self.targets and isinstance(m, Linear)]
-        if not projections:
-            raise ValueError(f"the model has no projections named {', '.join(self.targets)}")
         self.device, self.dtype = projections[0][1].weight.device, projections[0][1].weight.dtype
         if self.device.type != "cpu":
             raise ValueError("the adapter pool serves CPU models; use the adapter bank on CUDA")

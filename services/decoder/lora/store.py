@@ -9,13 +9,16 @@ positions are computed from the handles when it `activate`s (docs/design.md, inv
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
+from torch import nn
 
-from services.decoder.lora.weights import LoraWeights
+from services.common.errors import Unsupported
+from services.decoder.lora.weights import TARGETS, LoraWeights, leaf
+from services.decoder.model.linear import Linear
 
 # (first row in the step, number of rows, handle): one per chunk that uses an adapter.
 RowSpan = tuple[int, int, int]
@@ -62,3 +65,21 @@ class AdapterStore(Protocol):
 
     def activate(self, spans: list[RowSpan], num_rows: int) -> AbstractContextManager:
         """Publish one forward's rows -> handles to every wrapped projection."""
+
+
+def projections(model: nn.Module, targets: Sequence[str]) -> tuple[tuple[str, ...], list[tuple[str, Linear]]]:
+    """(the targets in TARGETS order, [(module name, Linear)] of every projection they name): the checks a store
+    makes before it installs itself on `model` (known targets, a family that serves LoRA, no store yet)."""
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown or not targets:
+        raise ValueError(f"LoRA targets must be a non-empty subset of {', '.join(TARGETS)}; got {list(targets)}")
+    declined = getattr(model, "refused_features", dict)().get("lora")
+    if declined:
+        raise Unsupported(f"LoRA adapters: {declined} (serve this model with --max-loras 0)", param="max_loras")
+    if any(isinstance(m, Linear) and m.lora is not None for m in model.modules()):
+        raise ValueError("an adapter store is already installed on this model")
+    ordered = tuple(t for t in TARGETS if t in targets)
+    found = [(name, m) for name, m in model.named_modules() if leaf(name) in ordered and isinstance(m, Linear)]
+    if not found:
+        raise ValueError(f"the model has no projections named {', '.join(ordered)}")
+    return ordered, found

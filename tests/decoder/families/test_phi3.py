@@ -12,7 +12,6 @@ import dataclasses
 import json
 import re
 import shutil
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ from services.decoder.model.rotary import Rotary
 from services.decoder.runner import Runner
 from tests.decoder.families.engine_parity import check_chunks_preemption_and_n, check_prefix_hit, run_engine
 from tests.decoder.families.test_granite_olmo2 import PLANS, prompt
-from tests.decoder.lora.adapters import Spec, lora_engine, peft_mixed, register, write_adapter
+from tests.decoder.lora.adapters import Spec, lora_engine, peft_mixed, register, store_for, write_adapter
 from tests.decoder.model.checkpoints import TINY_SHAPE, build, greedy_reference, load_reference
 from tests.decoder.model.test_model import causal_attention
 from tests.decoder.model.test_quantization import dequantized_reference
@@ -344,18 +343,7 @@ def test_fused_adapter_splits_lora_b_rows_and_shares_lora_a(lora_setup):
 def test_mixed_batch_logits_match_peft(lora_setup, path):
     """The bank's two CPU forms and the CPU adapter pool, over Phi-3's fused checkpoint projections."""
     base, adapters, peft = lora_setup
-    core, registry = lora_engine(base, pool_bytes=2**24 if path == "pool" else None)
-    seen = []
-    if path != "pool":
-        registry.bank.dense_max_work = 10**9 if path == "dense" else 0
-        real_activate = registry.bank.activate
-
-        @contextmanager
-        def spy(spans, num_rows):
-            with real_activate(spans, num_rows) as meta:
-                seen.append(registry.bank.step.dense_mask is not None)
-                yield meta
-        registry.bank.activate = spy
+    core, registry, seen = store_for(base, path)
     for name, folder in adapters.items():
         register(registry, name, folder)
     rows = ["alpha", "__base__", "beta", "gamma", "alpha", "__base__"]

@@ -6,6 +6,7 @@ logits and a wrong slot, scale or target would show.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,3 +92,23 @@ def register(registry: AdapterRegistry, name: str, folder: Path):
     bank = registry.bank
     return registry.register(name, load_peft(folder, layers=bank.shapes, max_rank=bank.max_rank,
                                              dtype=bank.dtype, fused=bank.fused))
+
+
+def store_for(base_folder: Path, path: str, **engine) -> tuple[EngineCore, AdapterRegistry, list[bool]]:
+    """lora_engine with the CPU form `path` pinned: "pool" (lora/pool.py), or the bank's "dense" (masked GEMMs)
+    or "segments" (lora_apply's per-segment GEMMs); and the list that records, per forward with adapter rows,
+    whether the bank really took its dense form (stays empty for the pool)."""
+    core, registry = lora_engine(base_folder, pool_bytes=2**24 if path == "pool" else None, **engine)
+    seen: list[bool] = []
+    if path != "pool":
+        bank = registry.bank
+        bank.dense_max_work = 10**9 if path == "dense" else 0
+        real_activate = bank.activate
+
+        @contextmanager
+        def spy(spans, num_rows):
+            with real_activate(spans, num_rows) as meta:
+                seen.append(bank.step.dense_mask is not None)
+                yield meta
+        bank.activate = spy
+    return core, registry, seen

@@ -6,14 +6,12 @@ arrivals, prefill chunks cut by a tiny token budget) must equal peft's generate.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 
 from services.decoder.engine.step import SamplingParams, StepInput
 from services.decoder.lora import adapter_request
-from tests.decoder.lora.adapters import SPECS, lora_engine, peft_mixed, register, write_adapter
+from tests.decoder.lora.adapters import SPECS, lora_engine, peft_mixed, register, store_for, write_adapter
 from tests.decoder.model.checkpoints import TINY_SHAPE, build
 from tests.decoder.runner.driver import BlockAllocator, Seq
 from tests.tolerance import assert_close, is_close
@@ -45,19 +43,7 @@ def test_mixed_batch_logits_match_peft(setup, path, linear):
     """The bank's two CPU forms: the dense masked GEMMs (small steps) and lora_apply's per-segment GEMMs;
     and the CPU adapter pool's rank rows (lora/pool.py)."""
     base, folders, peft = setup
-    core, registry = lora_engine(base, fast_paths=f"screen=on,linear={linear}",
-                                 pool_bytes=2**24 if path == "pool" else None)
-    seen = []
-    if path != "pool":
-        registry.bank.dense_max_work = 10**9 if path == "dense" else 0
-        real_activate = registry.bank.activate
-
-        @contextmanager
-        def spy(spans, num_rows):
-            with real_activate(spans, num_rows) as meta:
-                seen.append(registry.bank.step.dense_mask is not None)    # which form this forward really takes
-                yield meta
-        registry.bank.activate = spy
+    core, registry, seen = store_for(base, path, fast_paths=f"screen=on,linear={linear}")
     for name, folder in folders.items():
         register(registry, name, folder)
     runner = core.runner
