@@ -3,7 +3,7 @@
     compiler = GrammarCompiler(tokenizer, vocab_size=runner.vocab_size, stop_token_ids=eos, threads=2,
                                deadline_s=10.0, cache_bytes=256 << 20)
     grammar, hit = await compiler.lookup(spec)   # InvalidArgument (param structured_output) if it does not
-                                                 # compile, or not within the deadline; Unavailable if no
+                                                 # compile, or not within the deadline; Overloaded if no
                                                  # compile thread took it within the deadline
 
 The server awaits the compile before it adds the request to the engine, so a slow schema holds up
@@ -17,9 +17,11 @@ another request's compile.
 
 A compile has deadline_s from the moment a thread takes it (services/decoder/grammar/pool.py says why a
 compile past it is written off rather than killed): past it the request gets InvalidArgument naming its
-field, and the spec is remembered (by digest, the last REFUSALS of them) so a repeat is refused at once
-without taking a thread. Small inputs can compile slowly (a regex of 16 characters, `[a-z]{1,3000}`,
-takes seconds), so the size limits (services/decoder/server/validation.py) are not enough on their own.
+field, and the spec is remembered (by digest, the last REFUSALS of them, for REFUSAL_S) so a repeat is
+refused at once without taking a thread; forgotten after that, so a spec that was slow only because the
+machine was (a CPU shared with a burst of requests) is compiled again. Small inputs can compile slowly
+(`[a-z]{1,3000}`, 13 characters, takes seconds), so the size limits (services/decoder/server/validation.py)
+are not enough on their own.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ import xgrammar as xgr
 from tokenizers import Tokenizer as HFTokenizer
 
 from services.common import compute
-from services.common.errors import InvalidArgument, TesseraError, Unavailable, Unsupported
+from services.common.errors import InvalidArgument, Overloaded, TesseraError, Unsupported
 from services.decoder.grammar.cache import FutureCache
 from services.decoder.grammar.compiled import Grammar, TokenBits
 from services.decoder.grammar.pool import CompilePool, Job, JobFuture
@@ -54,7 +56,8 @@ _WHAT = {"json_schema": "the JSON schema does not compile", "json_object": "the 
          "grammar": "the grammar does not compile (xgrammar's EBNF, with a `root ::= ...` rule)"}
 _NAME = {"json_schema": "the JSON schema", "json_object": "the JSON object grammar", "regex": "the regex",
          "choice": "the choices", "grammar": "the grammar"}
-REFUSALS = 4096     # specs remembered as past the deadline (32-byte digests)
+REFUSALS = 4096     # specs remembered as past the deadline (32-byte digests) ...
+REFUSAL_S = 600.0   # ... for this long
 
 
 @dataclass(frozen=True)
@@ -93,21 +96,23 @@ def _weigh(grammar: Grammar) -> int:
 class GrammarCompiler:
     """tokenizer: the decoder's `tokenizers.Tokenizer` (copied, not changed); special_token_ids: the
     tokenizer's special ids, never allowed but as a stop; vocab_size: the logits width; threads: compiles
-    at once; deadline_s: the longest one compile may run; cache_size / cache_bytes: the cache's bounds
-    (entries, bytes of compiled grammars; None: entries only)."""
+    at once; deadline_s: the longest one compile may run; max_overdue: compiles past it still running at
+    most before their threads are no longer replaced (default: threads; services/decoder/grammar/pool.py);
+    cache_size / cache_bytes: the cache's bounds (entries, bytes of compiled grammars; None: entries only)."""
 
     def __init__(self, tokenizer: HFTokenizer, *, vocab_size: int, stop_token_ids: tuple[int, ...],
                  special_token_ids: frozenset[int] = frozenset(), threads: int = 2, cache_size: int = 256,
-                 cache_bytes: int | None = None, deadline_s: float = 10.0):
+                 cache_bytes: int | None = None, deadline_s: float = 10.0, max_overdue: int | None = None):
         if not stop_token_ids:
             raise ValueError("structured outputs need at least one stop token id")
         # Serial: its token masks are torch tensors, and a lasting OpenMP team here would throttle the
         # engine thread's (services/common/compute.py).
-        self._pool = CompilePool(threads, deadline_s, self._overdue, initializer=compute.serial_here)
+        self._pool = CompilePool(threads, deadline_s, self._overdue, max_overdue=max_overdue,
+                                 initializer=compute.serial_here)
         self._threads = threads
         self.deadline_s = deadline_s
         self._cache = FutureCache(cache_size, cache_bytes, weigh=_weigh)
-        self._refused: OrderedDict[bytes, str] = OrderedDict()
+        self._refused: OrderedDict[bytes, tuple[str, float]] = OrderedDict()    # digest -> (message, until)
         self._refused_lock = threading.Lock()
         self._vocabulary: Future = Future()
         threading.Thread(target=self._build, name="grammar-vocabulary", daemon=True,
@@ -131,7 +136,11 @@ class GrammarCompiler:
         self._vocabulary.set_result(vocab)
         # Pinned: the one input-free grammar, asked for by any client, never waits behind a crafted compile.
         json_object = GrammarSpec.json_object()
-        self._cache.get_or_start(json_object.key, lambda: self._pool.submit(self._compile, json_object), pin=True)
+        try:
+            self._cache.get_or_start(json_object.key, lambda: self._pool.submit(self._compile, json_object),
+                                     pin=True)
+        except RuntimeError:
+            pass    # closed before the vocabulary was ready: nothing is served any more
 
     @property
     def cache(self) -> FutureCache:
@@ -143,8 +152,12 @@ class GrammarCompiler:
 
     def submit(self, spec: GrammarSpec) -> tuple[Future, bool]:
         """(future of the Grammar, cache hit). A spec once past the deadline fails at once."""
+        digest = _digest(spec)
         with self._refused_lock:
-            message = self._refused.get(_digest(spec))
+            message, until = self._refused.get(digest, (None, 0.0))
+            if message is not None and time.monotonic() >= until:
+                del self._refused[digest]
+                message = None
         if message is not None:
             refused: Future = Future()
             refused.set_exception(InvalidArgument(message, param=PARAM))
@@ -163,8 +176,8 @@ class GrammarCompiler:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.deadline_s), hit
         except TimeoutError:
             if not isinstance(future, JobFuture) or future.started is None:
-                raise Unavailable(f"every structured-output compile thread is busy: {_NAME[spec.kind]} waited "
-                                  f"{self.deadline_s:g} s without starting; retry later", param=PARAM) from None
+                raise Overloaded(f"every structured-output compile thread is busy: {_NAME[spec.kind]} waited "
+                                 f"{self.deadline_s:g} s without starting; retry later", param=PARAM) from None
         return await asyncio.shield(asyncio.wrap_future(future)), hit
 
     async def compile(self, spec: GrammarSpec) -> Grammar:
@@ -184,7 +197,7 @@ class GrammarCompiler:
         message = (f"{_NAME[spec.kind]} did not compile within {self.deadline_s:g} s (the decoder's "
                    f"--grammar-compile-timeout-s); simplify it (fewer or smaller repetition bounds, a smaller schema)")
         with self._refused_lock:
-            self._refused[_digest(spec)] = message
+            self._refused[_digest(spec)] = message, time.monotonic() + REFUSAL_S
             while len(self._refused) > REFUSALS:
                 self._refused.popitem(last=False)
         log.warning("a %s compile ran past %g s and was written off (%d written-off compiles still running)",

@@ -15,7 +15,7 @@ compiler remembers the spec so a repeat is refused without compiling), the threa
 then exits, and a fresh thread takes its place so the compiles queued behind it are not held up. At most
 `max_overdue` written-off threads run at once: past that no replacement starts, so crafted inputs can
 take at most threads + max_overdue cores, and what waits behind them is bounded by the caller's own wait
-(the server answers UNAVAILABLE when a compile has not started within the deadline). Threads are daemons:
+(the server answers RESOURCE_EXHAUSTED, 429, when a compile has not started within the deadline). Threads are daemons:
 a runaway compile does not hold up the process's exit.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Overloaded
 from services.decoder.grammar.cache import FutureCache
 from services.decoder.grammar.compiler import GrammarCompiler
 from services.decoder.grammar.pool import CompilePool
@@ -120,3 +120,29 @@ def test_written_off_threads_are_replaced_up_to_a_bound():
         time.sleep(0.01)
     assert pool.overdue == 0 and pool.submit(lambda: "ok").result(timeout=1) == "ok"
     pool.close()
+
+
+def test_a_compile_no_thread_takes_within_the_deadline_is_overloaded(tokenizer):
+    # No replacement for a written-off thread (max_overdue 0): what queues behind it is answered, not held.
+    c = GrammarCompiler(tokenizer.backend, vocab_size=VOCAB, stop_token_ids=(EOS,), threads=1, deadline_s=0.2,
+                        max_overdue=0)
+    c.compile_now(GrammarSpec.regex("warm"))
+    release = threading.Event()
+    c._compile = lambda spec: release.wait(5) and None     # a compile that holds its thread
+
+    async def main():
+        first = asyncio.ensure_future(c.compile(GrammarSpec.regex("first")))
+        await asyncio.sleep(0.05)
+        start = time.monotonic()
+        with pytest.raises(Overloaded, match="every structured-output compile thread is busy") as exc:
+            await c.compile(GrammarSpec.regex("second"))
+        assert exc.value.param == PARAM and time.monotonic() - start < 1.0
+        with pytest.raises(InvalidArgument, match="did not compile within 0.2 s"):
+            await first
+        assert (await c.lookup(GrammarSpec.regex("warm")))[1] is True     # a cached one still answers
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        c.close()
