@@ -81,7 +81,8 @@ class CompilePool:
             if self._closed:
                 raise RuntimeError("the compile pool is closed")
             self._queue.append(job)
-            if self._idle == 0 and self._workers < self.threads:
+            # Owed replacements count as workers: the overdue bound holds however many calls arrive.
+            if self._idle == 0 and self._workers + self._owed < self.threads:
                 self._spawn()
             self._cond.notify_all()
         return job.future

@@ -137,6 +137,9 @@ def test_a_compile_no_thread_takes_within_the_deadline_is_overloaded(tokenizer):
         with pytest.raises(Overloaded, match="every structured-output compile thread is busy") as exc:
             await c.compile(GrammarSpec.regex("second"))
         assert exc.value.param == PARAM and time.monotonic() - start < 1.0
+        # Asked now, with the only thread written off and not replaced, a new one waits its turn as well.
+        with pytest.raises(Overloaded):
+            await c.compile(GrammarSpec.regex("third"))
         with pytest.raises(InvalidArgument, match="did not compile within 0.2 s"):
             await first
         assert (await c.lookup(GrammarSpec.regex("warm")))[1] is True     # a cached one still answers
