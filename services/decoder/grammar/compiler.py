@@ -196,10 +196,11 @@ class GrammarCompiler:
         spec: GrammarSpec = job.args[0]
         message = (f"{_NAME[spec.kind]} did not compile within {self.deadline_s:g} s (the decoder's "
                    f"--grammar-compile-timeout-s); simplify it (fewer or smaller repetition bounds, a smaller schema)")
-        with self._refused_lock:
-            self._refused[_digest(spec)] = message, time.monotonic() + REFUSAL_S
-            while len(self._refused) > REFUSALS:
-                self._refused.popitem(last=False)
+        if spec.kind != "json_object":      # no input to craft: slow only because the machine was
+            with self._refused_lock:
+                self._refused[_digest(spec)] = message, time.monotonic() + REFUSAL_S
+                while len(self._refused) > REFUSALS:
+                    self._refused.popitem(last=False)
         log.warning("a %s compile ran past %g s and was written off (%d written-off compiles still running)",
                     spec.kind, self.deadline_s, self._pool.overdue)
         return InvalidArgument(message, param=PARAM)
