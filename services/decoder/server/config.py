@@ -70,7 +70,7 @@ class DecoderConfig:
                                             "kept)", metavar="MB")
     grammar_compile_timeout_s: float = option(10.0, "longest one grammar compile may run: past it the request gets"
                                                     " 400 naming its field, and the same constraint is refused at "
-                                                    "once after that; a compile not started within it (every "
+                                                    "once for 10 minutes; a compile not started within it (every "
                                                     "thread busy) gets 429", metavar="SECONDS")
     max_schema_bytes: int = option(128 * 1024, "largest JSON schema of a structured output (response_format, "
                                                "structured_outputs, a forced tool call's parameters), in UTF-8 "
