@@ -171,14 +171,17 @@ class GrammarCompiler:
             # Waited for here, not on a compile thread, so a slow vocabulary does not count as the spec's.
             await asyncio.wait({asyncio.wrap_future(self._vocabulary)})
         future, hit = self.submit(spec)
+        wrapped = asyncio.wrap_future(future)
+        # Read once done: a caller that left (or was answered Overloaded) leaves no "never retrieved" log.
+        wrapped.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             # Shielded: a caller that goes away (or times out) must not cancel a compile other requests share.
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.deadline_s), hit
+            return await asyncio.wait_for(asyncio.shield(wrapped), self.deadline_s), hit
         except TimeoutError:
             if not isinstance(future, JobFuture) or future.started is None:
                 raise Overloaded(f"every structured-output compile thread is busy: {_NAME[spec.kind]} waited "
                                  f"{self.deadline_s:g} s without starting; retry later", param=PARAM) from None
-        return await asyncio.shield(asyncio.wrap_future(future)), hit
+        return await asyncio.shield(wrapped), hit
 
     async def compile(self, spec: GrammarSpec) -> Grammar:
         return (await self.lookup(spec))[0]
