@@ -2,7 +2,9 @@
 xgrammar and enforced by masking the sampler's logits.
 
     spec.py      GrammarSpec: what a request asks for, checked (no xgrammar)
-    compiler.py  GrammarCompiler: spec -> Grammar on a thread pool, bounded LRU by spec (server side)
+    compiler.py  GrammarCompiler: spec -> Grammar on compile threads with a deadline, cached (server side)
+    pool.py      CompilePool: the compile threads; one past the deadline is written off and replaced
+    cache.py     FutureCache: one compile per spec, an LRU bounded by entries and bytes
     compiled.py  Grammar (shared, read-only) and the vocabulary's static token bits
     state.py     GrammarState: one request's matcher; GrammarStates: the runner's, by request id
     mask.py      GrammarMasks: one step's masks, filled in a batch and applied (sampler side)

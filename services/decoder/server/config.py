@@ -63,7 +63,21 @@ class DecoderConfig:
     # Structured outputs (services/decoder/grammar): compiled off the engine thread, cached by text.
     grammar_threads: int = option(2, "threads that compile structured-output grammars (JSON schema, regex, "
                                      "choice, EBNF) off the engine thread")
-    grammar_cache_size: int = option(256, "compiled grammars kept (least recently used dropped first)")
+    grammar_cache_size: int = option(256, "compiled grammars kept at most (least recently used dropped first); "
+                                          "--grammar-cache-mb bounds their bytes too")
+    grammar_cache_mb: float = option(256.0, "MiB of compiled grammars kept at most (xgrammar's token-mask caches; "
+                                            "least recently used dropped first; one larger alone is used, not "
+                                            "kept)", metavar="MB")
+    grammar_compile_timeout_s: float = option(10.0, "longest one grammar compile may run: past it the request gets"
+                                                    " 400 naming its field, and the same constraint is refused at "
+                                                    "once for 10 minutes; a compile not started within it (every "
+                                                    "thread busy) gets 429", metavar="SECONDS")
+    max_schema_bytes: int = option(128 * 1024, "largest JSON schema of a structured output (response_format, "
+                                               "structured_outputs, a forced tool call's parameters), in UTF-8 "
+                                               "bytes; larger gets 413")
+    max_regex_bytes: int = option(8 * 1024, "largest structured-output regex, in UTF-8 bytes; larger gets 413")
+    max_grammar_bytes: int = option(64 * 1024, "largest structured-output EBNF grammar, or choice list (its "
+                                               "strings together), in UTF-8 bytes; larger gets 413")
     # Tool calls: "required" and a named function are forced by a grammar and need nothing here; "auto" (the
     # default with tools) parses the model's own call format, so the model's decoder names it (as vLLM does).
     enable_auto_tool_choice: bool = option(False, "accept tool_choice \"auto\" (the default with tools): the "
@@ -108,7 +122,8 @@ class DecoderConfig:
             raise ValueError("--model DIR is required")
         object.__setattr__(self, "dtype", dtypes.canonical(self.dtype))   # one spelling from here on
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_n", "max_images",
-                     "max_image_bytes", "grammar_threads", "grammar_cache_size"):
+                     "max_image_bytes", "grammar_threads", "grammar_cache_size", "max_schema_bytes",
+                     "max_regex_bytes", "max_grammar_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("num_blocks", "max_model_len", "max_logprobs"):
@@ -116,6 +131,8 @@ class DecoderConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.kv_cache_gb <= 0:
             raise ValueError("kv_cache_gb must be positive")
+        if not (self.grammar_cache_mb > 0 and self.grammar_compile_timeout_s > 0):
+            raise ValueError("grammar_cache_mb and grammar_compile_timeout_s must be positive")
         self._check_lora()
         self._check_tools()
         if self.speculative_config.strip():

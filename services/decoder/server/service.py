@@ -72,6 +72,10 @@ _VERIFICATIONS = Gauge("tessera_decoder_spec_verifications", "speculative decodi
 _ACCEPTANCE = Gauge("tessera_decoder_spec_acceptance_rate", "speculative decoding: accepted / drafted tokens")
 _ACCEPTED_LENGTH = Gauge("tessera_decoder_spec_mean_accepted_length",
                          "speculative decoding: accepted drafts per verification")
+_GRAMMAR_CACHE_BYTES = Gauge("tessera_decoder_grammar_cache_bytes", "bytes of compiled grammars cached "
+                             "(bounded by --grammar-cache-mb)")
+_GRAMMAR_OVERDUE = Gauge("tessera_decoder_grammar_overdue_compiles", "compiles past --grammar-compile-timeout-s "
+                         "whose thread still runs (xgrammar cannot be interrupted)")
 _GRAMMAR_WAIT = Histogram("tessera_decoder_grammar_wait_seconds", "time a request waited for its grammar "
                           "(compile, or a cache hit)", buckets=LATENCY_BUCKETS)
 
@@ -146,7 +150,10 @@ def load(cfg: DecoderConfig) -> Loaded:
     # Its vocabulary builds on its own pool from here on; serving does not wait for it.
     grammars = GrammarCompiler(tokenizer.backend, vocab_size=runner.vocab_size, stop_token_ids=eos,
                                special_token_ids=tokenizer.all_special_ids, threads=cfg.grammar_threads,
-                               cache_size=cfg.grammar_cache_size)
+                               cache_size=cfg.grammar_cache_size, cache_bytes=int(cfg.grammar_cache_mb * 2**20),
+                               deadline_s=cfg.grammar_compile_timeout_s)
+    _GRAMMAR_CACHE_BYTES.set_function(lambda: grammars.cache.nbytes)
+    _GRAMMAR_OVERDUE.set_function(lambda: grammars.pool.overdue)
     # From here on the server reaches the runner and the scheduler only through the AsyncEngine.
     engine = AsyncEngine(EngineCore(runner, engine_cfg), on_step=_export)
     adapters = Adapters(cfg, engine) if cfg.max_loras else None
@@ -243,10 +250,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         check_prompt(prompt, limits)
         params, include_stop = sampling_params(request.sampling, prompt_len=len(prompt),
                                                vocab_size=st.info.vocab_size, limits=limits)
-        spec = grammar_spec(request.sampling)
+        spec = grammar_spec(request.sampling, limits)
         start = last = time.monotonic()        # time to first token includes the grammar's compile
         # Compiled here, on the grammar pool, before the engine sees the request: a slow schema delays
-        # only its own request, and one that does not compile is refused with nothing queued.
+        # only its own request (bounded by --grammar-compile-timeout-s), and one that does not compile is
+        # refused with nothing queued.
         grammar = await self._grammar(st, spec) if spec is not None else None
         rid = request.request_id or uuid.uuid4().hex
         choices = [Choice(i, st.tokenizer, params.stop, include_stop, params.logprobs is not None,
@@ -284,12 +292,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     @staticmethod
     async def _grammar(st: Loaded, spec: GrammarSpec) -> Grammar:
         start = time.monotonic()
-        future, hit = st.grammars.submit(spec)
-        _GRAMMARS.labels("hit" if hit else "miss").inc()
+        hit = False
         try:
-            # Shielded: a caller that goes away must not cancel a compile other requests share.
-            return await asyncio.shield(asyncio.wrap_future(future))
+            grammar, hit = await st.grammars.lookup(spec)
+            return grammar
         finally:
+            _GRAMMARS.labels("hit" if hit else "miss").inc()
             _GRAMMAR_WAIT.observe(time.monotonic() - start)
 
     @grpc_errors

@@ -4,6 +4,7 @@
     check_messages(chat)                          # roles and tool calls, before the template renders
     check_images(len(request.images), limits)     # before the rows are decoded
     check_prompt(prompt_ids, limits)              # after rendering and image expansion
+    check_constraint_size(so, limits)             # a structured output's text, before it is parsed
     params, include_stop = sampling_params(request.sampling, prompt_len=..., vocab_size=..., limits=limits)
 
 Callers in front of the decoder check JSON shape and their own size limits only; whatever needs the
@@ -27,6 +28,7 @@ MAX_TEMPERATURE = 100.0
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0    # OpenAI's range: -100 bans a token, 100 makes it all but certain
 IMAGES_PARAM = "images"
+CONSTRAINT_PARAM = "structured_output"    # services.decoder.grammar.spec.PARAM (that package imports xgrammar)
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,19 @@ class Limits:
     max_model_len: int       # prompt + output tokens
     max_stop_strings: int = MAX_STOP_STRINGS
     max_stop_string_chars: int = MAX_STOP_STRING_CHARS
+    # UTF-8 bytes of a structured output's text. Checked here only, before anything parses it (not
+    # published: the gateway has no earlier work to save, it forwards the text as it came).
+    max_schema_bytes: int = 128 * 1024      # a JSON schema (response_format's, or the tools' forced call)
+    max_regex_bytes: int = 8 * 1024
+    max_grammar_bytes: int = 64 * 1024      # an EBNF grammar, or a choice list (its strings together)
 
     @classmethod
     def of(cls, cfg, max_model_len: int) -> Limits:
         """The limits a DecoderConfig sets, for an engine whose context is max_model_len tokens."""
         return cls(max_images=cfg.max_images, max_image_bytes=cfg.max_image_bytes, max_n=cfg.max_n,
-                   max_logprobs=cfg.max_logprobs, max_model_len=max_model_len)
+                   max_logprobs=cfg.max_logprobs, max_model_len=max_model_len,
+                   max_schema_bytes=cfg.max_schema_bytes, max_regex_bytes=cfg.max_regex_bytes,
+                   max_grammar_bytes=cfg.max_grammar_bytes)
 
     def to_proto(self) -> decoder_pb2.RequestLimits:
         return decoder_pb2.RequestLimits(
@@ -70,6 +79,28 @@ def check_prompt(prompt: list[int], limits: Limits) -> None:
     if len(prompt) >= limits.max_model_len:
         raise ContextLengthExceeded(f"the prompt has {len(prompt)} tokens; the maximum context length is "
                                     f"{limits.max_model_len}", param="prompt")
+
+
+def check_constraint_size(so, limits: Limits) -> None:
+    """A decoder_pb2.StructuredOutput's text within its kind's byte limit, checked before it is parsed or
+    compiled. Past it: TooLarge (413) naming structured_output (the gateway renames it to the field sent:
+    response_format, structured_outputs or tools). A small text can still compile slowly: the compile
+    deadline (--grammar-compile-timeout-s) bounds that."""
+    kind = so.WhichOneof("kind")
+    if kind == "json_schema":
+        size, limit, what, flag = len(so.json_schema.encode()), limits.max_schema_bytes, "JSON schema", "schema"
+    elif kind == "regex":
+        size, limit, what, flag = len(so.regex.encode()), limits.max_regex_bytes, "regex", "regex"
+    elif kind == "grammar":
+        size, limit, what, flag = len(so.grammar.encode()), limits.max_grammar_bytes, "grammar", "grammar"
+    elif kind == "choice":
+        size = sum(len(c.encode()) for c in so.choice.choices)
+        limit, what, flag = limits.max_grammar_bytes, "choice list", "grammar"
+    else:
+        return
+    if size > limit:
+        raise TooLarge(f"the {what} has {size} bytes; structured outputs take at most {limit} "
+                       f"(the decoder's --max-{flag}-bytes)", param=CONSTRAINT_PARAM)
 
 
 # -- messages -----------------------------------------------------------------------------------------
