@@ -48,7 +48,7 @@ from services.decoder.server.async_engine import AsyncEngine, EngineDescription
 from services.decoder.server.config import DecoderConfig, DecoderServerConfig
 from services.decoder.server.messages import template_messages, template_tools
 from services.decoder.server.structured_output import grammar_spec
-from services.decoder.server.validation import Limits, check_images, check_prompt, sampling_params
+from services.decoder.server.validation import Limits, check_images, check_prompt, check_tools, sampling_params
 from services.decoder.text.chat_template import ChatTemplate
 from services.decoder.text.choice import Choice
 from services.decoder.text.tokenizer import Tokenizer
@@ -184,11 +184,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
     # -- prompt ------------------------------------------------------------------
 
-    def _prompt(self, st: Loaded, request, max_model_len: int) -> list[int]:
+    def _prompt(self, st: Loaded, request, limits: Limits) -> list[int]:
         """The request's prompt ids. Blocking (the template, the tokenizer): Generate runs it on a worker
         thread. A text certainly max_model_len tokens or longer is refused from a prefix of it, before the
         rest is tokenized (services/common/token_budget.py), so a 15 MB prompt costs what its first few
         kilobytes do."""
+        max_model_len = limits.max_model_len
         kind = request.WhichOneof("prompt")
         if kind == "text":
             if not request.text:
@@ -200,7 +201,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                                             f"context length is {max_model_len}", param="prompt")
             return st.tokenizer.validate_ids(list(request.token_ids.ids), limit=st.info.vocab_size)
         if kind == "chat":
-            return self._chat_ids(st, request.chat, max_model_len=max_model_len)
+            return self._chat_ids(st, request.chat, limits=limits)
         raise InvalidArgument("a prompt (text, token ids or messages) is required", param="prompt")
 
     @staticmethod
@@ -214,18 +215,21 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         return ids
 
     @classmethod
-    def _chat_ids(cls, st: Loaded, chat, add_special_tokens: bool = False,
-                  max_model_len: int | None = None) -> list[int]:
+    def _chat_ids(cls, st: Loaded, chat, add_special_tokens: bool = False, limits: Limits | None = None
+                  ) -> list[int]:
         """ChatMessages -> the rendered template's token ids (Generate and Tokenize share this, so they
-        agree). Generate adds no special tokens: the template writes its own; it passes max_model_len, past
-        which the text is refused from a prefix (_within)."""
+        agree). Generate adds no special tokens: the template writes its own; it passes its limits: the
+        tools are counted, and a text of max_model_len tokens or more is refused from a prefix (_within)."""
         if st.template is None:
             raise InvalidArgument(f"model {st.name!r} has no chat template; send a prompt instead",
                                   param="messages")
+        tools = template_tools(chat)
+        if limits is not None:
+            check_tools(len(tools or ()), limits)
         text = st.template.render(template_messages(chat), add_generation_prompt=chat.add_generation_prompt,
-                                  tools=template_tools(chat))
-        if max_model_len is not None:
-            return cls._within(st, text, max_model_len, add_special_tokens)
+                                  tools=tools)
+        if limits is not None:
+            return cls._within(st, text, limits.max_model_len, add_special_tokens)
         return st.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _limits(self, st: Loaded) -> Limits:
@@ -261,7 +265,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         check_images(len(request.images), limits)
         images = request_images(request, st.info.model, model=st.name)
         # Off the event loop: rendering and tokenizing a long prompt must not hold up other streams.
-        ids = await asyncio.to_thread(self._prompt, st, request, limits.max_model_len)
+        ids = await asyncio.to_thread(self._prompt, st, request, limits)
         placed = place_images(ids, images, st.info.model)
         prompt = placed.token_ids
         check_prompt(prompt, limits)
