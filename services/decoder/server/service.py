@@ -223,11 +223,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         if st.template is None:
             raise InvalidArgument(f"model {st.name!r} has no chat template; send a prompt instead",
                                   param="messages")
-        tools = template_tools(chat)
+        messages, tools = template_messages(chat), template_tools(chat)
         if limits is not None:
             check_tools(len(tools or ()), limits)
-        text = st.template.render(template_messages(chat), add_generation_prompt=chat.add_generation_prompt,
-                                  tools=tools)
+        text = st.template.render(messages, add_generation_prompt=chat.add_generation_prompt, tools=tools)
         if limits is not None:
             return cls._within(st, text, limits.max_model_len, add_special_tokens)
         return st.tokenizer.encode(text, add_special_tokens=add_special_tokens)
