@@ -297,6 +297,15 @@ class Catalog:
         base = bases[0][0]
         return [Model(name, GENERATION, base.backend, base.extra, parent=base.name, limits=base.limits)]
 
+    def cached(self, name: str | None, kind: str) -> Model | None:
+        """What resolve would answer from the models already discovered, without asking any backend (for
+        checks that cannot wait: gateway/counts.py); None when that is not known yet, or not of kind."""
+        if name is None:
+            replicas = next((r for r in self.by_name.values() if r[0].kind == kind and r[0].parent is None), None)
+        else:
+            replicas = self.by_name.get(name)
+        return replicas[0] if replicas and replicas[0].kind == kind else None
+
     async def resolve(self, name: str | None, kind: str) -> Model:
         """What a request's `model` names (None: the first model of that kind). Every replica of a name
         describes it alike; which replica a generation call goes to is gateway/routing.py's choice."""

@@ -40,6 +40,8 @@ class GatewayConfig:
                                                        " (embeddings, rerank, completions, tokenize...); 413 past it")
     max_messages: int = option(2048, "most messages (or input items) in one request, counted before the body is"
                                      " parsed; 413 past it; 0: no limit")
+    max_content_parts: int = option(256, "most content parts (text, images) in one message or input item,"
+                                         " counted before the body is validated; 413 past it; 0: no limit")
     grpc_timeout_s: float = option(30.0, "deadline of each backend call in seconds; past it the answer is 504")
     generate_timeout_s: float = option(600.0, "deadline of a whole generation (chat, completions) in seconds;"
                                               " past it the answer is 504, or an error event mid-stream")
@@ -115,8 +117,8 @@ class GatewayConfig:
             raise ValueError("admin_key must differ from every api_key")
         if self.max_body_bytes < 1024 or self.max_text_body_bytes < 1024:
             raise ValueError("max_body_bytes and max_text_body_bytes must be at least 1024")
-        if self.max_messages < 0:
-            raise ValueError("max_messages must be >= 0 (0: no limit)")
+        if self.max_messages < 0 or self.max_content_parts < 0:
+            raise ValueError("max_messages and max_content_parts must be >= 0 (0: no limit)")
         for name in ("grpc_timeout_s", "generate_timeout_s", "health_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

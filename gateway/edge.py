@@ -4,7 +4,9 @@ It runs before FastAPI reads the body, so an oversized body is refused (413)
 before it is buffered past the limit, and a missing key (401) before any work. Two bounds keep parsing cheap:
 routes that never carry images take at most --max-text-body-bytes (a 12 MB embedding input is refused before
 anything reads it), and a body with more than --max-messages `"role"` keys (messages or input items) is refused
-by one scan of its bytes, before JSON parsing and validation, which take ~30 us per message.
+by one scan of its bytes, before JSON parsing and validation, which take ~30 us per message. Other counts
+(content parts, tools, logit_bias entries, inputs, documents) are judged on the parsed JSON before validation
+(gateway/counts.py), against the app this middleware binds for the request.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from prometheus_client import Counter, Histogram
 from services.common.errors import TesseraError, TooLarge, Unauthenticated
 from services.common.metrics import LATENCY_BUCKETS
 
-from . import admin
+from . import admin, counts
 from .admin import ADMIN_PATHS
 from .errors import error_response
 
@@ -83,6 +85,8 @@ class Edge:
                 # Which key, for the per-key limit (gateway/limits.py); the key itself stays out of the scope.
                 scope["state"]["key_index"] = key_index
             receive = await self._bounded_body(path, headers, receive)
+            # The request models count their items against the app's limits (gateway/counts.py).
+            counts.APP.set(scope.get("app"))
         except TesseraError as err:
             await error_response(err, rid, path)(scope, receive, send_with_id)
         else:

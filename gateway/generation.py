@@ -34,7 +34,8 @@ from pydantic import Field, field_validator, model_validator
 from services.common.errors import Internal, TesseraError, Unavailable
 from services.common.pb import decoder_pb2
 
-from .backends import Backend
+from .backends import GENERATION, Backend
+from .counts import check_counts
 from .routes.common import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, StrictBody
 from .routing import Route, prefix_key
 from .structured_output import DECODER_PARAM, StructuredFields
@@ -96,6 +97,11 @@ class SamplingFields(StructuredFields):
                                                               " (nothing is stored): at most 16 pairs, keys"
                                                               " up to 64 and values up to 512 characters")
     service_tier: str | None = Field(None, description="only auto: tessera has one tier")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _counted(cls, data):
+        return check_counts(data, GENERATION)    # before anything is validated (gateway/counts.py)
 
     @model_validator(mode="after")
     def _options_need_stream(self):

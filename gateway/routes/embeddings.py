@@ -7,13 +7,14 @@ from typing import Annotated, Literal
 
 import torch
 from fastapi import APIRouter, Request, Response
-from pydantic import Field, PlainValidator, WithJsonSchema
+from pydantic import Field, PlainValidator, WithJsonSchema, model_validator
 
 from services.common.errors import Internal, TesseraError
 from services.common.pb import pooling_pb2
 from services.common.tensors import from_proto
 
 from ..backends import EMBEDDING
+from ..counts import check_counts
 from ..errors import request_id
 from .common import (
     ERROR_RESPONSES,
@@ -42,6 +43,11 @@ class EmbeddingRequest(StrictBody):
     user: str | None = Field(None, description="accepted for OpenAI compatibility; not used")
     truncate: bool = Field(False, description="extension: cut over-length inputs to the model's context length"
                                              " instead of refusing them")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _counted(cls, data):
+        return check_counts(data, EMBEDDING)    # before anything is validated (gateway/counts.py)
 
 
 def to_inputs(value) -> list[pooling_pb2.EmbedInput]:

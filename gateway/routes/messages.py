@@ -21,13 +21,14 @@ import json
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.common.errors import InvalidArgument, TesseraError
 from services.common.pb import decoder_pb2
 
 from .. import routing, sse
 from ..backends import GENERATION
+from ..counts import check_counts
 from ..errors import anthropic_error, request_id
 from ..generation import finish_reason
 from ..message_blocks import MessageBlocks
@@ -142,6 +143,11 @@ class MessagesRequest(StrictBody):
     output_config: OutputConfig | None = None
     stream: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _counted(cls, data):
+        return check_counts(data, GENERATION)    # before anything is validated (gateway/counts.py)
+
     @field_validator("tools", mode="before")
     @classmethod
     def _custom_tools(cls, value):
@@ -159,6 +165,11 @@ class CountTokensRequest(StrictBody):
     system: str | list[TextBlock] | None = None
     tools: list[CustomTool] | None = None
     tool_choice: ToolChoice | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _counted(cls, data):
+        return check_counts(data, GENERATION)    # before anything is validated (gateway/counts.py)
 
 
 def _text(content: str | list[TextBlock]) -> str:

@@ -4,12 +4,13 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Request
-from pydantic import Field, PlainValidator, WithJsonSchema
+from pydantic import Field, PlainValidator, WithJsonSchema, model_validator
 
 from services.common.errors import Internal
 from services.common.pb import pooling_pb2
 
 from ..backends import RERANK
+from ..counts import check_counts
 from ..errors import request_id
 from .common import ERROR_RESPONSES, INT32_MAX, StrictBody, catalog
 
@@ -46,6 +47,11 @@ class RerankRequest(StrictBody):
     return_documents: bool = Field(True, description="include each document's text in its result")
     raw_scores: bool = Field(False, description="extension: skip the activation the model declares")
     truncate: bool = Field(False, description="extension: cut over-length pairs instead of refusing them")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _counted(cls, data):
+        return check_counts(data, RERANK)    # before anything is validated (gateway/counts.py)
 
 
 @router.post("/v1/rerank", tags=["rerank"], responses=ERROR_RESPONSES)

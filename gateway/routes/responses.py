@@ -22,12 +22,14 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationInfo, field_validator
+from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationInfo, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from services.common.errors import InvalidArgument, TesseraError
 
 from .. import sse
+from ..backends import GENERATION
+from ..counts import check_counts
 from ..generation import UINT64_MAX, finish_reason
 from ..response_items import ResponseItems
 from ..structured_output import JSONObjectFormat, JSONSchema, JSONSchemaFormat, TextFormat
@@ -181,6 +183,11 @@ class ResponsesRequest(StrictBody):
     prompt: SkipJsonSchema[Any] = _refused("prompt")
     conversation: SkipJsonSchema[Any] = _refused("conversation")
     reasoning: SkipJsonSchema[Any] = _refused("reasoning")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _counted(cls, data):
+        return check_counts(data, GENERATION)    # before anything is validated (gateway/counts.py)
 
     @field_validator(*REFUSED, mode="before")
     @classmethod

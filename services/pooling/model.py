@@ -16,6 +16,7 @@ from services.common import dtypes
 from services.common.errors import ContextLengthExceeded, InvalidArgument
 from services.common.plan import POOLING as POOLING_PATHS
 from services.common.plan import ExecutionPlan, Pins
+from services.common.token_budget import leading_prefix
 
 from . import packed
 from .folder import ModelSpec
@@ -82,6 +83,23 @@ class _Base:
             seq = Sequence(seq.ids[:n], seq.type_ids[:n] if seq.type_ids else None)
         return seq
 
+    def _leading(self, text: str, param: str, truncate: bool) -> str:
+        """text, or for one certainly over max_model_len tokens a word-boundary prefix with the same first ids
+        (services/common/token_budget.py), found without tokenizing the rest: refused unless truncate, where
+        the prefix truncates to what text would. Blocking: the servicer runs tokenize on a worker thread."""
+        found = leading_prefix(self._ids, text, self.spec.max_model_len + 1)
+        if found is None:
+            return text
+        if not truncate:
+            raise ContextLengthExceeded(
+                f"{param} has at least {len(found[0])} tokens, over the model's {self.spec.max_model_len}; "
+                "shorten it or set truncate", param=param)
+        return text[:found[1]]
+
+    def _ids(self, text: str) -> list[int]:
+        """text's ids without special tokens, through encode_batch, which lets go of the GIL."""
+        return self.full.encode_batch([text], add_special_tokens=False)[0].ids
+
     def _batch(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
         """Right-padded input_ids / attention_mask (/ token_type_ids) [B, L]."""
         width = max(len(s) for s in seqs)
@@ -142,7 +160,7 @@ class Embedder(_Base):
             if isinstance(item, str):
                 if not item:
                     raise InvalidArgument(f"inputs[{i}] is an empty string", param=f"inputs[{i}]")
-                texts[i] = item.lower() if self.spec.lowercase else item
+                texts[i] = self._leading(item.lower() if self.spec.lowercase else item, f"inputs[{i}]", truncate)
         tok = self.cut if truncate else self.full
         encoded = dict(zip(texts, tok.encode_batch(list(texts.values())), strict=True))
         seqs = []
@@ -199,7 +217,12 @@ class Reranker(_Base):
                 raise InvalidArgument(f"documents[{i}] is an empty string", param=f"documents[{i}]")
         tok = self.cut if truncate else self.full
         lower = str.lower if self.spec.lowercase else str
-        encoded = tok.encode_batch([(lower(query), lower(doc)) for doc in documents])
+        # Each side is cut before the pairs are tokenized: the query is repeated once per document. Where
+        # both sides of a pair exceed the context, longest_first gives the odd token to the side with more
+        # ids, judged on the two prefixes.
+        query = self._leading(lower(query), "query", truncate)
+        encoded = tok.encode_batch([(query, self._leading(lower(doc), f"documents[{i}]", truncate))
+                                    for i, doc in enumerate(documents)])
         return [self._check_length(Sequence(tuple(e.ids), tuple(e.type_ids)), f"documents[{i}]", truncate)
                 for i, e in enumerate(encoded)]
 

@@ -1,6 +1,7 @@
 """tessera.pooling.v1.PoolingService over the loaded models and their batchers."""
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -93,7 +94,8 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServiceServicer):
                 if which is None:
                     raise InvalidArgument(f"inputs[{i}] has neither text nor tokens", param=f"inputs[{i}]")
                 inputs.append(item.text if which == "text" else list(item.tokens.ids))
-            seqs = served.runner.tokenize(inputs, request.truncate)
+            # Off the event loop: a long input must not hold up other calls (tokenize cuts it first).
+            seqs = await asyncio.to_thread(served.runner.tokenize, inputs, request.truncate)
             queued, span = time.monotonic_ns(), Span()
             vectors = torch.stack(await served.batcher.submit(seqs, span))
             resumed = time.monotonic_ns()
@@ -120,7 +122,8 @@ class PoolingServicer(pooling_pb2_grpc.PoolingServiceServicer):
             if not 1 <= top_n <= count:
                 raise InvalidArgument(f"top_n must be between 1 and {count} (the number of documents), "
                                       f"got {top_n}", param="top_n")
-            seqs = served.runner.tokenize(request.query, list(request.documents), request.truncate)
+            seqs = await asyncio.to_thread(served.runner.tokenize, request.query, list(request.documents),
+                                           request.truncate)
             scores = torch.stack(await served.batcher.submit(seqs))
             if not request.raw_scores:
                 scores = served.runner.activate(scores)

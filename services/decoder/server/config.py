@@ -58,6 +58,10 @@ class DecoderConfig:
     fault_fail_at_step: int = option(0, "TESTING ONLY: make the forward of engine step N raise, to exercise "
                                         "failure handling (requests fail, health goes NOT_SERVING); 0 disables")
     max_images: int = option(8, "most images per request (vision-language models); more get 413")
+    max_tools: int = option(128, "most tools in one chat request (OpenAI's limit); more get 413, from the gateway"
+                                 " before it validates them (it reads the number from GetModelInfo)")
+    max_logit_bias: int = option(1024, "most logit_bias entries in one request; more get 413, from the gateway"
+                                       " before it validates them (it reads the number from GetModelInfo)")
     max_image_bytes: int = option(10 * 2**20, "largest compressed image per request, in bytes; the gateway reads it "
                                               "from GetModelInfo and refuses larger data: URIs with 413")
     # Structured outputs (services/decoder/grammar): compiled off the engine thread, cached by text.
@@ -122,8 +126,8 @@ class DecoderConfig:
             raise ValueError("--model DIR is required")
         object.__setattr__(self, "dtype", dtypes.canonical(self.dtype))   # one spelling from here on
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_n", "max_images",
-                     "max_image_bytes", "grammar_threads", "grammar_cache_size", "max_schema_bytes",
-                     "max_regex_bytes", "max_grammar_bytes"):
+                     "max_image_bytes", "max_tools", "max_logit_bias", "grammar_threads", "grammar_cache_size",
+                     "max_schema_bytes", "max_regex_bytes", "max_grammar_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("num_blocks", "max_model_len", "max_logprobs"):

@@ -19,6 +19,7 @@ from services.common import compute
 from services.common.dtypes import to_torch
 from services.common.errors import (
     AdapterNotFound,
+    ContextLengthExceeded,
     Internal,
     InvalidArgument,
     ModelNotFound,
@@ -47,7 +48,7 @@ from services.decoder.server.async_engine import AsyncEngine, EngineDescription
 from services.decoder.server.config import DecoderConfig, DecoderServerConfig
 from services.decoder.server.messages import template_messages, template_tools
 from services.decoder.server.structured_output import grammar_spec
-from services.decoder.server.validation import Limits, check_images, check_prompt, sampling_params
+from services.decoder.server.validation import Limits, check_images, check_prompt, check_tools, sampling_params
 from services.decoder.text.chat_template import ChatTemplate
 from services.decoder.text.choice import Choice
 from services.decoder.text.tokenizer import Tokenizer
@@ -190,27 +191,51 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
     # -- prompt ------------------------------------------------------------------
 
-    def _prompt(self, st: Loaded, request) -> list[int]:
+    def _prompt(self, st: Loaded, request, limits: Limits) -> list[int]:
+        """The request's prompt ids. Blocking (the template, the tokenizer): Generate runs it on a worker
+        thread. A text certainly max_model_len tokens or longer is refused from a prefix of it, before the
+        rest is tokenized (services/common/token_budget.py), so a 15 MB prompt costs what its first few
+        kilobytes do."""
+        max_model_len = limits.max_model_len
         kind = request.WhichOneof("prompt")
         if kind == "text":
             if not request.text:
                 raise InvalidArgument("the prompt is empty", param="prompt")
-            return st.tokenizer.encode(request.text, add_special_tokens=True)
+            return self._within(st, request.text, max_model_len, add_special_tokens=True)
         if kind == "token_ids":
+            if len(request.token_ids.ids) >= max_model_len:    # before each id is checked
+                raise ContextLengthExceeded(f"the prompt has {len(request.token_ids.ids)} tokens; the maximum "
+                                            f"context length is {max_model_len}", param="prompt")
             return st.tokenizer.validate_ids(list(request.token_ids.ids), limit=st.info.vocab_size)
         if kind == "chat":
-            return self._chat_ids(st, request.chat)
+            return self._chat_ids(st, request.chat, limits=limits)
         raise InvalidArgument("a prompt (text, token ids or messages) is required", param="prompt")
 
     @staticmethod
-    def _chat_ids(st: Loaded, chat, add_special_tokens: bool = False) -> list[int]:
+    def _within(st: Loaded, text: str, max_model_len: int, add_special_tokens: bool) -> list[int]:
+        """text's ids, or ContextLengthExceeded as soon as a prefix of it holds max_model_len of them (the
+        rulebook's bound: check_prompt refuses the same prompts, counted whole)."""
+        ids, whole = st.tokenizer.encode_leading(text, max_model_len, add_special_tokens=add_special_tokens)
+        if not whole:
+            raise ContextLengthExceeded(f"the prompt has at least {len(ids)} tokens; the maximum context length "
+                                        f"is {max_model_len}", param="prompt")
+        return ids
+
+    @classmethod
+    def _chat_ids(cls, st: Loaded, chat, add_special_tokens: bool = False, limits: Limits | None = None
+                  ) -> list[int]:
         """ChatMessages -> the rendered template's token ids (Generate and Tokenize share this, so they
-        agree). Generate adds no special tokens: the template writes its own."""
+        agree). Generate adds no special tokens: the template writes its own; it passes its limits: the
+        tools are counted, and a text of max_model_len tokens or more is refused from a prefix (_within)."""
         if st.template is None:
             raise InvalidArgument(f"model {st.name!r} has no chat template; send a prompt instead",
                                   param="messages")
-        text = st.template.render(template_messages(chat), add_generation_prompt=chat.add_generation_prompt,
-                                  tools=template_tools(chat))
+        messages, tools = template_messages(chat), template_tools(chat)
+        if limits is not None:
+            check_tools(len(tools or ()), limits)
+        text = st.template.render(messages, add_generation_prompt=chat.add_generation_prompt, tools=tools)
+        if limits is not None:
+            return cls._within(st, text, limits.max_model_len, add_special_tokens)
         return st.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _limits(self, st: Loaded) -> Limits:
@@ -245,7 +270,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         limits = self._limits(st)
         check_images(len(request.images), limits)
         images = request_images(request, st.info.model, model=st.name)
-        placed = place_images(self._prompt(st, request), images, st.info.model)
+        # Off the event loop: rendering and tokenizing a long prompt must not hold up other streams.
+        ids = await asyncio.to_thread(self._prompt, st, request, limits)
+        placed = place_images(ids, images, st.info.model)
         prompt = placed.token_ids
         check_prompt(prompt, limits)
         params, include_stop = sampling_params(request.sampling, prompt_len=len(prompt),

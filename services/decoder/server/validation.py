@@ -3,6 +3,7 @@
     limits = Limits.of(cfg, max_model_len)        # published as GetModelInfoResponse.limits
     check_messages(chat)                          # roles and tool calls, before the template renders
     check_images(len(request.images), limits)     # before the rows are decoded
+    check_tools(len(tools), limits)               # once tools_json is parsed, before the template renders
     check_prompt(prompt_ids, limits)              # after rendering and image expansion
     check_constraint_size(so, limits)             # a structured output's text, before it is parsed
     params, include_stop = sampling_params(request.sampling, prompt_len=..., vocab_size=..., limits=limits)
@@ -47,20 +48,23 @@ class Limits:
     max_schema_bytes: int = 128 * 1024      # a JSON schema (response_format's, or the tools' forced call)
     max_regex_bytes: int = 8 * 1024
     max_grammar_bytes: int = 64 * 1024      # an EBNF grammar, or a choice list (its strings together)
+    max_tools: int = 128     # tools in one chat request
+    max_logit_bias: int = 1024   # logit_bias entries
 
     @classmethod
     def of(cls, cfg, max_model_len: int) -> Limits:
         """The limits a DecoderConfig sets, for an engine whose context is max_model_len tokens."""
         return cls(max_images=cfg.max_images, max_image_bytes=cfg.max_image_bytes, max_n=cfg.max_n,
-                   max_logprobs=cfg.max_logprobs, max_model_len=max_model_len,
-                   max_schema_bytes=cfg.max_schema_bytes, max_regex_bytes=cfg.max_regex_bytes,
-                   max_grammar_bytes=cfg.max_grammar_bytes)
+                   max_logprobs=cfg.max_logprobs, max_model_len=max_model_len, max_tools=cfg.max_tools,
+                   max_logit_bias=cfg.max_logit_bias, max_schema_bytes=cfg.max_schema_bytes,
+                   max_regex_bytes=cfg.max_regex_bytes, max_grammar_bytes=cfg.max_grammar_bytes)
 
     def to_proto(self) -> decoder_pb2.RequestLimits:
         return decoder_pb2.RequestLimits(
             max_images=self.max_images, max_image_bytes=self.max_image_bytes, max_n=self.max_n,
             max_logprobs=self.max_logprobs, max_model_len=self.max_model_len,
-            max_stop_strings=self.max_stop_strings, max_stop_string_chars=self.max_stop_string_chars)
+            max_stop_strings=self.max_stop_strings, max_stop_string_chars=self.max_stop_string_chars,
+            max_tools=self.max_tools, max_logit_bias=self.max_logit_bias)
 
 
 # -- prompt and images --------------------------------------------------------------------------------
@@ -101,6 +105,12 @@ def check_constraint_size(so, limits: Limits) -> None:
     if size > limit:
         raise TooLarge(f"the {what} has {size} bytes; structured outputs take at most {limit} "
                        f"(the decoder's --max-{flag}-bytes)", param=CONSTRAINT_PARAM)
+
+
+def check_tools(given: int, limits: Limits) -> None:
+    """At most limits.max_tools tools in one chat request; past it TooLarge, as for images."""
+    if given > limits.max_tools:
+        raise TooLarge(f"{given} tools in one request; at most {limits.max_tools} per request", param="tools")
 
 
 # -- messages -----------------------------------------------------------------------------------------
@@ -193,13 +203,16 @@ def sampling_params(msg, *, prompt_len: int, vocab_size: int, limits: Limits) ->
         seed=msg.seed if msg.HasField("seed") else None, max_tokens=max_tokens,
         stop=validate_stop_strings(list(msg.stop)), stop_token_ids=stop_ids, n=n, logprobs=logprobs,
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-        ignore_eos=msg.ignore_eos, logit_bias=logit_bias(msg.logit_bias, vocab_size),
+        ignore_eos=msg.ignore_eos, logit_bias=logit_bias(msg.logit_bias, vocab_size, limits.max_logit_bias),
         repetition_penalty=repetition, min_tokens=msg.min_tokens)
     return params, msg.include_stop_str_in_output
 
 
-def logit_bias(entries, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    """The proto map -> sorted (id, bias) pairs; ids in [0, vocab_size), biases in [-100, 100]."""
+def logit_bias(entries, vocab_size: int, most: int | None = None) -> tuple[tuple[int, float], ...]:
+    """The proto map -> sorted (id, bias) pairs; ids in [0, vocab_size), biases in [-100, 100]; at most `most`
+    entries (limits.max_logit_bias; TooLarge past it, counted before any is read)."""
+    if most is not None and len(entries) > most:
+        raise TooLarge(f"logit_bias has {len(entries)} entries; at most {most} per request", param="logit_bias")
     out = []
     for token, bias in sorted(entries.items()):
         if not 0 <= token < vocab_size:

@@ -24,6 +24,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from services.common.errors import InvalidArgument
+from services.common.token_budget import leading_ids
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES, in its order: chat templates see these names as variables.
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -171,6 +172,18 @@ class Tokenizer:
         if not isinstance(text, str):
             raise InvalidArgument(f"text to encode must be a string, got {type(text).__name__}", param="prompt")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_leading(self, text: str, limit: int, add_special_tokens: bool = True) -> tuple[list[int], bool]:
+        """(ids, whole): text's ids (whole True), or, for a text certainly longer than limit tokens, the ids of
+        a prefix of it, at least limit of them (services/common/token_budget.py), without tokenizing the rest.
+        Through encode_batch, which lets go of the GIL: run off the event loop, it does not hold it up."""
+        if not isinstance(text, str):
+            raise InvalidArgument(f"text to encode must be a string, got {type(text).__name__}", param="prompt")
+
+        def encode(part: str) -> list[int]:
+            return self._tok.encode_batch([part], add_special_tokens=add_special_tokens)[0].ids
+        ids, end = leading_ids(encode, text, limit)
+        return ids, end == len(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """ids [T] -> text. Byte-level pieces that do not form whole UTF-8 characters become U+FFFD."""

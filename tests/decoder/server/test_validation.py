@@ -8,7 +8,14 @@ import pytest
 from services.common.errors import ContextLengthExceeded, InvalidArgument, TooLarge
 from services.common.pb import decoder_pb2, decoder_pb2_grpc
 from services.decoder.server.config import DecoderConfig
-from services.decoder.server.validation import Limits, check_images, check_messages, check_prompt, sampling_params
+from services.decoder.server.validation import (
+    Limits,
+    check_images,
+    check_messages,
+    check_prompt,
+    check_tools,
+    sampling_params,
+)
 
 LIMITS = Limits(max_images=2, max_image_bytes=1000, max_n=4, max_logprobs=5, max_model_len=64)
 
@@ -18,7 +25,7 @@ def test_limits_come_from_the_config_and_travel_as_request_limits():
     limits = Limits.of(cfg, max_model_len=256)
     assert limits.to_proto() == decoder_pb2.RequestLimits(
         max_images=3, max_image_bytes=1234, max_n=7, max_logprobs=9, max_model_len=256, max_stop_strings=16,
-        max_stop_string_chars=256)
+        max_stop_string_chars=256, max_tools=128, max_logit_bias=1024)
     with pytest.raises(ValueError, match="max_image_bytes must be at least 1"):
         DecoderConfig(model="m", max_image_bytes=0)
 
@@ -28,6 +35,22 @@ def test_image_count_past_the_limit_is_too_large():
     with pytest.raises(TooLarge, match="3 images in one request; at most 2 per request") as exc:
         check_images(3, LIMITS)
     assert exc.value.param == "images"
+
+
+def test_tool_and_logit_bias_counts_past_the_limit_are_too_large():
+    limits = Limits(max_images=2, max_image_bytes=1000, max_n=4, max_logprobs=5, max_model_len=64, max_tools=3,
+                    max_logit_bias=2)
+    check_tools(3, limits)
+    with pytest.raises(TooLarge, match="4 tools in one request; at most 3 per request") as exc:
+        check_tools(4, limits)
+    assert exc.value.param == "tools"
+    sampling_params(_sampling(logit_bias={1: 1.0, 2: 1.0}), prompt_len=10, vocab_size=100, limits=limits)
+    with pytest.raises(TooLarge, match="logit_bias has 3 entries; at most 2 per request") as exc:
+        sampling_params(_sampling(logit_bias={1: 1.0, 2: 1.0, 3: 1.0}), prompt_len=10, vocab_size=100,
+                        limits=limits)
+    assert exc.value.param == "logit_bias"
+    with pytest.raises(ValueError, match="max_tools must be at least 1"):
+        DecoderConfig(model="m", max_tools=0)
 
 
 def test_prompt_must_be_non_empty_and_leave_room_for_output():
@@ -118,7 +141,8 @@ def test_the_server_publishes_its_limits_and_judges_by_them(decoder_server):
         stub = decoder_pb2_grpc.DecoderServiceStub(channel)
         limits = stub.GetModelInfo(decoder_pb2.GetModelInfoRequest(), timeout=10).limits
         assert limits == decoder_pb2.RequestLimits(max_images=8, max_image_bytes=10 * 2**20, max_n=4, max_logprobs=20,
-                                                   max_model_len=256, max_stop_strings=16, max_stop_string_chars=256)
+                                                   max_model_len=256, max_stop_strings=16, max_stop_string_chars=256,
+                                                   max_tools=128, max_logit_bias=1024)
         refusals = [
             (decoder_pb2.GenerateRequest(text="hi", sampling=_sampling(n=limits.max_n + 1)),
              f"between 1 and {limits.max_n}"),
