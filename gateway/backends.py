@@ -240,10 +240,10 @@ class Model:
 
 def build_backends(cfg: GatewayConfig) -> list[Backend]:
     """One Backend per configured address, in flag order. Decoder replicas are named by their place in that
-    order (#1, #2...) when there are several."""
+    order ("decoder replica 2") when there are several."""
     backends = [Backend("pooling", cfg.pooling, cfg)] if cfg.pooling else []
     several = len(cfg.decoder) > 1
-    backends += [Backend("decoder", address, cfg, f"decoder #{i + 1}" if several else None)
+    backends += [Backend("decoder", address, cfg, f"decoder replica {i + 1}" if several else None)
                  for i, address in enumerate(cfg.decoder)]
     if cfg.vision:
         backends.append(Backend("vision", cfg.vision, cfg))
