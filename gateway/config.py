@@ -99,9 +99,9 @@ class GatewayConfig:
         """The API keys (--api-key split at commas, stripped); empty: no authentication."""
         return tuple(key.strip() for key in self.api_key.split(",")) if self.api_key is not None else ()
 
-    def tenants(self) -> Tenants:
+    def tenants(self, quiet: bool = False) -> Tenants:
         """Every accepted key and its tenant (reads --api-key-file); no keys: no authentication."""
-        return build_tenants(self.api_keys, self.api_key_file, self.shared_cache)
+        return build_tenants(self.api_keys, self.api_key_file, self.shared_cache, quiet)
 
     @property
     def notes(self) -> dict[str, str]:
@@ -125,7 +125,7 @@ class GatewayConfig:
             raise ValueError("api_key: each key must be given once")
         if self.admin_key == "":
             raise ValueError("admin_key must not be empty (leave it unset to disable the admin endpoints)")
-        keys = self.tenants().keys   # reads and checks --api-key-file
+        keys = self.tenants(quiet=True).keys   # reads and checks --api-key-file (create_app warns)
         if self.admin_key is not None and self.admin_key.strip() in keys:
             # Every API caller would be an admin; the point of a separate key is that they are not.
             raise ValueError("admin_key must differ from every api_key (and every key of api_key_file)")

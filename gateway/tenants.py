@@ -76,15 +76,16 @@ def name_id(name: str) -> str:
     return hashlib.sha256(b"tenant\x00" + name.encode()).hexdigest()[:32]
 
 
-def read_key_file(path: str) -> list[tuple[str, str]]:
-    """[(key, tenant name)] from a key file, in file order; ValueError naming the line on anything else."""
+def read_key_file(path: str, quiet: bool = False) -> list[tuple[str, str]]:
+    """[(key, tenant name)] from a key file, in file order; ValueError naming the line on anything else.
+    quiet: no warning about the file's mode (the config's check at load; the app's read warns)."""
     try:
         file = Path(path)
         text = file.read_text(encoding="utf-8")
         mode = file.stat().st_mode
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"--api-key-file: cannot read {path!r}: {getattr(exc, 'strerror', None) or exc}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+    if mode & (stat.S_IRWXG | stat.S_IRWXO) and not quiet:
         log.warning("--api-key-file %s is readable by others than its owner (mode %o); it holds secrets: chmod "
                     "600 it", path, stat.S_IMODE(mode))
     pairs = []
@@ -104,14 +105,15 @@ def read_key_file(path: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def build_tenants(flag_keys: tuple[str, ...], key_file: str | None, shared_cache: bool = False) -> Tenants:
-    """The keys of --api-key (each its own tenant) followed by those of --api-key-file."""
+def build_tenants(flag_keys: tuple[str, ...], key_file: str | None, shared_cache: bool = False,
+                  quiet: bool = False) -> Tenants:
+    """The keys of --api-key (each its own tenant) followed by those of --api-key-file (read_key_file)."""
     keys, names, ids = [], [], []
     for i, key in enumerate(flag_keys):
         keys.append(key)
         names.append(f"api-key-{i + 1}")
         ids.append(key_id(key))
-    for key, name in read_key_file(key_file) if key_file else ():
+    for key, name in read_key_file(key_file, quiet) if key_file else ():
         keys.append(key)
         names.append(name)
         ids.append(name_id(name))
