@@ -30,8 +30,9 @@ class GatewayConfig:
                                           " checked by /ready", metavar="HOST:PORT")
     vision: str | None = option(None, "vision service as HOST:PORT; checked by /ready", metavar="HOST:PORT")
     api_key: str | None = option(None, "if set, every /v1 request needs 'Authorization: Bearer <key>' (the admin"
-                                          " endpoints take --admin-key instead); several keys, one per client or"
-                                          " tenant, are comma-separated (each has its --max-concurrent-per-key)",
+                                          " endpoints take --admin-key instead); several keys are comma-separated,"
+                                          " each a tenant of its own (--api-key-file groups keys into tenants)"
+                                          " with its own --max-concurrent-per-key",
                                  formerly="TESSERA_API_KEY")
     api_key_file: str | None = option(None, "file of API keys and their tenants, one 'KEY TENANT' line each (several"
                                             " keys may share a tenant; mode 0600); with --api-key both sets are"
@@ -43,7 +44,8 @@ class GatewayConfig:
                                        " unset: a tenant's cached_tokens and cached_images never count another"
                                        " tenant's prompts or images")
     admin_key: str | None = option(None, "key of the admin endpoints (adapter load/unload/list): they need"
-                                         " 'Authorization: Bearer <admin key>'; unset: they are disabled (403)",
+                                         " 'Authorization: Bearer <admin key>'; unset: they are disabled (403)."
+                                         " /ready sent with it also gives each backend's address and state",
                                    formerly="TESSERA_ADMIN_KEY")
     max_body_bytes: int = option(16 * 1024 * 1024, "largest request body accepted (chat, responses and messages,"
                                                     " which may carry images); larger ones get 413")
