@@ -62,6 +62,10 @@ NO_MODEL_OF_KIND = {
             " (make up: RERANKER_MODEL=DIR make up)",
 }
 
+# Codes that arrive without a reason but in words of the fleet's own (the backend-token check) or of a gRPC
+# limit, never naming an address: their details are kept.
+OWN_WORDS = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED})
 # What an error body says of a failed call that its service did not answer itself, by reason.
 _FAILED = {"UNAVAILABLE": "is unavailable; retry later", "DEADLINE": "did not answer within the deadline"}
 
@@ -128,7 +132,7 @@ class Backend:
         reason) keeps its message; a failure of the transport or of gRPC itself (no reason: connection refused,
         a dead peer) says only which service failed, since its details name addresses; the log has them."""
         err = from_rpc_error(exc)
-        if dict(exc.trailing_metadata() or ()).get(REASON_KEY):
+        if dict(exc.trailing_metadata() or ()).get(REASON_KEY) or exc.code() in OWN_WORDS:
             if err.reason == "UNAVAILABLE":
                 err.message = f"{self.name}: {err.message}"
             return err

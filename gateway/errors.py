@@ -23,6 +23,8 @@ from services.common.errors import (
     http_error,
 )
 
+from .backends import OWN_WORDS
+
 log = logging.getLogger("tessera.gateway")
 
 
@@ -106,7 +108,7 @@ def install(app: FastAPI) -> None:
         # details name addresses, so they go to the log only (as Backend.public_error does).
         rid = request_id(request)
         err = from_rpc_error(exc)
-        if not dict(exc.trailing_metadata() or ()).get(REASON_KEY):
+        if not dict(exc.trailing_metadata() or ()).get(REASON_KEY) and exc.code() not in OWN_WORDS:
             log.warning("backend call failed: %s: %s (request_id=%s)", exc.code().name, exc.details(), rid)
             err.message = f"a backend call failed: {exc.code().name}"
         return error_response(err, rid, request.url.path)
