@@ -14,6 +14,14 @@ from services.common.errors import PermissionDenied, Unauthenticated
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/lora_adapters"})
 
 
+def is_admin(admin_key: bytes | None, headers) -> bool:
+    """Whether headers (any mapping with lower-case names) carry `Authorization: Bearer <admin key>`; False when
+    there is no admin key. For public routes that tell the admin more than anyone else (/ready)."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return admin_key is not None and scheme.lower() == "bearer" and \
+        hmac.compare_digest(token.strip().encode(), admin_key)
+
+
 def authorize(admin_key: bytes | None, headers: dict[str, str]) -> None:
     """Raise unless headers carry `Authorization: Bearer <admin key>` (headers: lower-cased names)."""
     if admin_key is None:

@@ -73,13 +73,15 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     # Known paths label the metrics; anything else is "other", so scanners cannot blow up the label set.
     routes = frozenset([*(r.path for router in ROUTERS for r in router.routes),
                         app.openapi_url, app.docs_url, app.redoc_url])
+    tenants = cfg.tenants()
+    app.state.tenants = tenants
     # Added first, so it runs inside Edge (the last added is outermost): refusals get ids, logs and metrics.
     app.add_middleware(ConcurrencyLimit, limit=cfg.max_concurrent_requests,
                        per_key=per_key_limit(cfg.max_concurrent_per_key, cfg.max_concurrent_requests,
-                                             len(cfg.api_keys)))
-    app.add_middleware(Edge, api_keys=cfg.api_keys, max_body_bytes=cfg.max_body_bytes, routes=routes,
+                                             len(tenants.keys)))
+    app.add_middleware(Edge, api_keys=tenants.keys, max_body_bytes=cfg.max_body_bytes, routes=routes,
                        admin_key=cfg.admin_key, max_text_body_bytes=cfg.max_text_body_bytes,
-                       max_messages=cfg.max_messages)
+                       max_messages=cfg.max_messages, tenant_names=tenants.names)
     app.state.config = cfg
     app.openapi = _without_422(app.openapi)
     return app

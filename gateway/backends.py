@@ -21,7 +21,15 @@ from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.auth import call_metadata, read_token
-from services.common.errors import InvalidArgument, ModelNotFound, TesseraError, Unavailable, from_rpc_error
+from services.common.errors import (
+    REASON_KEY,
+    InvalidArgument,
+    ModelNotFound,
+    TesseraError,
+    Unavailable,
+    error_for,
+    from_rpc_error,
+)
 from services.common.pb import (
     decoder_pb2,
     decoder_pb2_grpc,
@@ -54,13 +62,22 @@ NO_MODEL_OF_KIND = {
             " (make up: RERANKER_MODEL=DIR make up)",
 }
 
+# Codes that arrive without a reason but in words of the fleet's own (the backend-token check) or of a gRPC
+# limit, never naming an address: their details are kept.
+OWN_WORDS = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED})
+# What an error body says of a failed call that its service did not answer itself, by reason.
+_FAILED = {"UNAVAILABLE": "is unavailable; retry later", "DEADLINE": "did not answer within the deadline"}
+
 
 class Backend:
     """One gRPC service at one address. Open the channel inside the event loop that will use it."""
 
-    def __init__(self, role: str, address: str, cfg: GatewayConfig):
+    def __init__(self, role: str, address: str, cfg: GatewayConfig, name: str | None = None):
+        """name: what error bodies call it (never its address: `label` is for logs and metrics); the role."""
         self.role = role
         self.address = address
+        self.name = name or role
         self.health_name = HEALTH_NAMES[role]
         self.cfg = cfg
         self.in_flight = 0
@@ -110,13 +127,24 @@ class Backend:
             return f"UNREACHABLE ({exc.code().name}: {exc.details()})"
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
-    def _typed(self, exc: grpc.aio.AioRpcError, fields: dict[str, str] | None) -> TesseraError:
-        """The typed error of a failed call; fields renames proto field names to the HTTP body's
+    def public_error(self, exc: grpc.aio.AioRpcError, request_id: str) -> TesseraError:
+        """The typed error of a failed call, fit for an error body. A service's own refusal (it carries a
+        reason) keeps its message; a failure of the transport or of gRPC itself (no reason: connection refused,
+        a dead peer) says only which service failed, since its details name addresses; the log has them."""
+        err = from_rpc_error(exc)
+        if dict(exc.trailing_metadata() or ()).get(REASON_KEY) or exc.code() in OWN_WORDS:
+            if err.reason == "UNAVAILABLE":
+                err.message = f"{self.name}: {err.message}"
+            return err
+        log.warning("%s call failed: %s: %s (request_id=%s)", self.label, exc.code().name, exc.details(), request_id)
+        what = _FAILED.get(err.reason, "failed")
+        return error_for(err.reason, f"{self.name}: the service {what}", err.param)
+
+    def _typed(self, exc: grpc.aio.AioRpcError, fields: dict[str, str] | None, request_id: str) -> TesseraError:
+        """The typed error of a failed call (public_error); fields renames proto field names to the HTTP body's
         (e.g. inputs -> input) in the error's param, which names the top-level field only
         ("inputs[3]" -> "input"; the message keeps the detail)."""
-        err = from_rpc_error(exc)
-        if err.reason == "UNAVAILABLE":
-            err = Unavailable(f"{self.label}: {err.message}", param=err.param)
+        err = self.public_error(exc, request_id)
         if err.param:
             head = re.split(r"[\[.]", err.param, maxsplit=1)[0]
             err.param = (fields or {}).get(head, head)
@@ -129,7 +157,7 @@ class Backend:
             return await method(request, timeout=self.cfg.grpc_timeout_s,
                                 metadata=self.metadata(request_id))
         except grpc.aio.AioRpcError as exc:
-            raise self._typed(exc, fields) from None
+            raise self._typed(exc, fields, request_id) from None
         finally:
             self.in_flight -= 1
 
@@ -147,7 +175,7 @@ class Backend:
             async for message in call:
                 yield message
         except grpc.aio.AioRpcError as exc:
-            raise self._typed(exc, fields) from None
+            raise self._typed(exc, fields, request_id) from None
         finally:
             call.cancel()  # a no-op once the call has ended
             self.in_flight -= 1
@@ -215,9 +243,12 @@ class Model:
 
 
 def build_backends(cfg: GatewayConfig) -> list[Backend]:
-    """One Backend per configured address, in flag order."""
+    """One Backend per configured address, in flag order. Decoder replicas are named by their place in that
+    order ("decoder replica 2") when there are several."""
     backends = [Backend("pooling", cfg.pooling, cfg)] if cfg.pooling else []
-    backends += [Backend("decoder", address, cfg) for address in cfg.decoder]
+    several = len(cfg.decoder) > 1
+    backends += [Backend("decoder", address, cfg, f"decoder replica {i + 1}" if several else None)
+                 for i, address in enumerate(cfg.decoder)]
     if cfg.vision:
         backends.append(Backend("vision", cfg.vision, cfg))
     return backends
@@ -263,8 +294,8 @@ class Catalog:
             failures = {}
             for backend, result in zip(self.backends, results, strict=True):
                 if isinstance(result, TesseraError):
-                    failures[backend.label] = result.message if result.message.startswith(backend.label) \
-                        else f"{backend.label}: {result.message}"
+                    failures[backend.label] = result.message if result.message.startswith(backend.name) \
+                        else f"{backend.name}: {result.message}"
                     continue
                 if isinstance(result, BaseException):
                     raise result
@@ -277,7 +308,7 @@ class Catalog:
                 log.warning("model discovery failed for %s", failures)
 
     def _unavailable(self, what: str) -> Unavailable:
-        # Each failure message already starts with its backend's label.
+        # Each failure message already starts with its backend's name.
         return Unavailable(f"{what}; " + "; ".join(self.failures.values()))
 
     async def models(self) -> list[Model]:

@@ -7,6 +7,8 @@ from services.common.auth import TOKEN_FILE_ENV, read_token
 from services.common.config import option
 from services.common.tls import check_client_files
 
+from .tenants import Tenants, build_tenants
+
 # Every variable the gateway reads is TESSERA_GATEWAY_<FLAG> (services/common/config.py).
 ENV_PREFIX = "TESSERA_GATEWAY_"
 
@@ -28,11 +30,22 @@ class GatewayConfig:
                                           " checked by /ready", metavar="HOST:PORT")
     vision: str | None = option(None, "vision service as HOST:PORT; checked by /ready", metavar="HOST:PORT")
     api_key: str | None = option(None, "if set, every /v1 request needs 'Authorization: Bearer <key>' (the admin"
-                                          " endpoints take --admin-key instead); several keys, one per client or"
-                                          " tenant, are comma-separated (each has its --max-concurrent-per-key)",
+                                          " endpoints take --admin-key instead); several keys are comma-separated,"
+                                          " each a tenant of its own (--api-key-file groups keys into tenants)"
+                                          " with its own --max-concurrent-per-key",
                                  formerly="TESSERA_API_KEY")
+    api_key_file: str | None = option(None, "file of API keys and their tenants, one 'KEY TENANT' line each (several"
+                                            " keys may share a tenant; mode 0600); with --api-key both sets are"
+                                            " accepted, each --api-key key a tenant of its own. Each tenant's"
+                                            " prefix-cache and image-cache hits are its own (--shared-cache)",
+                                      metavar="FILE")
+    shared_cache: bool = option(False, "let every tenant share the decoder's prefix cache and the vision"
+                                       " service's image cache (a single-tenant deployment with several keys);"
+                                       " unset: a tenant's cached_tokens and cached_images never count another"
+                                       " tenant's prompts or images")
     admin_key: str | None = option(None, "key of the admin endpoints (adapter load/unload/list): they need"
-                                         " 'Authorization: Bearer <admin key>'; unset: they are disabled (403)",
+                                         " 'Authorization: Bearer <admin key>'; unset: they are disabled (403)."
+                                         " /ready sent with it also gives each backend's address and state",
                                    formerly="TESSERA_ADMIN_KEY")
     max_body_bytes: int = option(16 * 1024 * 1024, "largest request body accepted (chat, responses and messages,"
                                                     " which may carry images); larger ones get 413")
@@ -81,14 +94,18 @@ class GatewayConfig:
                                               " responses (store, previous_response_id, GET/DELETE by id);"
                                               " unset: store true is refused", metavar="URL")
     response_store_ttl_s: int = option(3600, "how long a stored response is kept, in seconds")
-    response_store_max_bytes: int = option(64 * 1024 * 1024, "most bytes of stored responses per API key; past"
-                                                             " it the key's oldest are evicted")
+    response_store_max_bytes: int = option(64 * 1024 * 1024, "most bytes of stored responses per tenant; past"
+                                                             " it the tenant's oldest are evicted")
     log_level: str = option("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     @property
     def api_keys(self) -> tuple[str, ...]:
         """The API keys (--api-key split at commas, stripped); empty: no authentication."""
         return tuple(key.strip() for key in self.api_key.split(",")) if self.api_key is not None else ()
+
+    def tenants(self, quiet: bool = False) -> Tenants:
+        """Every accepted key and its tenant (reads --api-key-file); no keys: no authentication."""
+        return build_tenants(self.api_keys, self.api_key_file, self.shared_cache, quiet)
 
     @property
     def notes(self) -> dict[str, str]:
@@ -112,9 +129,10 @@ class GatewayConfig:
             raise ValueError("api_key: each key must be given once")
         if self.admin_key == "":
             raise ValueError("admin_key must not be empty (leave it unset to disable the admin endpoints)")
-        if self.admin_key is not None and self.admin_key.strip() in self.api_keys:
+        keys = self.tenants(quiet=True).keys   # reads and checks --api-key-file (create_app warns)
+        if self.admin_key is not None and self.admin_key.strip() in keys:
             # Every API caller would be an admin; the point of a separate key is that they are not.
-            raise ValueError("admin_key must differ from every api_key")
+            raise ValueError("admin_key must differ from every api_key (and every key of api_key_file)")
         if self.max_body_bytes < 1024 or self.max_text_body_bytes < 1024:
             raise ValueError("max_body_bytes and max_text_body_bytes must be at least 1024")
         if self.max_messages < 0 or self.max_content_parts < 0:

@@ -25,6 +25,7 @@ from services.common.pb import decoder_pb2
 from . import routing
 from .backends import Model
 from .generation import Generation
+from .tenants import cache_salt
 
 MAX_ECHO_TOKENS = 2048
 WAVE = 16
@@ -46,6 +47,7 @@ async def echoed(request: Request, model: Model, prompt: str | list[int], top: i
     route = routing.route(request, model)
     backend = await route.best()
     target = model.target()
+    salt = cache_salt(request)   # the waves' blocks are the tenant's, like any of its prompts
     if isinstance(prompt, str):
         reply = await backend.call(backend.decoder.Tokenize, decoder_pb2.TokenizeRequest(
             **target, text=prompt, add_special_tokens=True), rid)
@@ -68,6 +70,7 @@ async def echoed(request: Request, model: Model, prompt: str | list[int], top: i
     for start in range(1, len(ids), WAVE):
         positions = range(start, min(start + WAVE, len(ids)))
         calls = [decoder_pb2.GenerateRequest(**target, token_ids=decoder_pb2.TokenIds(ids=ids[:i]),
+                                             cache_salt=salt,
                                              sampling=decoder_pb2.SamplingParams(
                                                  temperature=0, max_tokens=1, logprobs=top, ignore_eos=False,
                                                  logit_bias={ids[i]: FORCE})) for i in positions]

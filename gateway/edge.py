@@ -47,9 +47,12 @@ class Edge:
     """ASGI middleware around the FastAPI app; `routes` are the known paths (metric labels)."""
 
     def __init__(self, app, *, api_keys: tuple[str, ...], max_body_bytes: int, routes: frozenset[str],
-                 admin_key: str | None = None, max_text_body_bytes: int | None = None, max_messages: int = 0):
-        """api_keys: the accepted API keys; empty: no authentication."""
+                 admin_key: str | None = None, max_text_body_bytes: int | None = None, max_messages: int = 0,
+                 tenant_names: tuple[str, ...] = ()):
+        """api_keys: the accepted API keys; empty: no authentication. tenant_names: each key's tenant, for the
+        access log (gateway/tenants.py)."""
         self.app = app
+        self.tenant_names = tenant_names
         self.api_keys = tuple(key.encode() for key in api_keys)
         self.admin_key = admin_key.encode() if admin_key else None
         self.max_body_bytes = max_body_bytes
@@ -70,6 +73,7 @@ class Edge:
         route = path if path in self.routes else "other"
         started = time.perf_counter()
         status = [500]
+        tenant = ""
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
@@ -82,8 +86,11 @@ class Edge:
         try:
             key_index = self._authenticate(path, headers)
             if key_index is not None:
-                # Which key, for the per-key limit (gateway/limits.py); the key itself stays out of the scope.
+                # Which key, for the per-key limit (gateway/limits.py) and its tenant's cache salt
+                # (gateway/tenants.py); the key itself stays out of the scope.
                 scope["state"]["key_index"] = key_index
+                if key_index < len(self.tenant_names):
+                    tenant = f" tenant={self.tenant_names[key_index]}"
             receive = await self._bounded_body(path, headers, receive)
             # The request models count their items against the app's limits (gateway/counts.py).
             counts.APP.set(scope.get("app"))
@@ -95,7 +102,8 @@ class Edge:
             elapsed = time.perf_counter() - started
             REQUESTS.labels(route, str(status[0])).inc()
             LATENCY.labels(route).observe(elapsed)
-            log.info("%s %s %d %.1fms request_id=%s", scope["method"], path, status[0], elapsed * 1000, rid)
+            log.info("%s %s %d %.1fms request_id=%s%s", scope["method"], path, status[0], elapsed * 1000, rid,
+                     tenant)
 
     def _authenticate(self, path: str, headers: dict) -> int | None:
         """The index of the API key the request came with; None where no API key is needed."""

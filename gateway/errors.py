@@ -15,12 +15,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from services.common.errors import (
+    REASON_KEY,
     Internal,
     InvalidArgument,
     TesseraError,
     from_rpc_error,
     http_error,
 )
+
+from .backends import OWN_WORDS
 
 log = logging.getLogger("tessera.gateway")
 
@@ -101,7 +104,14 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(grpc.aio.AioRpcError)
     async def _rpc(request: Request, exc: grpc.aio.AioRpcError):
-        return error_response(from_rpc_error(exc), request_id(request), request.url.path)
+        # A call made outside Backend.call: a service's own refusal keeps its message; a transport failure's
+        # details name addresses, so they go to the log only (as Backend.public_error does).
+        rid = request_id(request)
+        err = from_rpc_error(exc)
+        if not dict(exc.trailing_metadata() or ()).get(REASON_KEY) and exc.code() not in OWN_WORDS:
+            log.warning("backend call failed: %s: %s (request_id=%s)", exc.code().name, exc.details(), rid)
+            err.message = f"a backend call failed: {exc.code().name}"
+        return error_response(err, rid, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

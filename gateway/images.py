@@ -26,7 +26,6 @@ from services.common.errors import (
     Unavailable,
     Unsupported,
     error_for,
-    from_rpc_error,
 )
 from services.common.pb import decoder_pb2, vision_pb2
 
@@ -82,21 +81,23 @@ def decode_uris(refs: list[ImageRef], max_bytes: int) -> list[vision_pb2.ImageDa
 
 
 async def encode(vision: Backend, refs: list[ImageRef], images: list[vision_pb2.ImageData],
-                 request_id: str) -> tuple[list[decoder_pb2.ImageInput], int]:
+                 request_id: str, salt: str = "") -> tuple[list[decoder_pb2.ImageInput], int]:
     """One Encode call for all of the request's images -> (ImageInputs in the same order, how many of them
-    the vision service answered from its feature cache).
+    the vision service answered from its feature cache). salt: the tenant's cache salt (gateway/tenants.py), so
+    those hits are only ever the tenant's own images.
 
     The call is made here rather than through Backend.call because the vision service names the failing
     image as param images[k]; that index is turned back into the part's place in the messages.
     """
     try:
-        reply = await vision.vision.Encode(vision_pb2.EncodeRequest(images=images, request_id=request_id),
+        reply = await vision.vision.Encode(vision_pb2.EncodeRequest(images=images, request_id=request_id,
+                                                                    cache_salt=salt),
                                            timeout=vision.cfg.grpc_timeout_s,
                                            metadata=vision.metadata(request_id))
     except grpc.aio.AioRpcError as exc:
-        err = from_rpc_error(exc)
+        err = vision.public_error(exc, request_id)
         if err.reason == "UNAVAILABLE":
-            raise Unavailable(f"{vision.label}: {err.message}", param="messages") from None
+            raise Unavailable(err.message, param="messages") from None
         where = _part_named(dict(exc.trailing_metadata() or ()).get(PARAM_KEY, ""), refs)
         raise error_for(err.reason, f"{where}: {err.message}" if where else err.message, "messages") from None
     if len(reply.images) != len(refs):

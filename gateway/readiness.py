@@ -10,7 +10,11 @@
 """
 from __future__ import annotations
 
+import logging
+
 from .backends import GENERATION, Backend, Catalog
+
+log = logging.getLogger("tessera.gateway.readiness")
 
 
 class Readiness:
@@ -18,6 +22,7 @@ class Readiness:
 
     def __init__(self):
         self.models_of: dict[str, frozenset[str]] = {}  # decoder backend label -> generation model names
+        self.logged: dict[str, str] = {}   # what was down when last logged (Readiness.down's answer)
 
     def learn(self, catalog: Catalog) -> None:
         """Record what the catalog's last successful discovery said about each decoder replica."""
@@ -27,6 +32,17 @@ class Readiness:
                 if model.kind == GENERATION and model.parent is None:
                     label = model.backend.label
                     self.models_of[label] = self.models_of.get(label, frozenset()) | {name}
+
+    def note(self, down: dict[str, str]) -> None:
+        """Log what keeps the gateway from being ready when it changes (anyone but the admin gets only
+        ready or not from /ready: the detail, with backend addresses, is here)."""
+        if down == self.logged:
+            return
+        if down:
+            log.warning("not ready: %s", "; ".join(f"{what} is {state}" for what, state in down.items()))
+        else:
+            log.info("ready")
+        self.logged = dict(down)
 
     def down(self, backends: list[Backend], statuses: dict[str, str]) -> dict[str, str]:
         """What keeps the gateway from being ready, {what: state} read as "what is state"; empty when ready.

@@ -1,6 +1,7 @@
 """Stored Responses API answers (`store`, `previous_response_id`, GET and DELETE /v1/responses/{id}) in the
-fleet's Redis, per tenant: the tenant is a hash of the API key the request came with, so one key can never read,
-continue or delete another's responses (another key's id is a plain 404).
+fleet's Redis, per tenant (gateway/tenants.py: a key of --api-key is a tenant of its own, the keys of one
+--api-key-file tenant share its responses), so one tenant can never read, continue or delete another's responses
+(another tenant's id is a plain 404). Without authentication the tenant is a hash of whatever key is sent.
 
 Each tenant's responses are bounded twice: every record expires after --response-store-ttl-s, and a tenant
 holds at most --response-store-max-bytes (storing past it evicts that tenant's oldest records first, one Lua
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 
 from redis import asyncio as aioredis
 from redis.backoff import NoBackoff
@@ -22,6 +24,8 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from services.common.errors import InvalidArgument, Unavailable
+
+log = logging.getLogger("tessera.gateway.response_store")
 
 # KEYS: record, order, sizes, bytes. ARGV: id, value, ttl_ms, budget, record key prefix. Returns bytes held.
 _PUT = """
@@ -111,4 +115,6 @@ class ResponseStore:
 
 
 def _down(exc: Exception) -> Unavailable:
-    return Unavailable(f"the response store (Redis) is unavailable: {type(exc).__name__}: {exc}", param="store")
+    # The exception names Redis's address: the log has it, the caller's error does not.
+    log.warning("the response store (Redis) is unavailable: %s: %s", type(exc).__name__, exc)
+    return Unavailable("the response store (Redis) is unavailable; retry later", param="store")

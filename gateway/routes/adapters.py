@@ -102,8 +102,8 @@ async def _listings(replicas: list[Backend], rid: str) -> list[decoder_pb2.ListA
 
 def _on(backend: Backend, err: TesseraError, several: bool) -> TesseraError:
     """err, naming the replica when there are several (the message says where it happened)."""
-    if several and not err.message.startswith(backend.label):
-        err.message = f"{backend.label}: {err.message}"
+    if several and not err.message.startswith(backend.name):
+        err.message = f"{backend.name}: {err.message}"
     return err
 
 

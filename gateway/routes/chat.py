@@ -30,6 +30,7 @@ from ..backends import GENERATION, Model
 from ..errors import request_id
 from ..generation import Generation, SamplingFields, finish_reason
 from ..structured_output import DECODER_PARAM
+from ..tenants import cache_salt
 from ..tool_calls import ChoiceToolCalls
 from ..tools import Tool, ToolFields, ToolPlan
 from .common import ERROR_RESPONSES, INT32_MAX, StrictBody, catalog
@@ -138,7 +139,7 @@ def chat_messages(messages: list[Message], add_generation_prompt: bool = True,
     return decoder_pb2.ChatMessages(messages=out, add_generation_prompt=add_generation_prompt, tools_json=tools_json)
 
 
-async def _images(request: Request, refs: list[image_inputs.ImageRef], model, rid: str
+async def _images(request: Request, refs: list[image_inputs.ImageRef], model, rid: str, salt: str
                   ) -> tuple[list[decoder_pb2.ImageInput], int]:
     """(The rows of the request's images, how many came from the vision cache), or a clear refusal before any
     vision work is wasted."""
@@ -147,7 +148,7 @@ async def _images(request: Request, refs: list[image_inputs.ImageRef], model, ri
     vision = next((b for b in request.app.state.backends if b.role == "vision"), None)
     image_inputs.check_urls(refs, model, vision)
     data = image_inputs.decode_uris(refs, model.limits.max_image_bytes)
-    return await image_inputs.encode(vision, refs, data, rid)
+    return await image_inputs.encode(vision, refs, data, rid, salt)
 
 
 def _logprobs(entries) -> dict:
@@ -182,14 +183,15 @@ async def start_chat(body: ChatRequest, request: Request, renamed: dict[str, str
         plan = body.tool_plan(model.name, model.extra.get("tool_call_parser"), body.constraint_field)
         chat = chat_messages(body.messages, tools=body.tools)
         rid = request_id(request)
-        images, cached_images = await _images(request, _image_refs(body.messages), model, rid)
+        salt = cache_salt(request, body.cache_salt)   # the tenant's: its cache hits are its own
+        images, cached_images = await _images(request, _image_refs(body.messages), model, rid, salt)
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         sampling = body.sampling(max_tokens, logprobs)
         sampling.include_stop_str_in_output = include_stop
         plan.apply(sampling)
         generate = decoder_pb2.GenerateRequest(**model.target(), chat=chat, images=images, sampling=sampling,
-                                               cache_salt=body.cache_salt or "")
+                                               cache_salt=salt)
         # The decoder names its own fields; the caller should read the ones it sent.
         limit = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         fields = body.error_fields({"prompt": "messages", "images": "messages", "logprobs": "top_logprobs",

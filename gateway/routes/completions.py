@@ -19,6 +19,7 @@ from ..backends import GENERATION
 from ..echo import EchoedPrompt, echoed
 from ..errors import request_id
 from ..generation import Generation, SamplingFields, finish_reason
+from ..tenants import cache_salt
 from .common import (
     ERROR_RESPONSES,
     INT32_MAX,
@@ -114,7 +115,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         return await _echo(body, request, model, prompts, rid)
     sampling = body.sampling(body.max_tokens, body.logprobs)
     requests = [decoder_pb2.GenerateRequest(
-        **model.target(), sampling=sampling, cache_salt=body.cache_salt or "",
+        **model.target(), sampling=sampling, cache_salt=cache_salt(request, body.cache_salt),
         **({"text": p} if isinstance(p, str) else {"token_ids": decoder_pb2.TokenIds(ids=p)}))
         for p in prompts]
     generation = Generation(routing.route(request, model), requests, rid, body.n, body.error_fields())
@@ -163,7 +164,8 @@ async def _echo(body: CompletionRequest, request: Request, model, prompts: list,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens,
                       "prompt_tokens_details": {"cached_tokens": 0}}}
     sampling = body.sampling(body.max_tokens, body.logprobs)
-    requests = [decoder_pb2.GenerateRequest(**model.target(), sampling=sampling,
+    salt = cache_salt(request, body.cache_salt)
+    requests = [decoder_pb2.GenerateRequest(**model.target(), sampling=sampling, cache_salt=salt,
                                             token_ids=decoder_pb2.TokenIds(ids=e.ids)) for e in echoes]
     generation = Generation(routing.route(request, model), requests, rid, body.n, body.error_fields())
     await generation.start()

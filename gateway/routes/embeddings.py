@@ -89,7 +89,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request, response: 
         vectors = from_proto(reply.embeddings, dtype=torch.float32, shape=(len(inputs), None), name="embeddings")
     except TesseraError as exc:
         # A malformed answer is the backend's bug, not the caller's mistake.
-        raise Internal(f"{backend.label} answered a malformed embedding tensor: {exc.message}") from None
+        raise Internal(f"{backend.name} answered a malformed embedding tensor: {exc.message}") from None
     rows = vectors.numpy().astype("<f4", copy=False)
     if body.encoding_format == "float":
         data = rows.tolist()

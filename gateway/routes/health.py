@@ -9,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from services.common.errors import Unavailable, openai_error
 
+from .. import admin
 from ..errors import request_id
 from ..readiness import Readiness
 
@@ -24,7 +25,9 @@ async def health() -> dict:
 @router.get("/ready", tags=["health"])
 async def ready(request: Request):
     """200 when pooling and vision report SERVING over grpc.health.v1 and every decoder model has at least one
-    SERVING replica (gateway/readiness.py), else 503 naming what is down."""
+    SERVING replica (gateway/readiness.py), else 503. Anyone may ask, so the answer says only ready or not;
+    sent with the admin key (--admin-key) it also gives each backend's address and health, and a 503 names
+    what is down. What is down is logged either way, once per change."""
     state = request.app.state
     backends = state.backends
     statuses = await asyncio.gather(*(b.health() for b in backends))
@@ -37,11 +40,17 @@ async def ready(request: Request):
         await state.catalog.refresh(state.catalog.refresh_s)
         readiness.learn(state.catalog)
     down = readiness.down(backends, report)
+    readiness.note(down)
+    key = state.config.admin_key
+    detail = admin.is_admin(key.encode() if key else None, request.headers)
     if not down:
-        return {"status": "ready", "backends": report}
-    err = Unavailable("not ready: " + "; ".join(f"{label} is {s}" for label, s in down.items()))
-    return JSONResponse({"status": "not_ready", "backends": report, **openai_error(err, request_id(request))},
-                        status_code=503)
+        return {"status": "ready", "backends": report} if detail else {"status": "ready"}
+    if detail:
+        err = Unavailable("not ready: " + "; ".join(f"{label} is {s}" for label, s in down.items()))
+        return JSONResponse({"status": "not_ready", "backends": report, **openai_error(err, request_id(request))},
+                            status_code=503)
+    err = Unavailable("not ready")
+    return JSONResponse({"status": "not_ready", **openai_error(err, request_id(request))}, status_code=503)
 
 
 @router.get("/metrics", tags=["health"])

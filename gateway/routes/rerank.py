@@ -70,7 +70,7 @@ async def rerank(body: RerankRequest, request: Request) -> dict:
     results = []
     for r in reply.results:
         if not 0 <= r.index < len(body.documents):
-            raise Internal(f"{backend.label} answered document index {r.index} of {len(body.documents)}")
+            raise Internal(f"{backend.name} answered document index {r.index} of {len(body.documents)}")
         result = {"index": r.index, "relevance_score": r.relevance_score}
         if body.return_documents:
             result["document"] = {"text": body.documents[r.index]}

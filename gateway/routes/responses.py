@@ -9,7 +9,7 @@ message). Function tools become chat tools, `tool_choice` its chat form, `text.f
 response_format. The output items and their stream events are gateway/response_items.py's.
 
 With --response-store (gateway/response_store.py), `store` (default true, as OpenAI's) keeps the response and
-its whole conversation per API key, `previous_response_id` continues one (its items first, function calls and
+its whole conversation per tenant, `previous_response_id` continues one (its items first, function calls and
 outputs included; the unchanged prefix makes the new prompt a prefix-cache hit), and GET / DELETE
 /v1/responses/{id} read and remove one. Without it, `store: true` and `previous_response_id` are 400s. Refused
 too, each a 400 naming the field rather than silently ignored: `background`, `prompt`, `conversation`,

@@ -1,5 +1,5 @@
 """Stored responses: what POST /v1/responses asks of the store (gateway/response_store.py), and GET and DELETE
-/v1/responses/{id}. Every lookup is by the caller's tenant (a hash of its API key), so another key's id is a
+/v1/responses/{id}. Every lookup is by the caller's tenant (gateway/tenants.py), so another tenant's id is a
 404 exactly like an id that never existed."""
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ NO_STORE = "this gateway keeps no responses (it runs without --response-store)"
 
 def caller(request: Request) -> str:
     """The tenant of the key the request came with (the edge has checked it already)."""
+    key_index = getattr(request.state, "key_index", None)
+    if key_index is not None:
+        return request.app.state.tenants.id_of(key_index)
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     key = token.strip() if scheme.lower() == "bearer" and token.strip() else request.headers.get("x-api-key")
     return tenant(key)
@@ -58,7 +61,7 @@ async def earlier_items(request: Request, previous_response_id: str | None) -> l
     record = await configured.get(caller(request), previous_response_id)
     if record is None:
         raise NotFound(f"no stored response {previous_response_id!r} (expired, deleted, stored with"
-                       f" store: false, or another key's)", param="previous_response_id")
+                       f" store: false, or another tenant's)", param="previous_response_id")
     return record["items"]
 
 

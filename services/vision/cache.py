@@ -1,5 +1,9 @@
 """The Redis feature cache: projected rows stored under their content hash, bounded and best-effort.
 
+A request's cache_salt (EncodeRequest.cache_salt; the gateway sends one per tenant) salts the key
+(`cache_key`), so requests with different salts never hit each other's rows: a hit, and the time it saves, says
+nothing about another tenant's images. The salted key is a hash too, so the layout below is the same.
+
 Layout under a prefix P (one per encoder deployment):
   P:rows:<hash>   the entry: header length (4 bytes LE) + JSON {dtype, shape, grid} + raw rows; TTL'd
   P:lru           sorted set: hash -> last access time (Redis TIME, microseconds)
@@ -18,6 +22,7 @@ bypassed for `backoff_s`, so an outage costs one short timeout, not one per call
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import struct
@@ -93,6 +98,13 @@ while total > budget do
 end
 return {1, total, evicted}
 """
+
+
+def cache_key(content_hash: str, salt: str) -> str:
+    """The key of an image's rows for requests with this salt: its content hash itself when unsalted."""
+    if not salt:
+        return content_hash
+    return hashlib.sha256(f"{salt}\x00{content_hash}".encode()).hexdigest()
 
 
 @dataclass

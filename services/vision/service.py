@@ -24,7 +24,7 @@ from services.common.pb import common_pb2, vision_pb2, vision_pb2_grpc
 from services.common.server import Server, Started
 from services.common.tensors import to_proto
 from services.vision import encoder as encoder_mod
-from services.vision.cache import Entry, FeatureCache
+from services.vision.cache import Entry, FeatureCache, cache_key
 from services.vision.config import VisionConfig, VisionServerConfig
 from services.vision.image import Limits, decode
 
@@ -102,18 +102,18 @@ class VisionServicer(vision_pb2_grpc.VisionServiceServicer):
             raise Overloaded(f"{self._pending} Encode calls are already waiting; retry later")
         self._pending += 1
         try:
-            return await self._encode(enc, images)
+            return await self._encode(enc, images, request.cache_salt)
         finally:
             self._pending -= 1
 
-    async def _encode(self, enc: encoder_mod.Encoder, images) -> vision_pb2.EncodeResponse:
+    async def _encode(self, enc: encoder_mod.Encoder, images, salt: str = "") -> vision_pb2.EncodeResponse:
         hashes = await asyncio.to_thread(
             lambda: [encoder_mod.content_hash(im.data, self.recipe_config, enc.revision) for im in images])
         unique = list(dict.fromkeys(hashes))  # the same image twice is encoded once
         found: dict[str, Entry] = {}
         if self.cache is not None:
             for h in unique:
-                entry = await self.cache.get(h)
+                entry = await self.cache.get(cache_key(h, salt))
                 if entry is not None:
                     found[h] = entry
         cached = set(found)
@@ -128,7 +128,7 @@ class VisionServicer(vision_pb2_grpc.VisionServiceServicer):
             for h, entry in zip(misses, computed, strict=True):
                 found[h] = entry
                 if self.cache is not None:
-                    await self.cache.put(h, entry)
+                    await self.cache.put(cache_key(h, salt), entry)
         out = []
         for h in hashes:
             entry = found[h]

@@ -35,6 +35,7 @@ from tests.gateway.test_generation import events
 MODEL = "tiny-chat"
 DECODER = "tessera.decoder.v1.DecoderService"
 DRAIN_S = 20
+ADMIN_KEY = "sk-faults-admin"
 CHAT = {"messages": [{"role": "user", "content": "Tell me a story"}], "temperature": 0}
 
 
@@ -54,7 +55,8 @@ def fleet(tmp_path_factory, tiny_chat_model):  # noqa: F811 - pytest injects the
     procs = [start("faulty", "--fault-fail-at-step", "40")]
     try:
         wait_serving(address, DECODER, procs[0])
-        cfg = GatewayConfig(host="127.0.0.1", port=free_port(), decoder=(address,), model_refresh_s=0.5)
+        cfg = GatewayConfig(host="127.0.0.1", port=free_port(), decoder=(address,), model_refresh_s=0.5,
+                            admin_key=ADMIN_KEY)
         with GatewayThread(cfg) as gw, httpx.Client(base_url=gw.url, timeout=60) as http:
             yield {"http": http, "procs": procs, "start": start, "address": address}
     finally:
@@ -86,7 +88,7 @@ def test_injected_forward_error_then_clean_restart(fleet):
     while health(fleet["address"]) != "NOT_SERVING":
         assert time.monotonic() < deadline, "still SERVING after the engine failed"
         time.sleep(0.05)
-    ready = http.get("/ready")
+    ready = http.get("/ready", headers={"Authorization": f"Bearer {ADMIN_KEY}"})   # the admin sees why
     assert ready.status_code == 503 and "NOT_SERVING" in ready.text, ready.text
     refused = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "unavailable", refused.text

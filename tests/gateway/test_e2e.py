@@ -20,6 +20,7 @@ from tests.pooling.conftest import MINILM_SHAPE, TINY_SHAPE
 from tests.tolerance import assert_close, assert_cosine
 
 KEY = "sk-e2e"
+ADMIN = {"Authorization": "Bearer sk-e2e-admin"}
 LIMIT = 64 * 1024
 EMBEDDER = "all-MiniLM-L6-v2"
 RERANKER = "tiny-cross-encoder"
@@ -50,13 +51,17 @@ def cross_encoder(tmp_path_factory, minilm):
 def fleet(tmp_path_factory, minilm, cross_encoder):
     logs = tmp_path_factory.mktemp("logs")
     pool_port, gw_port = free_port(), free_port()
+    keys = logs / "api_keys"   # the key of this test's one tenant, as a deployment would give it
+    keys.write_text(f"{KEY} e2e\n")
+    keys.chmod(0o600)
     # The package folder is called "model"; the name clients use is given explicitly.
     pooling = python_module("services.pooling", [
         "--embedding-model", str(minilm), "--embedding-name", EMBEDDER, "--reranker-model", str(cross_encoder),
         "--host", "127.0.0.1", "--port", str(pool_port)], logs / "pooling.log")
     gateway = python_module("gateway", ["--host", "127.0.0.1", "--port", str(gw_port), "--pooling",
-                                        f"127.0.0.1:{pool_port}", "--api-key", KEY, "--max-body-bytes", str(LIMIT),
-                                        "--health-timeout-s", "1"], logs / "gateway.log")
+                                        f"127.0.0.1:{pool_port}", "--api-key-file", str(keys), "--admin-key",
+                                        "sk-e2e-admin", "--max-body-bytes", str(LIMIT), "--health-timeout-s", "1"],
+                             logs / "gateway.log")
     try:
         wait_serving(f"127.0.0.1:{pool_port}", "tessera.pooling.v1.PoolingService", pooling)
         url = f"http://127.0.0.1:{gw_port}"
@@ -140,12 +145,13 @@ def test_models_health_ready_metrics_openapi(client, http, fleet):
     assert models[RERANKER].model_extra["kind"] == "rerank"
     assert client.models.retrieve(EMBEDDER).id == EMBEDDER
     assert http.get("/health").json() == {"status": "ok"}
-    ready = http.get("/ready")
+    assert http.get("/ready").json() == {"status": "ready"}     # an API key learns no more than anyone
+    ready = http.get("/ready", headers=ADMIN)
     assert ready.status_code == 200 and list(ready.json()["backends"].values()) == ["SERVING"]
     http.post("/v1/embeddings", json={"input": "counted"}, headers={"x-request-id": "e2e-request-42"})
     assert 'tessera_gateway_requests_total{route="/v1/embeddings",status="200"}' in http.get("/metrics").text
     assert "/v1/embeddings" in http.get("/openapi.json").json()["paths"]
-    assert "request_id=e2e-request-42" in (fleet["logs"] / "gateway.log").read_text()
+    assert "request_id=e2e-request-42 tenant=e2e" in (fleet["logs"] / "gateway.log").read_text()
 
 
 def max_batch(http) -> int:
@@ -220,7 +226,7 @@ def test_size_json_and_key_errors(http, fleet):
 def test_backend_down_then_ready_is_503(http, fleet):
     """Last in this module: it stops the pooling service."""
     stop(fleet["pooling"])
-    ready = http.get("/ready")
+    ready = http.get("/ready", headers=ADMIN)
     assert ready.status_code == 503, ready.text
     assert "UNREACHABLE" in ready.json()["error"]["message"]
     reply = http.post("/v1/embeddings", json={"input": "x", "model": EMBEDDER})

@@ -23,6 +23,7 @@ from tests.gateway.fleet import GatewayThread, LoopThread
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN = {"Authorization": "Bearer sk-edge-admin"}
 LIMIT = 4096
 
 
@@ -79,7 +80,7 @@ def backend():
 @pytest.fixture(scope="module")
 def gateway(backend):
     _, server, _ = backend
-    cfg = GatewayConfig(port=free_port(), pooling=f"127.0.0.1:{server.port}", api_key=KEY,
+    cfg = GatewayConfig(port=free_port(), pooling=f"127.0.0.1:{server.port}", api_key=KEY, admin_key="sk-edge-admin",
                         max_body_bytes=LIMIT, grpc_timeout_s=0.5, health_timeout_s=0.5, model_refresh_s=0)
     with GatewayThread(cfg) as gw:
         with httpx.Client(base_url=gw.url, headers=AUTH, timeout=10) as client:
@@ -241,23 +242,33 @@ def test_models_metrics_openapi(gateway):
 
 
 def test_ready_follows_backend_health(gateway, backend):
-    """Last in this module: it takes the backend down."""
+    """Last in this module: it takes the backend down. Only the admin key sees the backends' addresses and
+    states; anyone else, an API key included, learns ready or not."""
     loop, server, _ = backend
-    assert gateway.get("/ready").json()["backends"] == {f"pooling@127.0.0.1:{server.port}": "SERVING"}
+    address = f"127.0.0.1:{server.port}"
+    assert gateway.get("/ready", headers=ADMIN).json()["backends"] == {f"pooling@{address}": "SERVING"}
+    assert gateway.get("/ready").json() == {"status": "ready"}
     loop.run(server.set_serving(False))
-    reply = gateway.get("/ready")
+    reply = gateway.get("/ready", headers=ADMIN)
     assert reply.status_code == 503
     assert "NOT_SERVING" in reply.json()["error"]["message"]
     loop.run(server.set_serving(True))
     assert gateway.get("/ready").status_code == 200
     loop.run(server.stop(0))
-    reply = gateway.get("/ready")
+    reply = gateway.get("/ready", headers=ADMIN)
     assert reply.status_code == 503 and "UNREACHABLE" in json.dumps(reply.json()["backends"])
+    for headers in ({}, {"Authorization": "Bearer wrong"}, AUTH):
+        reply = httpx.get(str(gateway.base_url.join("/ready")), headers=headers, timeout=10)
+        assert reply.status_code == 503 and reply.json()["status"] == "not_ready", reply.text
+        assert "backends" not in reply.json() and "127.0.0.1" not in reply.text and "pooling" not in reply.text
     assert gateway.get("/health").status_code == 200
     for req in ({"input": "x"}, {"input": "x", "model": "fake-embedder"}):
         err = assert_openai_error(gateway.post("/v1/embeddings", json=req), 503, "unavailable")
-        assert f"127.0.0.1:{server.port}" in err["message"]
-    assert_openai_error(gateway.get("/v1/models"), 503, "unavailable")
+        # Which service, never where it is nor gRPC's own words about the connection.
+        assert "pooling" in err["message"] and address not in err["message"] and "127.0.0.1" not in err["message"]
+        assert "ipv4" not in err["message"] and "connect" not in err["message"].lower(), err
+    err = assert_openai_error(gateway.get("/v1/models"), 503, "unavailable")
+    assert "127.0.0.1" not in err["message"] and "@" not in err["message"], err
 
 
 def test_ready_covers_decoder_and_vision_backends():
@@ -276,9 +287,9 @@ def test_ready_covers_decoder_and_vision_backends():
     dead = free_port()
     try:
         cfg = GatewayConfig(port=free_port(), decoder=(f"127.0.0.1:{server.port}",), vision=f"127.0.0.1:{dead}",
-                            health_timeout_s=0.5)
+                            health_timeout_s=0.5, admin_key="sk-edge-admin")
         with GatewayThread(cfg) as gw:
-            reply = httpx.get(gw.url + "/ready", timeout=10)
+            reply = httpx.get(gw.url + "/ready", headers=ADMIN, timeout=10)
             assert reply.status_code == 503
             backends = reply.json()["backends"]
             assert backends[f"decoder@127.0.0.1:{server.port}"] == "SERVING"

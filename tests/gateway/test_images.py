@@ -31,6 +31,7 @@ from tests.tolerance import assert_close
 from tests.vision.checkpoints import VL_SHAPE, token_ids, write_qwen2_vl
 
 KEY = "sk-images"
+OTHER_KEY = "sk-images-other-tenant"   # a second --api-key: a tenant of its own
 VL, TEXT_ONLY = "tiny-vl", "tiny-chat"
 BLOCK = 4
 MAX_IMAGES = 3
@@ -82,7 +83,8 @@ def fleet(tmp_path_factory, vl_checkpoint, tiny_chat_model):
         wait_serving(addresses["vl"], "tessera.decoder.v1.DecoderService", procs[2])
         wait_serving(addresses["text"], "tessera.decoder.v1.DecoderService", procs[3])
         cfg = GatewayConfig(host="127.0.0.1", port=free_port(), decoder=(addresses["vl"], addresses["text"]),
-                            vision=addresses["vision"], api_key=KEY, model_note=(f"{VL}=random weights",))
+                            vision=addresses["vision"], api_key=f"{KEY},{OTHER_KEY}",
+                            model_note=(f"{VL}=random weights",))
         # The same decoders without a vision service: image parts must be refused, not dropped.
         blind = GatewayConfig(host="127.0.0.1", port=free_port(), decoder=(addresses["vl"],), api_key=KEY)
         with GatewayThread(cfg) as gw, GatewayThread(blind) as gw_blind, clients(gw.url, KEY) as served:
@@ -192,6 +194,24 @@ def test_the_same_image_twice_hits_the_feature_cache_and_the_prefix_cache(client
     assert first.usage.prompt_tokens_details.model_extra == {"images": 1, "cached_images": 0}
     assert second.usage.prompt_tokens_details.model_extra == {"images": 1, "cached_images": 1}
     assert first.choices[0].message.content == second.choices[0].message.content == want["text"]
+
+
+def test_one_tenants_images_are_never_anothers_cache_hits(client, fleet):
+    """Two API keys are two tenants: an image one sent is computed again for the other (cached_images 0, and none
+    of its prefix blocks), so neither the count nor the time saved tells the other what the first sent."""
+    raw = io.BytesIO()
+    Image.frombytes("RGB", (64, 64), bytes(range(256)) * 48).save(raw, "PNG")   # an image no other test sends
+    msgs = ask(data_uri(raw.getvalue()), "What is this?")
+    with clients(fleet["url"], OTHER_KEY) as other:
+        def usage(c):
+            reply = c.chat.completions.create(model=VL, messages=msgs, max_tokens=1, temperature=0)
+            details = reply.usage.prompt_tokens_details
+            return details.model_extra["cached_images"], details.cached_tokens
+        first = usage(client)
+        assert first[0] == 0
+        theirs = usage(other["client"])
+        assert theirs == (0, 0), theirs        # not a hit of the first tenant's image, nor of its blocks
+        assert usage(client)[0] == 1 and usage(other["client"])[0] == 1   # each tenant hits its own
 
 
 def test_streaming_an_image_chat_equals_the_whole_answer(client):

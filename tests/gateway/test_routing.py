@@ -24,6 +24,8 @@ from tests.gateway.test_generation import events
 
 MODEL = "tiny-chat"
 DECODER = "tessera.decoder.v1.DecoderService"
+ADMIN_KEY = "sk-routing-admin"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 # Long enough that a stream is still running seconds after it starts (the tiny model is fast).
 LONG = {"messages": [{"role": "user", "content": "Tell me a long story"}], "max_tokens": 8000, "temperature": 0,
         "stream": True}
@@ -47,7 +49,7 @@ def replicas(tmp_path_factory, tiny_chat_model):
     try:
         for address, proc in zip(addresses, procs, strict=True):
             wait_serving(address, DECODER, proc)
-        cfg = GatewayConfig(host="127.0.0.1", port=free_port(), decoder=tuple(addresses))
+        cfg = GatewayConfig(host="127.0.0.1", port=free_port(), decoder=tuple(addresses), admin_key=ADMIN_KEY)
         with GatewayThread(cfg) as gw, httpx.Client(base_url=gw.url, timeout=60) as http:
             yield {"http": http, "procs": procs, "addresses": addresses, "cfg": cfg, "app": gw.server.config.app}
     finally:
@@ -225,7 +227,7 @@ def test_one_replica_dead_mid_stream_then_retry_before_first_token(replicas):
         assert reply.json()["choices"][0]["finish_reason"] in ("length", "stop")
         # It was tried there first and refused: the router now tries replica 1 last.
         assert f"decoder@{replicas['addresses'][1]}" in replicas["app"].state.router.failed_at
-        ready = http.get("/ready")
+        ready = http.get("/ready", headers=ADMIN)   # the admin key sees each replica's state
         assert ready.status_code == 200, ready.text   # the model still has a SERVING replica
         assert "UNREACHABLE" in ready.json()["backends"][f"decoder@{replicas['addresses'][1]}"]
         del held
@@ -233,5 +235,9 @@ def test_one_replica_dead_mid_stream_then_retry_before_first_token(replicas):
     p0.wait(10)
     reply = http.post("/v1/chat/completions", json={**LONG, "stream": False, "max_tokens": 3})
     assert reply.status_code == 503 and reply.json()["error"]["code"] == "unavailable", reply.text
-    ready = http.get("/ready")
+    # Every replica dead: the error names the service, never an address nor gRPC's words about the connection.
+    assert "decoder" in reply.text and "127.0.0.1" not in reply.text and "ipv4" not in reply.text, reply.text
+    ready = http.get("/ready", headers=ADMIN)
     assert ready.status_code == 503 and f"model {MODEL}" in ready.json()["error"]["message"], ready.text
+    ready = http.get("/ready")
+    assert ready.status_code == 503 and "127.0.0.1" not in ready.text and MODEL not in ready.text, ready.text

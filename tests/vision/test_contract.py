@@ -118,6 +118,25 @@ def test_contract(served, photos):
     assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_salts_never_share_cached_rows(served, photos):
+    """EncodeRequest.cache_salt (one per tenant, from the gateway) keys the rows: another salt, or none, is a
+    miss; the same salt hits; rows and content hash are the image's either way."""
+    stub, _, servicer, _ = served
+    image = photos["coffee.png"]
+
+    def encode(salt: str):
+        req = request(image)
+        req.cache_salt = salt
+        return stub.Encode(req, timeout=60).images[0]
+    first = encode("tenant-a")
+    assert not first.cached
+    assert not encode("tenant-b").cached and not encode("").cached
+    again = encode("tenant-a")
+    assert again.cached and encode("tenant-b").cached and encode("").cached
+    assert again.rows.data == first.rows.data and again.content_hash == first.content_hash
+    assert servicer.stats.calls == 3
+
+
 def test_redis_outage_still_serves(served, photos):
     stub, _, servicer, redis_url = served
     a, b = photos["coffee.png"], photos["rocket.jpg"]
