@@ -81,7 +81,7 @@ def test_every_service_has_a_health_check_the_right_way(compose):
                 assert test[5] in known, f"{name} checks unknown gRPC service {test[5]}"
                 assert target.endswith(f":{port_flag(svc['command'])}"), name
         else:
-            assert name == "redis" and test[1:] == ["redis-cli", "-p", port_flag(svc["command"]), "ping"]
+            assert name == "redis" and test[1:] == topo.redis_ping(int(port_flag(svc["command"])))
 
 
 def port_flag(command: list[str]) -> str:
