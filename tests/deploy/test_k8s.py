@@ -383,3 +383,16 @@ def test_the_policy_check_notices_a_missing_or_wider_rule(objects):
     for broken in (without, wider):
         with pytest.raises(AssertionError):
             test_the_policies_admit_exactly_the_connections_the_fleet_makes(broken)
+
+
+def test_the_namespace_enforces_the_restricted_pod_security_profile(objects):
+    """Admission refuses any pod that drifts from what the tests above check; the volumes are of the kinds the
+    profile allows."""
+    (namespace,) = by_kind(objects, "Namespace").values()
+    labels = namespace["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    allowed = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected",
+               "secret"}
+    for name, load in workloads(objects).items():
+        for volume in load["spec"]["template"]["spec"]["volumes"]:
+            assert set(volume) - {"name"} <= allowed, f"{name}: {volume}"
