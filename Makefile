@@ -66,6 +66,7 @@ $(KERNELS_STAMP): $(KERNEL_SOURCES) $(STAMP)
 	@if $(PY) -m services.decoder.kernels.paged_attention_cpu && $(PY) -m services.decoder.kernels.gemv_cpu && \
 		$(PY) -m services.decoder.kernels.decode_stack_cpu && $(PY) -m services.decoder.kernels.glue_cpu && \
 		$(PY) -m services.decoder.kernels.tile_gemm_cpu && $(PY) -m services.decoder.kernels.screen_cpu && \
+		$(PY) -m services.decoder.kernels.lora_cpu && \
 		$(PY) -m services.pooling.attention_cpu; then touch $@; \
 	else echo "WARNING: C++ kernels not built (reason above); the decoder and pooling will use their torch paths"; fi
 

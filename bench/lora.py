@@ -1,19 +1,23 @@
 """LoRA benchmark: many adapters in one batch, tessera's engine vs no adapters, vs peft, vs vLLM, side by side.
 
-Workload: SmolLM2-135M-Instruct fp32 on CPU, `--threads` threads (2); 32 GSM8K chat prompts, the
-rows spread round-robin over 8 random rank-16 PEFT adapters on q/k/v/o (non-zero B, saved with peft into a
-temporary folder); greedy, `--max-tokens` new tokens per row (eos ignored, so every side emits the same count).
+Workload: SmolLM2-135M-Instruct on CPU, `--threads` threads (2), GSM8K chat prompts, random PEFT adapters
+(non-zero B, saved with peft into a temporary folder), greedy, `--max-tokens` new tokens per row (eos ignored, so
+every side emits the same count). The engine runs as the decoder service does on CPU: adapters in its pool.
+Decode tokens/s are timed from the step after the last row's first token (prefill out); each side runs twice,
+interleaved, and keeps its best (the machine is shared). `--part` picks:
 
-  (a) adapter overhead: decode tokens/s of the mixed batch / the same batch on the engine with no adapter
-      bank at all. Decode is timed from the step after the last row's first token, so prefill is out.
-      Each side runs twice, interleaved, and keeps its best (the machine is shared).
-  (b) vs peft: the same mixed batch through peft's mixed-adapter generate (adapter_names=[...], one left-padded
-      batch), end-to-end tokens/s; plus how many rows have greedy outputs identical to tessera's.
-  (c) vs vLLM: the same mixed batch on vLLM in .venv-peers (make bench-peers) with enable_lora=True,
-      max_loras=8, max_lora_rank=16 and a LoRARequest per row, end-to-end tokens/s; also vLLM's own
-      with/without-adapters ratio, and agreement. --no-peer skips it.
+  mixed (a)-(c): `--rows` rows round-robin over `--adapters` rank-16 adapters on q/k/v/o, fp32:
+      (a) decode tokens/s of the mixed batch / the same batch with no adapters;
+      (b) peft's mixed-adapter generate (adapter_names=[...], one left-padded batch), end-to-end tokens/s and
+          how many rows have greedy outputs identical to tessera's;
+      (c) vLLM in .venv-peers (make bench-peers), enable_lora, max_loras=8, a LoRARequest per row.
+  distinct (d)-(f): 64 rows, every row on its own adapter, for q/v rank 8 and for all seven projections at
+      ranks 8 and 16: (d) decode at 1, 4 and 64 rows against no adapters, fp32 and bf16, with the adapter bytes
+      a 64-row step reads beside the model's weights; (e) peft; (f) vLLM with max_loras = max_cpu_loras = 64.
+  zipf (z): bench/lora_zipf.py, 1,000 adapters on disk loaded on demand by the decoder service, Zipf traffic
+      from 64 clients, against the same service without adapters, and vLLM with the same adapter budget.
 
-The last line printed holds the ratios.
+--no-peer skips vLLM. The last line printed holds the ratios, with the CPU.
 """
 from __future__ import annotations
 
@@ -28,28 +32,34 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decoder import agreement, prompts  # noqa: E402
+from bench.lora_zipf import zipf_part  # noqa: E402
 from bench.workload import SMOLLM2, run_vllm_peer  # noqa: E402
 from services.decoder.engine.config import EngineConfig  # noqa: E402
 from services.decoder.engine.engine_core import EngineCore  # noqa: E402
 from services.decoder.engine.step import SamplingParams  # noqa: E402
-from services.decoder.lora import AdapterBank, AdapterLeases, AdapterRegistry, adapter_request, load_peft  # noqa: E402
+from services.decoder.lora import AdapterLeases, AdapterRegistry, adapter_request, load_peft  # noqa: E402
+from services.decoder.lora.pool import AdapterPool  # noqa: E402
 from services.decoder.runner.runner import Runner  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL_TARGETS = (*TARGETS, "gate_proj", "up_proj", "down_proj")
 RANK = 16
 
 
-def make_adapters(folder: Path, count: int, seed: int = 0):
-    """`count` random rank-RANK adapters in one PeftModel (for peft's mixed batches), each also saved with
-    peft under folder/<name>. lora_A and lora_B are random (peft's B starts at zero: the identity)."""
+def make_adapters(folder: Path, count: int, seed: int = 0, ranks: tuple[int, ...] = (RANK,),
+                  targets: tuple[str, ...] = TARGETS):
+    """`count` random adapters in one PeftModel (for peft's mixed batches), adapter i of rank
+    ranks[i % len(ranks)], each also saved with peft under folder/<name>. lora_A and lora_B are random
+    (peft's B starts at zero: the identity)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32).eval()
-    config = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=list(TARGETS), lora_dropout=0.0)
+    configs = [LoraConfig(r=ranks[i % len(ranks)], lora_alpha=ranks[i % len(ranks)], target_modules=list(targets),
+                          lora_dropout=0.0) for i in range(count)]
     names = [f"a{i}" for i in range(count)]
-    model = get_peft_model(base, config, adapter_name=names[0])
-    for name in names[1:]:
+    model = get_peft_model(base, configs[0], adapter_name=names[0])
+    for name, config in zip(names[1:], configs[1:], strict=True):
         model.add_adapter(name, config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -68,19 +78,20 @@ def make_adapters(folder: Path, count: int, seed: int = 0):
 
 
 class Engine:
-    """The in-process engine as the decoder service runs it, with an adapter bank when `folders` is given."""
+    """The in-process engine as the decoder service runs it on CPU, with its adapter pool (a 1 GiB budget, as
+    --lora-memory-gb's default) when `folders` is given."""
 
-    def __init__(self, folders: dict[str, Path] | None, num_blocks: int = 2048):
-        self.runner = Runner.from_folder(SMOLLM2, "fp32", 16, num_blocks)
+    def __init__(self, folders: dict[str, Path] | None, dtype: str = "fp32", targets: tuple[str, ...] = TARGETS,
+                 rank: int = RANK, num_blocks: int = 2048):
+        self.runner = Runner.from_folder(SMOLLM2, dtype, 16, num_blocks)
         self.registry = None
         leases = None
         if folders is not None:
-            bank = AdapterBank(self.runner.model, TARGETS, len(folders), RANK)
-            self.runner.attach_lora(bank)
-            self.registry = AdapterRegistry(bank, len(folders))
+            pool = AdapterPool(self.runner.model, targets, 2**30, rank)
+            self.runner.attach_lora(pool)
+            self.registry = AdapterRegistry(pool, len(folders))
             for name, folder in folders.items():
-                self.registry.register(name, load_peft(folder, layers=bank.shapes, max_rank=RANK,
-                                                       dtype=bank.dtype))
+                self.registry.register(name, load_peft(folder, layers=pool.shapes, max_rank=rank, dtype=pool.dtype))
             leases = AdapterLeases(self.registry)
         # Prefix caching off: the same prompts run several times and must cost the same each time.
         self.core = EngineCore(self.runner, EngineConfig(
@@ -132,15 +143,8 @@ def run_vllm(batch, adapters, folders, max_tokens: int, threads: int) -> dict:
     return run_vllm_peer("vllm_lora.py", ["--max-tokens", str(max_tokens)], job, threads)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=32)
-    ap.add_argument("--adapters", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per row (as bench/decoder.py)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads for every engine")
-    ap.add_argument("--no-peer", action="store_true", help="skip (c), the vLLM peer")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+def mixed_part(args) -> list[str]:
+    """(a)-(c): `--rows` rows round-robin over `--adapters` rank-16 adapters on q/k/v/o, fp32."""
     batch = prompts(args.rows)
     names = [f"a{i}" for i in range(args.adapters)]
     mixed = [names[i % len(names)] for i in range(len(batch))]
@@ -149,17 +153,8 @@ def main() -> None:
         peft_model, folders = make_adapters(Path(tmp), args.adapters)
         print(f"{len(batch)} rows over {len(folders)} random rank-{RANK} adapters on {','.join(TARGETS)}; "
               f"{args.max_tokens} new tokens per row; fp32, {args.threads} threads")
-
-        # (a) the same engine code with and without a bank; warm both, then alternate and keep each one's best.
         lora, base = Engine(folders), Engine(None)
-        lora.generate(batch[:len(names)], names, 4)
-        base.generate(batch[:2], [None, None], 4)
-        best_lora = best_base = None
-        for _ in range(2):
-            got = lora.generate(batch, mixed, args.max_tokens)
-            best_lora = got if best_lora is None or got[2] > best_lora[2] else best_lora
-            got = base.generate(batch, [None] * len(batch), args.max_tokens)
-            best_base = got if best_base is None or got[2] > best_base[2] else best_base
+        best_lora, best_base = best_of(lora, base, batch, mixed, args.max_tokens)
         mine, e2e, decode = best_lora
         print(f"(a) tessera decode: {decode:.1f} tok/s with {len(names)} adapters mixed, {best_base[2]:.1f} tok/s "
               f"with none (end to end {e2e:.1f} vs {best_base[1]:.1f} tok/s)")
@@ -180,7 +175,115 @@ def main() -> None:
                   f"rows; vLLM's own overhead {peer['lora']['tok_s'] / peer['base']['tok_s']:.2f} "
                   f"({peer['base']['tok_s']:.1f} tok/s without LoRARequests)")
             ratios.append(f"vs_vllm={e2e / peer['lora']['tok_s']:.2f}x")
-    print("ratios: " + " ".join(ratios))
+    return ratios
+
+
+def best_of(lora: Engine, base: Engine, batch, adapters, max_tokens: int, rounds: int = 2):
+    """Warm both engines, then alternate them `rounds` times; each one's best (outputs, e2e, decode)."""
+    lora.generate(batch[:4], adapters[:4], 4)
+    base.generate(batch[:2], [None] * len(batch[:2]), 4)
+    best_lora = best_base = None
+    for _ in range(rounds):
+        got = lora.generate(batch, adapters, max_tokens)
+        best_lora = got if best_lora is None or got[2] > best_lora[2] else best_lora
+        got = base.generate(batch, [None] * len(batch), max_tokens)
+        best_base = got if best_base is None or got[2] > best_base[2] else best_base
+    return best_lora, best_base
+
+
+# (label, targets, ranks): the issue's measured adapters (q/v, rank 8), and attention + MLP at ranks 8 and 16.
+DISTINCT = (("qv_r8", ("q_proj", "v_proj"), (8,)), ("all_r8_16", ALL_TARGETS, (8, 16)))
+
+
+def adapter_bytes(runner: Runner, targets: tuple[str, ...], ranks: tuple[int, ...], rows: int) -> float:
+    """Bytes of adapter rows one decode step of `rows` rows on distinct adapters reads (ranks cycled), in MB,
+    against the model's projection weights (read once per step whatever the row count)."""
+    mods = [m for name, m in runner.model.named_modules() if name.rsplit(".", 1)[-1] in targets
+            and hasattr(m, "in_features")]
+    per_rank = sum((m.in_features + m.out_features) * m.weight.element_size() for m in mods)
+    return sum(ranks[i % len(ranks)] for i in range(rows)) * per_rank / 1e6
+
+
+def distinct_part(args) -> list[str]:
+    """(d)-(f): every row on its own adapter, for each of DISTINCT."""
+    count = 64
+    batch = prompts(count)
+    names = [f"a{i}" for i in range(count)]
+    ratios = []
+    for label, targets, ranks in DISTINCT:
+        with tempfile.TemporaryDirectory(prefix="tessera-bench-lora-") as tmp:
+            peft_model, folders = make_adapters(Path(tmp), count, ranks=ranks, targets=targets)
+            print(f"(d) every row on its own adapter: {count} random adapters of rank "
+                  f"{' and '.join(map(str, ranks))} on {','.join(targets)}; {args.max_tokens} new tokens per row; "
+                  f"{args.threads} threads")
+            mine = e2e = None
+            for dtype in ("fp32", "bf16"):
+                lora, base = Engine(folders, dtype, targets, max(ranks)), Engine(None, dtype)
+                weights = sum(p.numel() * p.element_size() for p in base.runner.model.parameters()) / 1e6
+                cells = []
+                for rows in (1, 4, 64):
+                    got, ref = best_of(lora, base, batch[:rows], names[:rows], args.max_tokens)
+                    if rows == count and dtype == "fp32":
+                        mine, e2e = got[0], got[1]
+                    cells.append(f"{rows} rows {got[2]:.1f} vs {ref[2]:.1f} tok/s ({got[2] / ref[2]:.2f})")
+                    ratios.append(f"{label}_{dtype}_{rows}={got[2] / ref[2]:.2f}")
+                print(f"(d) {dtype} decode, {count} distinct adapters vs none: " + "; ".join(cells) +
+                      " (goal >= 0.9 at 64 rows, >= 0.85 at 1-4); a 64-row step reads "
+                      f"{adapter_bytes(lora.runner, targets, ranks, count):.0f} MB of adapter rows beside the "
+                      f"model's {weights:.0f} MB of weights")
+                del lora, base
+            theirs, peft_tps = peft_generate(peft_model, batch, names, args.max_tokens)
+            print(f"(e) peft mixed-adapter generate, {count} adapters: {peft_tps:.1f} tok/s end to end vs tessera "
+                  f"{e2e:.1f} tok/s; identical greedy outputs {agreement(mine, theirs):.0%} of rows")
+            ratios.append(f"{label}_vs_peft={e2e / peft_tps:.2f}x")
+            del peft_model
+            if not args.no_peer:
+                job = {"prompts": batch, "adapters": names, "folders": {n: str(f) for n, f in folders.items()},
+                       "max_loras": count, "max_cpu_loras": count, "max_lora_rank": max(ranks)}
+                peer = run_vllm_peer("vllm_lora.py", ["--max-tokens", str(args.max_tokens)], job, args.threads)
+                print(f"(f) vLLM enable_lora, max_loras {count}: {peer['lora']['tok_s']:.1f} tok/s end to end vs "
+                      f"tessera {e2e:.1f}; vLLM's own ratio {peer['lora']['tok_s'] / peer['base']['tok_s']:.2f}; "
+                      f"identical outputs {agreement(mine, peer['lora']['outputs']):.0%} of rows")
+                ratios.append(f"{label}_vs_vllm={e2e / peer['lora']['tok_s']:.2f}x")
+    return ratios
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=("mixed", "distinct", "zipf", "all"), default="all",
+                    help="mixed: (a)-(c); distinct: (d)-(f), 64 rows on 64 adapters; zipf: (z), 1,000 adapters")
+    ap.add_argument("--rows", type=int, default=32, help="(a)-(c) rows")
+    ap.add_argument("--adapters", type=int, default=8, help="(a)-(c) adapters")
+    ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per row (as bench/decoder.py)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads for every engine")
+    ap.add_argument("--no-peer", action="store_true", help="skip the vLLM peer")
+    ap.add_argument("--registered", type=int, default=1000, help="(z) adapters on disk")
+    ap.add_argument("--requests", type=int, default=512, help="(z) requests")
+    ap.add_argument("--clients", type=int, default=64, help="(z) concurrent clients")
+    ap.add_argument("--zipf", type=float, default=1.1, help="(z) Zipf exponent of the adapter popularity")
+    ap.add_argument("--rank", type=int, default=8, help="(z) adapter rank")
+    ap.add_argument("--lora-memory-gb", type=float, default=1.0, help="(z) the decoder's adapter budget")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cpu = platform_cpu()
+    print(f"CPU: {cpu}")
+    ratios = []
+    if args.part in ("mixed", "all"):
+        ratios += mixed_part(args)
+    if args.part in ("distinct", "all"):
+        ratios += distinct_part(args)
+    if args.part in ("zipf", "all"):
+        ratios += zipf_part(args, prompts, run_vllm_peer)
+    print(f"ratios ({cpu}): " + " ".join(ratios))
+
+
+def platform_cpu() -> str:
+    """lscpu's model name, family and model, for the figures."""
+    fields = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return f"{fields.get('model name', '?')}, family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
 
 
 if __name__ == "__main__":

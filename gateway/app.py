@@ -11,7 +11,7 @@ from . import errors
 from .backends import Catalog, build_backends
 from .config import GatewayConfig
 from .edge import Edge
-from .limits import ConcurrencyLimit
+from .limits import ConcurrencyLimit, SendTimeout, per_key_limit
 from .response_store import ResponseStore
 from .routes import (
     adapters,
@@ -65,8 +65,8 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
             if app.state.response_store is not None:
                 await app.state.response_store.close()
 
-    app = FastAPI(title="tessera gateway", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible HTTP front of the tessera gRPC fleet.")
+    app = _Gateway(title="tessera gateway", version="0.1.0", lifespan=lifespan,
+                   description="OpenAI-compatible HTTP front of the tessera gRPC fleet.")
     errors.install(app)
     for router in ROUTERS:
         app.include_router(router)
@@ -74,13 +74,23 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     routes = frozenset([*(r.path for router in ROUTERS for r in router.routes),
                         app.openapi_url, app.docs_url, app.redoc_url])
     # Added first, so it runs inside Edge (the last added is outermost): refusals get ids, logs and metrics.
-    app.add_middleware(ConcurrencyLimit, limit=cfg.max_concurrent_requests)
-    app.add_middleware(Edge, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, routes=routes,
+    app.add_middleware(ConcurrencyLimit, limit=cfg.max_concurrent_requests,
+                       per_key=per_key_limit(cfg.max_concurrent_per_key, cfg.max_concurrent_requests,
+                                             len(cfg.api_keys)))
+    app.add_middleware(Edge, api_keys=cfg.api_keys, max_body_bytes=cfg.max_body_bytes, routes=routes,
                        admin_key=cfg.admin_key, max_text_body_bytes=cfg.max_text_body_bytes,
                        max_messages=cfg.max_messages)
     app.state.config = cfg
     app.openapi = _without_422(app.openapi)
     return app
+
+
+class _Gateway(FastAPI):
+    """FastAPI with SendTimeout around its whole middleware stack, where it gets the server's own `send`
+    (Starlette's outermost middleware wraps send, and the timeout must reach the server's transport)."""
+
+    def build_middleware_stack(self):
+        return SendTimeout(super().build_middleware_stack(), timeout_s=self.state.config.send_timeout_s)
 
 
 def _without_422(build_openapi):

@@ -160,6 +160,8 @@ class Backend:
                 "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
                 "has_chat_template": info.has_chat_template, "supports_images": info.supports_images,
                 "dtype": info.dtype, "max_loras": info.max_loras, "max_lora_rank": info.max_lora_rank,
+                # Adapters nobody registered are loaded by name on their first request (--lora-on-demand).
+                "lora_on_demand": info.lora_on_demand,
                 # The format tool_choice "auto" is parsed in; None: the decoder has auto tool choice off.
                 "tool_call_parser": info.tool_call_parser or None,
                 # n-gram speculative decoding's settings; None: off.
@@ -285,6 +287,16 @@ class Catalog:
             raise self._unavailable("cannot list every model")
         return [replicas[0] for replicas in self.by_name.values()]
 
+    def _on_demand(self, name: str) -> list[Model] | None:
+        """An unlisted name as an adapter of the one base model whose decoders load adapters by name
+        (--lora-on-demand); its decoder answers NOT_FOUND when there is no such folder. None when no base
+        model, or more than one (the name would be ambiguous), does."""
+        bases = [r for r in self.by_name.values() if r[0].parent is None and r[0].extra.get("lora_on_demand")]
+        if len(bases) != 1:
+            return None
+        base = bases[0][0]
+        return [Model(name, GENERATION, base.backend, base.extra, parent=base.name, limits=base.limits)]
+
     async def resolve(self, name: str | None, kind: str) -> Model:
         """What a request's `model` names (None: the first model of that kind). Every replica of a name
         describes it alike; which replica a generation call goes to is gateway/routing.py's choice."""
@@ -300,6 +312,8 @@ class Catalog:
                 raise ModelNotFound(NO_MODEL_OF_KIND[kind], param="model")
         else:
             replicas = self.by_name.get(name)
+            if replicas is None and kind == GENERATION:
+                replicas = self._on_demand(name)
             if replicas is None:
                 if self.failures:
                     raise self._unavailable(f"model {name!r} is not served by any reachable backend")

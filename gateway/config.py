@@ -28,7 +28,8 @@ class GatewayConfig:
                                           " checked by /ready", metavar="HOST:PORT")
     vision: str | None = option(None, "vision service as HOST:PORT; checked by /ready", metavar="HOST:PORT")
     api_key: str | None = option(None, "if set, every /v1 request needs 'Authorization: Bearer <key>' (the admin"
-                                          " endpoints take --admin-key instead)",
+                                          " endpoints take --admin-key instead); several keys, one per client or"
+                                          " tenant, are comma-separated (each has its --max-concurrent-per-key)",
                                  formerly="TESSERA_API_KEY")
     admin_key: str | None = option(None, "key of the admin endpoints (adapter load/unload/list): they need"
                                          " 'Authorization: Bearer <admin key>'; unset: they are disabled (403)",
@@ -53,6 +54,15 @@ class GatewayConfig:
                                          metavar="NAME=TEXT")
     max_concurrent_requests: int = option(256, "most /v1 requests in flight at once (a stream counts until it"
                                                " ends); past it the answer is 429 with Retry-After; 0: no limit")
+    max_concurrent_per_key: int | None = option(None, "most /v1 requests in flight at once under one API key;"
+                                                      " past it that key gets 429 with Retry-After while others"
+                                                      " still get through; unset: half of"
+                                                      " --max-concurrent-requests when --api-key has two or more"
+                                                      " keys, else none; 0: no per-key limit")
+    send_timeout_s: float = option(30.0, "a response that waits this many seconds to send because its client"
+                                         " does not read (it must take ~48 KiB of the 64 KiB the gateway buffers"
+                                         " per connection) is cut, freeing its place and cancelling its"
+                                         " generation; 0: never")
     tls_ca: str | None = option(None, "PEM CA: talk TLS to every backend and trust only servers it signed",
                                 metavar="FILE")
     tls_client_cert: str | None = option(None, "PEM certificate sent to the backends (mutual TLS; needs"
@@ -74,6 +84,11 @@ class GatewayConfig:
     log_level: str = option("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The API keys (--api-key split at commas, stripped); empty: no authentication."""
+        return tuple(key.strip() for key in self.api_key.split(",")) if self.api_key is not None else ()
+
+    @property
     def notes(self) -> dict[str, str]:
         """model name -> its --model-note text."""
         return dict(note.split("=", 1) for note in self.model_note)
@@ -88,13 +103,16 @@ class GatewayConfig:
                     _check_address(flag, address)
         if not (self.pooling or self.decoder or self.vision):
             raise ValueError("configure at least one backend: --pooling, --decoder or --vision")
-        if self.api_key == "":
-            raise ValueError("api_key must not be empty (leave it unset to disable authentication)")
+        if self.api_key is not None and any(not key.strip() for key in self.api_key.split(",")):
+            raise ValueError("api_key must not be empty, nor have an empty key between commas (leave it unset to"
+                             " disable authentication)")
+        if len(set(self.api_keys)) != len(self.api_keys):
+            raise ValueError("api_key: each key must be given once")
         if self.admin_key == "":
             raise ValueError("admin_key must not be empty (leave it unset to disable the admin endpoints)")
-        if self.admin_key is not None and self.admin_key == self.api_key:
+        if self.admin_key is not None and self.admin_key.strip() in self.api_keys:
             # Every API caller would be an admin; the point of a separate key is that they are not.
-            raise ValueError("admin_key must differ from api_key")
+            raise ValueError("admin_key must differ from every api_key")
         if self.max_body_bytes < 1024 or self.max_text_body_bytes < 1024:
             raise ValueError("max_body_bytes and max_text_body_bytes must be at least 1024")
         if self.max_messages < 0:
@@ -112,6 +130,10 @@ class GatewayConfig:
                 raise ValueError(f"model_note: {note!r} is not NAME=TEXT")
         if self.max_concurrent_requests < 0:
             raise ValueError("max_concurrent_requests must be >= 0 (0: no limit)")
+        if self.max_concurrent_per_key is not None and self.max_concurrent_per_key < 0:
+            raise ValueError("max_concurrent_per_key must be >= 0 (0: no per-key limit)")
+        if self.send_timeout_s < 0:
+            raise ValueError("send_timeout_s must be >= 0 (0: never)")
         if self.response_store_ttl_s < 1 or self.response_store_max_bytes < 1024:
             raise ValueError("response_store_ttl_s must be >= 1 and response_store_max_bytes >= 1024")
         if self.tls_server_name is not None and self.tls_ca is None:

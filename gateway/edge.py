@@ -44,10 +44,11 @@ _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 class Edge:
     """ASGI middleware around the FastAPI app; `routes` are the known paths (metric labels)."""
 
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, routes: frozenset[str],
+    def __init__(self, app, *, api_keys: tuple[str, ...], max_body_bytes: int, routes: frozenset[str],
                  admin_key: str | None = None, max_text_body_bytes: int | None = None, max_messages: int = 0):
+        """api_keys: the accepted API keys; empty: no authentication."""
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        self.api_keys = tuple(key.encode() for key in api_keys)
         self.admin_key = admin_key.encode() if admin_key else None
         self.max_body_bytes = max_body_bytes
         self.max_text_body_bytes = min(max_text_body_bytes or max_body_bytes, max_body_bytes)
@@ -77,7 +78,10 @@ class Edge:
             await send(message)
 
         try:
-            self._authenticate(path, headers)
+            key_index = self._authenticate(path, headers)
+            if key_index is not None:
+                # Which key, for the per-key limit (gateway/limits.py); the key itself stays out of the scope.
+                scope["state"]["key_index"] = key_index
             receive = await self._bounded_body(path, headers, receive)
         except TesseraError as err:
             await error_response(err, rid, path)(scope, receive, send_with_id)
@@ -89,20 +93,25 @@ class Edge:
             LATENCY.labels(route).observe(elapsed)
             log.info("%s %s %d %.1fms request_id=%s", scope["method"], path, status[0], elapsed * 1000, rid)
 
-    def _authenticate(self, path: str, headers: dict) -> None:
+    def _authenticate(self, path: str, headers: dict) -> int | None:
+        """The index of the API key the request came with; None where no API key is needed."""
         if path in ADMIN_PATHS:
             admin.authorize(self.admin_key, headers)  # the admin key, not the API key (gateway/admin.py)
-            return
-        if self.api_key is None or path in PUBLIC_PATHS:
-            return
+            return None
+        if not self.api_keys or path in PUBLIC_PATHS:
+            return None
         scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token:
             # Anthropic's clients send the key as x-api-key; the same key either way.
             token = headers.get("x-api-key", "")
         if not token.strip():
             raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'")
-        if not hmac.compare_digest(token.strip().encode(), self.api_key):
+        given = token.strip().encode()
+        # Every key is compared, so the time taken does not tell which one matched, if any.
+        matches = [hmac.compare_digest(given, key) for key in self.api_keys]
+        if not any(matches):
             raise Unauthenticated("invalid API key")
+        return matches.index(True)
 
     async def _bounded_body(self, path: str, headers: dict, receive):
         """Read the whole body (at most the path's byte limit, at most max_messages messages) and return a

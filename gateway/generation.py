@@ -7,6 +7,12 @@ before any byte of the answer is sent; after that the calls' messages arrive mer
 OpenAI numbers them. Closing a Generation cancels every call still running, which makes the decoder
 abort those requests and free their KV blocks.
 
+The merged messages wait in a queue of at most QUEUE_PER_CALL per call. When the reader falls behind (a client
+that reads slowly, or not at all, until gateway/limits.py's send timeout) the calls' pumps wait on the full
+queue and stop reading their gRPC streams, so HTTP/2 flow control pushes back on the decoder instead of the
+gateway buffering everything it generates. Pumps only put and the reader only gets, so a full queue can
+delay a call but never deadlock: the reader frees a place with every message it takes.
+
 Each call goes to a replica chosen by gateway/routing.py; a replica that answers UNAVAILABLE before the
 call's first message is replaced by the next candidate, and after the first message nothing is retried.
 
@@ -37,6 +43,8 @@ log = logging.getLogger("tessera.gateway.generation")
 
 UINT64_MAX = 2**64 - 1
 _TOKEN_ID = re.compile(r"-?[0-9]{1,19}")
+# Messages (about one token of one choice each) held per call between the decoder and the HTTP response.
+QUEUE_PER_CALL = 16
 FINISH_REASONS = {decoder_pb2.FINISH_REASON_STOP: "stop", decoder_pb2.FINISH_REASON_LENGTH: "length",
                   decoder_pb2.FINISH_REASON_ABORT: "abort"}
 
@@ -210,7 +218,7 @@ class Generation:
         self._request_id = request_id
         self._fields = fields
         self._streams: list = []   # every stream opened, so aclose cancels each
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_PER_CALL * len(requests))
         self._tasks: list[asyncio.Task] = []
 
     @property

@@ -1,46 +1,129 @@
-"""Backpressure at the HTTP edge: at most --max-concurrent-requests requests in flight, 429 + Retry-After past it.
+"""Backpressure at the HTTP edge, one rule book: how many requests run at once, per key, and how long a response
+may wait on a client that does not read.
 
-A request counts from the moment it is let in until its response has been sent in full, so a
-streaming generation holds its place until the stream ends. Probes, scrapes and the API description
-(edge.PUBLIC_PATHS) are never limited: a load balancer must still see /ready when the gateway is busy.
-Refusing at once, rather than queueing, keeps latency bounded and lets a client or a balancer send
-the work elsewhere; the backends' own bounded queues (RESOURCE_EXHAUSTED) give the same answer.
+- At most --max-concurrent-requests requests in flight, and at most --max-concurrent-per-key of them under one
+  API key; past either, 429 + Retry-After at once. A request counts from the moment it is let in until its
+  response has been sent in full, so a streaming generation holds its place until the stream ends. Probes,
+  scrapes and the API description (edge.PUBLIC_PATHS) are never limited: a load balancer must still see /ready
+  when the gateway is busy. Refusing at once, rather than queueing, keeps latency bounded and lets a client or a
+  balancer send the work elsewhere; the backends' own bounded queues (RESOURCE_EXHAUSTED) give the same answer.
+- A send that stays blocked for --send-timeout-s (the client's receive window and the server's write buffer are
+  full: the client stopped reading) cuts the connection. The app then sees the client gone, as for any
+  disconnect: the stream's Generation is closed, which cancels its decoder calls (their KV blocks and adapter
+  leases return), and its places above are given back. Without it a client that never reads would hold its
+  place for as long as the generation lasts, and 256 of them would lock every other client out.
 """
 from __future__ import annotations
 
-from prometheus_client import Gauge
+import asyncio
+import logging
+from collections import Counter as Tally
+
+from prometheus_client import Counter, Gauge
 
 from services.common.errors import Overloaded
 
 from .edge import PUBLIC_PATHS
 from .errors import error_response
 
+log = logging.getLogger("tessera.gateway.limits")
+
 IN_FLIGHT = Gauge("tessera_gateway_requests_in_flight", "HTTP requests being answered (limited ones)")
+SEND_TIMEOUTS = Counter("tessera_gateway_send_timeouts_total",
+                        "responses cut because the client read nothing for --send-timeout-s")
+
+
+def per_key_limit(configured: int | None, limit: int, keys: int) -> int:
+    """The per-key limit in force (0: none). Unset: half the global limit when two or more API keys are
+    configured, so one key cannot take every place; with one key (or none) that key is every caller and the
+    global limit is already its limit."""
+    if configured is not None:
+        return configured
+    return max(1, limit // 2) if keys > 1 and limit else 0
 
 
 class ConcurrencyLimit:
-    """ASGI middleware; limit 0 lets everything through. Install inside Edge, so a refusal still gets the
-    request id, the access log line and the metrics, and an unauthenticated request never takes a place."""
+    """ASGI middleware; limit 0 lets everything through, per_key 0 has no per-key bound. Install inside Edge, so
+    a refusal still gets the request id, the access log line and the metrics, an unauthenticated request never
+    takes a place, and the key a request came with is known (Edge puts its index in scope state `key_index`)."""
 
-    def __init__(self, app, *, limit: int):
+    def __init__(self, app, *, limit: int, per_key: int = 0):
         self.app = app
         self.limit = limit
+        self.per_key = per_key
         self.in_flight = 0
+        self.by_key: Tally[int] = Tally()   # key index -> its requests in flight
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.limit or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or not (self.limit or self.per_key) or scope["path"] in PUBLIC_PATHS:
             await self.app(scope, receive, send)
             return
-        if self.in_flight >= self.limit:
-            rid = scope.get("state", {}).get("request_id")
+        state = scope.get("state", {})
+        key = state.get("key_index") if self.per_key else None
+        if self.limit and self.in_flight >= self.limit:
             err = Overloaded(f"the gateway is at its limit of {self.limit} concurrent requests; retry later")
-            await error_response(err, rid)(scope, receive, send)
+        elif key is not None and self.by_key[key] >= self.per_key:
+            err = Overloaded(f"this API key is at its limit of {self.per_key} concurrent requests; retry later")
+        else:
+            err = None
+        if err is not None:
+            await error_response(err, state.get("request_id"), scope["path"])(scope, receive, send)
             return
         # One event loop serves every request, so this check-then-increment cannot race.
         self.in_flight += 1
+        if key is not None:
+            self.by_key[key] += 1
         IN_FLIGHT.inc()
         try:
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1
+            if key is not None:
+                self.by_key[key] -= 1
+                if not self.by_key[key]:
+                    del self.by_key[key]
             IN_FLIGHT.dec()
+
+
+class SendTimeout:
+    """ASGI middleware that must wrap the whole app, outside Starlette's own (app.py): it needs the server's
+    `send`. Under uvicorn that send waits on the transport draining below its high-water mark (64 KiB buffered
+    past the kernel's socket buffers) before it writes, and waits forever for a client that never reads.
+
+    Past timeout_s the transport is aborted, which uvicorn reports to the app as a disconnect (its `receive`
+    answers http.disconnect and later sends are dropped), so the response unwinds as for a client that left.
+    Under a server whose send is not uvicorn's the blocked send raises OSError instead.
+
+    A timer costs ~4 us a send, once per streamed token; uvicorn's send waits only while its flow control has
+    paused writing, so the timer is armed only then."""
+
+    def __init__(self, app, *, timeout_s: float):
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.timeout_s:
+            await self.app(scope, receive, send)
+            return
+
+        cycle = getattr(send, "__self__", None)   # uvicorn's RequestResponseCycle (h11 or httptools)
+        flow = getattr(cycle, "flow", None)
+
+        async def bounded_send(message):
+            if flow is not None and not flow.write_paused:
+                await send(message)
+                return
+            try:
+                # A timer per send, not a task (asyncio.wait_for's): a stream sends once per token.
+                async with asyncio.timeout(self.timeout_s):
+                    await send(message)
+            except TimeoutError:
+                SEND_TIMEOUTS.inc()
+                rid = scope.get("state", {}).get("request_id", "-")
+                log.warning("client read nothing for %.0f s; connection cut (request_id=%s)", self.timeout_s, rid)
+                transport = getattr(cycle, "transport", None)
+                if transport is None:
+                    raise OSError(f"client read nothing for {self.timeout_s} s") from None
+                transport.abort()
+
+        await self.app(scope, receive, bounded_send)

@@ -1,8 +1,9 @@
 """vLLM side of bench/lora.py; runs inside .venv-peers. Input JSON on stdin, result as the last JSON line.
 
-stdin: {"prompts": [[token ids]...], "adapters": [row's adapter name or null], "folders": {name: path}}.
-One LLM with enable_lora=True, max_loras=8, max_lora_rank=16; each row gets its own LoRARequest. The same
-batch is also run with no LoRARequest at all (vLLM's own adapter overhead, for the record).
+stdin: {"prompts": [[token ids]...], "adapters": [row's adapter name or null], "folders": {name: path}},
+optionally "max_loras" (8), "max_cpu_loras" (vLLM's default: max_loras) and "max_lora_rank" (16).
+One LLM with enable_lora=True and those limits; each row gets its own LoRARequest. The same batch is also
+run with no LoRARequest at all (vLLM's own adapter overhead, for the record).
 """
 import argparse
 import json
@@ -22,13 +23,16 @@ def main():
 
     ids = {name: i + 1 for i, name in enumerate(sorted(job["folders"]))}  # lora_int_id must be >= 1
     requests = {name: LoRARequest(name, ids[name], path) for name, path in job["folders"].items()}
-    llm = LLM(model=args.model, dtype="float32", max_model_len=2048, enable_lora=True, max_loras=8,
-              max_lora_rank=16, max_num_seqs=64, enable_prefix_caching=False)
+    max_loras = job.get("max_loras", 8)
+    llm = LLM(model=args.model, dtype="float32", max_model_len=2048, enable_lora=True, max_loras=max_loras,
+              max_cpu_loras=job.get("max_cpu_loras") or max_loras, max_lora_rank=job.get("max_lora_rank", 16),
+              max_num_seqs=64, enable_prefix_caching=False)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     # Warm-up: every adapter loaded into its slot, and the engine's first-call costs paid, before timing.
-    llm.generate(prompts[:len(requests)], SamplingParams(max_tokens=2),
-                 lora_request=[requests[n] for n in sorted(requests)][:len(prompts)], use_tqdm=False)
+    warm = sorted(requests)[:max_loras]
+    llm.generate(prompts[:len(warm)], SamplingParams(max_tokens=2), lora_request=[requests[n] for n in warm],
+                 use_tqdm=False)
     result = {}
     for label, lora in (("lora", [requests[a] if a else None for a in job["adapters"]]), ("base", None)):
         start = time.perf_counter()

@@ -20,10 +20,12 @@ MAX_LEN = 1024
 
 
 @contextlib.contextmanager
-def chat_fleet(model_folder: Path, logs: Path, extra_args: tuple[str, ...] = (), gateway: dict | None = None):
+def chat_fleet(model_folder: Path, logs: Path, extra_args: tuple[str, ...] = (), gateway: dict | None = None,
+               send_buffer: int | None = None):
     """Yields {"url", "client" (openai), "http" (httpx with the key), "stub" (the decoder's gRPC stub),
-    "decoder" (its process), "logs"}. extra_args go to the decoder after the defaults (a flag given again
-    wins); gateway: GatewayConfig fields over the defaults (api_key None: no key)."""
+    "decoder" (its process), "address" (its HOST:PORT), "logs"}. extra_args go to the decoder after the
+    defaults (a flag given again wins); gateway: GatewayConfig fields over the defaults (api_key None: no key);
+    send_buffer: the gateway's SO_SNDBUF (tests/gateway/fleet.py GatewayThread)."""
     port = free_port()
     decoder = python_module("services.decoder", [
         "--model", str(model_folder), "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
@@ -34,9 +36,10 @@ def chat_fleet(model_folder: Path, logs: Path, extra_args: tuple[str, ...] = (),
         wait_serving(address, "tessera.decoder.v1.DecoderService", decoder)
         cfg = GatewayConfig(**{"host": "127.0.0.1", "port": free_port(), "decoder": (address,), "api_key": KEY,
                                **(gateway or {})})
-        with GatewayThread(cfg) as gw, grpc.insecure_channel(address) as channel, \
-                clients(gw.url, cfg.api_key) as served:
-            yield {**served, "stub": decoder_pb2_grpc.DecoderServiceStub(channel), "decoder": decoder, "logs": logs}
+        with GatewayThread(cfg, send_buffer) as gw, grpc.insecure_channel(address) as channel, \
+                clients(gw.url, cfg.api_keys[0] if cfg.api_keys else None) as served:
+            yield {**served, "stub": decoder_pb2_grpc.DecoderServiceStub(channel), "decoder": decoder, "logs": logs,
+                   "address": address}
     finally:
         stop(decoder)
 

@@ -37,15 +37,24 @@ def clients(url: str, key: str | None, timeout: float = 120):
 
 
 class GatewayThread:
-    """create_app(cfg) under uvicorn on cfg.port in a background thread."""
+    """create_app(cfg) under uvicorn on cfg.port in a background thread. send_buffer: the SO_SNDBUF of every
+    connection (set on the listening socket, which accepted ones inherit); unset: the kernel's, which grows to
+    megabytes, so a test of a client that never reads would first have to fill that much."""
 
-    def __init__(self, cfg: GatewayConfig):
+    def __init__(self, cfg: GatewayConfig, send_buffer: int | None = None):
         self.cfg = cfg
         self.url = f"http://127.0.0.1:{cfg.port}"
         config = uvicorn.Config(create_app(cfg), host="127.0.0.1", port=cfg.port, log_level="warning",
                                 access_log=False, lifespan="on", http=HTTP_PARSER)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        sockets = None
+        if send_buffer is not None:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+            listener.bind(("127.0.0.1", cfg.port))
+            sockets = [listener]
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": sockets}, daemon=True)
 
     def __enter__(self):
         self.thread.start()

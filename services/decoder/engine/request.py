@@ -93,6 +93,7 @@ class Request:
         self.num_preemptions = 0
         self.admitted = False                 # scheduled at least once
         self.holds_lease = False
+        self.lease_refusals = 0               # schedules at which no adapter room was free for it
         self.stop_token_id: int | None = None
         self.error: str | None = None
         # n > 1: the first choice computes the shared prompt; the others wait for it

@@ -8,7 +8,10 @@ recently arrived running request is preempted: its blocks are freed, its
 computed count drops to 0 and it goes back to the front of the waiting queue
 with its outputs, which are recomputed as part of its tokens. Then waiting
 requests are admitted first come, first served while budget, seats and blocks
-allow.
+allow. A request whose adapter has no room yet (Leases.acquire False) lets later
+requests pass, but only LEASE_PATIENCE times: after that nobody overtakes it, so the
+adapters that hold the room go idle as their requests finish and one can be evicted
+for it (a popular adapter cannot keep a cold one out forever).
 
 Speculative decoding (EngineConfig.speculative) only adds tokens to decode chunks:
 a decoding request whose context repeats an n-gram gets its last token plus the
@@ -34,6 +37,9 @@ from services.decoder.engine.kv_cache_manager import KVCacheManager, cdiv
 from services.decoder.engine.output import RequestOutput
 from services.decoder.engine.request import Request, RequestStatus
 from services.decoder.engine.step import SampledToken, SamplingParams, ScheduledChunk, StepInput, StepOutput
+
+# Schedules at which a request may find no adapter room and still let later requests pass it.
+LEASE_PATIENCE = 16
 
 
 class Leases(Protocol):
@@ -212,6 +218,9 @@ class Scheduler:
                 if not granted:
                     self.kv.free(req)
                     skipped.append(req)
+                    req.lease_refusals += 1
+                    if req.lease_refusals > LEASE_PATIENCE:
+                        break           # it has waited long enough: no one overtakes it any more
                     continue
                 req.holds_lease = True
             self.kv.record_prefix_lookup(req.num_tokens, num_hit)

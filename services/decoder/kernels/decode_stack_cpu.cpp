@@ -12,8 +12,14 @@
 // Activations live in fp32 buffers. In bfloat16 mode each value is rounded to bf16 wherever the
 // torch path stores a bf16 tensor (after each matmul, norm, rotary product, add and SiLU), so the
 // results track that path; the matmul and attention sums are fp32 in both, as there.
+//
+// LoRA adapters (lora_rows.h): per layer and target one arena (set_lora), per step each row's span in it.
+// A projection with adapter rows in the step has its output widened into an fp32 buffer, rounded as stored,
+// the corrections added there (bf16: rnd(rnd(base) + rnd(delta))), and the layer goes on from that buffer;
+// rounding is idempotent, so a row without adapters comes out bit for bit as in a step without them.
 #include "gemv.h"
 #include "glue.h"
+#include "lora_rows.h"
 #include "paged_attention.h"
 #include "tile_gemm.h"
 
@@ -158,6 +164,7 @@ struct Layer {
   at::Tensor in_norm, post_norm, q_norm, k_norm;  // fp32 copies; q/k_norm undefined without them
   Proj qkv, o, gate_up, down;
   at::Tensor k_cache, v_cache;  // [NB, BS, KVH, D], the model's dtype
+  tessera_lora::Arenas lora;
 };
 
 using tessera_glue::rnd;
@@ -209,11 +216,35 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // Target t's arena of `layer` (t in lora.weights.TARGETS order): A [P, K], Bt [P, N] contiguous in the model's
+  // dtype, K and N its projection's (columns()); None clears it. Between steps only (the step reads them).
+  void set_lora(int64_t layer, int64_t target, c10::optional<at::Tensor> A, c10::optional<at::Tensor> Bt) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "decode_stack.set_lora: layer ", layer, " of ", num_layers());
+    TORCH_CHECK(target >= 0 && target < tessera_lora::TARGETS, "decode_stack.set_lora: target ", target, " of ",
+                tessera_lora::TARGETS);
+    TORCH_CHECK(A.has_value() == Bt.has_value(), "decode_stack.set_lora: A and Bt come together");
+    tessera_lora::Arenas& arenas = layers_[layer].lora;
+    if (!A.has_value()) {
+      arenas.a[target] = arenas.bt[target] = at::Tensor();
+      return;
+    }
+    const tessera_lora::Columns c = columns(static_cast<int>(target));
+    TORCH_CHECK(A->dim() == 2 && Bt->dim() == 2 && A->size(0) == Bt->size(0) && A->size(1) == c.k &&
+                    Bt->size(1) == c.n && A->is_contiguous() && Bt->is_contiguous() && A->device().is_cpu() &&
+                    Bt->device().is_cpu() && A->scalar_type() == dtype_ && Bt->scalar_type() == dtype_,
+                "decode_stack.set_lora: target ", target, " needs contiguous CPU A [P, ", c.k, "] and Bt [P, ", c.n,
+                "] in the model's dtype, got ", A->sizes(), " and ", Bt->sizes());
+    arenas.a[target] = *A;
+    arenas.bt[target] = *Bt;
+  }
+
   // x [M, hidden] (model dtype) in place -> final-normed hidden states. cos/sin [M, D] (sin's first
   // half negated, rotary.cos_sin's form), slots [M] int64, block_tables [M, nb] int32, context_lens
-  // [M] int32 (each row's position + 1: its own new key is the last one it reads).
+  // [M] int32 (each row's position + 1: its own new key is the last one it reads). lora_offsets/lora_ranks
+  // [TARGETS, M] int32 or None: each row's span per target in that target's arenas (rank 0: no adapter).
   void forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
-               const at::Tensor& block_tables, const at::Tensor& context_lens) {
+               const at::Tensor& block_tables, const at::Tensor& context_lens,
+               const c10::optional<at::Tensor>& lora_offsets, const c10::optional<at::Tensor>& lora_ranks) {
     const int64_t M = x.size(0);
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == dtype_ && x.is_contiguous(),
                 "decode_stack: x must be contiguous [M, ", hidden_, "] in the model's dtype");
@@ -230,10 +261,11 @@ class DecodeStack {
     const int64_t* sp = slots.data_ptr<int64_t>();
     for (int64_t m = 0; m < M; ++m)
       TORCH_CHECK(sp[m] >= 0 && sp[m] < slot_count, "decode_stack: slot ", sp[m], " out of range");
+    const tessera_lora::Step step = lora_step(lora_offsets, lora_ranks, M);
     if (dtype_ == at::kBFloat16) {
-      run<c10::BFloat16>(x, cos, sin, sp, block_tables, context_lens);
+      run<c10::BFloat16>(x, cos, sin, sp, block_tables, context_lens, step);
     } else {
-      run<float>(x, cos, sin, sp, block_tables, context_lens);
+      run<float>(x, cos, sin, sp, block_tables, context_lens, step);
     }
   }
 
@@ -243,6 +275,14 @@ class DecodeStack {
   at::ScalarType dtype_;
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
+
+  tessera_lora::Columns columns(int t) const { return tessera_lora::columns(t, H_, KVH_, D_, hidden_, inter_); }
+
+  tessera_lora::Step lora_step(const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& ranks,
+                               int64_t M) const {
+    return tessera_lora::make_step(offsets, ranks, M, static_cast<int64_t>(layers_.size()),
+                                   [&](int64_t l) -> const tessera_lora::Arenas& { return layers_[l].lora; });
+  }
 
   static at::Tensor norm_weight(const at::Tensor& w, int64_t n, const char* name) {
     TORCH_CHECK(w.numel() == n, "decode_stack: ", name, " weight must have ", n, " elements");
@@ -281,7 +321,7 @@ class DecodeStack {
 
   template <typename T>
   void run(at::Tensor& x_t, const at::Tensor& cos_t, const at::Tensor& sin_t, const int64_t* slots,
-           const at::Tensor& tables, const at::Tensor& lens) {
+           const at::Tensor& tables, const at::Tensor& lens, const tessera_lora::Step& step) {
     const int64_t M = x_t.size(0), hid = hidden_, qkv_n = (H_ + 2 * KVH_) * D_, q_n = H_ * D_, kv_n = KVH_ * D_;
     const int64_t inter = inter_;
     constexpr bool BF16 = std::is_same_v<T, c10::BFloat16>;
@@ -312,9 +352,28 @@ class DecodeStack {
         });
       });
     };
+    // out, a projection's output [M, width], with the corrections of targets [t0, t1) (input `in`) added: in buf
+    // (fp32, rounded as stored) when the step has rows on them, else out as it was.
+    using Out = std::pair<const float*, const T*>;
+    auto lora = [&](const Layer& L, const Out& out, float* buf, int64_t width, const T* in, int t0, int t1) -> Out {
+      if (!step.any(t0, t1)) return out;
+      with_output(out, [&](const auto* src) {
+        each_row(M, [&](int64_t m) {
+#pragma omp simd
+          for (int64_t i = m * width; i < (m + 1) * width; ++i) buf[i] = rnd<BF16>(tessera_vec::widen(src[i]));
+        });
+      });
+      for (int t = t0; t < t1; ++t) {
+        if (!step.active[t]) continue;
+        const tessera_lora::Columns c = columns(t);
+        tessera_lora::rows<BF16>(in, c.k, buf + c.col, width, L.lora.a[t].data_ptr<T>(), L.lora.bt[t].data_ptr<T>(),
+                                 c.k, c.n, step.offsets + t * M, step.ranks + t * M, M);
+      }
+      return {buf, nullptr};
+    };
     for (const Layer& L : layers_) {
       each_row(M, [&](int64_t m) { rms_norm<BF16>(&x[m * hid], L.in_norm.data_ptr<float>(), &h[m * hid], hid); });
-      const auto qkv_out = L.qkv(h.data(), qkv.data(), M, hold);
+      const auto qkv_out = lora(L, L.qkv(h.data(), qkv.data(), M, hold), qkv.data(), qkv_n, h.data(), 0, 3);
       T* kc = L.k_cache.data_ptr<T>();
       T* vc = L.v_cache.data_ptr<T>();
       with_output(qkv_out, [&](const auto* src) {
@@ -337,16 +396,17 @@ class DecodeStack {
         });
       });
       tessera_paged::paged_decode(o_t, q_t, L.k_cache, L.v_cache, tables, lens, c10::nullopt, scale);
-      residual(L.o(op, y.data(), M, hold));
+      residual(lora(L, L.o(op, y.data(), M, hold), y.data(), hid, op, 3, 4));
       each_row(M, [&](int64_t m) { rms_norm<BF16>(&x[m * hid], L.post_norm.data_ptr<float>(), &h[m * hid], hid); });
-      with_output(L.gate_up(h.data(), y.data(), M, hold), [&](const auto* src) {
+      with_output(lora(L, L.gate_up(h.data(), y.data(), M, hold), y.data(), 2 * inter, h.data(), 4, 6),
+                  [&](const auto* src) {
         each_row(M, [&](int64_t m) {
           const auto* g = src + m * 2 * inter;
           const auto* u = g + inter;
           tessera_glue::silu_mul_row<BF16>(g, u, &act[m * inter], inter);
         });
       });
-      residual(L.down(act.data(), y.data(), M, hold));
+      residual(lora(L, L.down(act.data(), y.data(), M, hold), y.data(), hid, act.data(), 6, 7));
     }
     each_row(M, [&](int64_t m) { rms_norm<BF16>(&x[m * hid], final_norm_.data_ptr<float>(), xp + m * hid, hid); });
   }
@@ -369,6 +429,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("intermediate"), pybind11::arg("eps"), pybind11::arg("final_norm"))
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
+      .def("set_lora", &DecodeStack::set_lora, "a layer's arena for one LoRA target (None, None: none)",
+           pybind11::arg("layer"), pybind11::arg("target"), pybind11::arg("A"), pybind11::arg("Bt"))
       .def("forward", &DecodeStack::forward, "every layer of a few-row decode step, x in place",
-           pybind11::call_guard<pybind11::gil_scoped_release>());
+           pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("slots"),
+           pybind11::arg("block_tables"), pybind11::arg("context_lens"), pybind11::arg("lora_offsets") = pybind11::none(),
+           pybind11::arg("lora_ranks") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -5,6 +5,10 @@ and paged_attention.h), compiled once per machine by native.load (`make kernels`
 builds the C++ object over a model's weights and KV cache once; `decode_stack` runs it for one
 step; `decode_stack_ref` is the torch computation it must match (tests/decoder/kernels). Whether
 it runs at all is decided at load by the runner (runner/fused_decode.py); this module only computes.
+
+LoRA: `set_arenas` (or the stack's set_lora) gives each layer one arena per target (lora_cpu's form, A [P, K],
+Bt [P, N]); a step passes each row's span per target (lora_offsets/lora_ranks [NUM_TARGETS, M] int32), and
+each projection's output gets lora_cpu.lora_rows' corrections on its target's columns.
 """
 from __future__ import annotations
 
@@ -19,10 +23,13 @@ from services.common import native
 
 from . import gemv_cpu
 from .gemv_cpu import gemv_ref
+from .lora_cpu import lora_rows_ref
 from .paged_attention_cpu import paged_decode_ref
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 KERNEL_ROWS = 4       # gemv_cpu's most rows; above (or above a projection's gemv_rows), the library's matmul
+# LoRA targets in lora.weights.TARGETS order (q, k, v, o, gate, up, down): the rows of lora_offsets/lora_ranks.
+NUM_TARGETS = 7
 OPERATOR = native.Operator("decode_stack_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
 
@@ -69,6 +76,29 @@ class Shape:
     eps: float
 
 
+@dataclass
+class StackLora:
+    """One step's adapters, as decode_stack_ref takes them (decode_stack holds the arenas: set_arenas).
+
+    arenas[layer]: target index (lora.weights.TARGETS order) -> (A [P, K], Bt [P, N]) in the activations' dtype,
+    K and N the target's projection input and output widths (q: hidden -> H D, k/v: hidden -> KVH D, o: H D ->
+    hidden, gate/up: hidden -> I, down: I -> hidden). offsets, ranks [NUM_TARGETS, M] int32: row m's span in
+    target t's arenas (rank 0: none; lora_cpu.lora_rows).
+    """
+    arenas: list[dict[int, tuple[torch.Tensor, torch.Tensor]]]
+    offsets: torch.Tensor
+    ranks: torch.Tensor
+
+
+def set_arenas(stack, arenas: list[dict[int, tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    """Give every layer of `stack` its arenas (StackLora.arenas' form); targets absent from a layer's dict are
+    cleared. The tensors are held, not copied: call again after an arena is reallocated, between steps."""
+    for layer, per_target in enumerate(arenas):
+        for target in range(NUM_TARGETS):
+            a, bt = per_target.get(target, (None, None))
+            stack.set_lora(layer, target, a, bt)
+
+
 def make_stack(shape: Shape, layers: list[LayerWeights], final_norm: torch.Tensor):
     """The compiled DecodeStack over these tensors (held, not copied: weights and caches stay shared;
     norms, scales and biases are copied to fp32 once). final_norm's dtype is the activations'."""
@@ -86,7 +116,8 @@ def _projection(p: Projection):
 
 
 def decode_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, lora_offsets: torch.Tensor | None = None,
+                 lora_ranks: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, hidden] (embeddings) -> final-normed hidden states [M, hidden], in x (in place).
 
     Row m is one token at cache slot slots[m] (int64) attending to block_tables[m] (int32, [M, nb])
@@ -95,17 +126,20 @@ def decode_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s
     own layers do; see decode_stack_ref for the computation. Each projection runs gemv_cpu up to its
     gemv_rows rows, else tile_gemm_cpu above KERNEL_ROWS (if it has tiles), else its packed or plain
     library matmul (int8 weights: refused above KERNEL_ROWS).
+    lora_offsets, lora_ranks [NUM_TARGETS, M] int32 (or None: no adapters): each row's span per target in the
+    arenas set on the stack (set_arenas); a row of rank 0 for every target comes out bit for bit as without them.
     """
     stack.forward(x, cos.contiguous(), sin.contiguous(), slots, block_tables.to(torch.int32).contiguous(),
-                  context_lens.to(torch.int32).contiguous())
+                  context_lens.to(torch.int32).contiguous(), lora_offsets, lora_ranks)
     return x
 
 
 def decode_stack_ref(shape: Shape, layers: list[LayerWeights], final_norm: torch.Tensor, x: torch.Tensor,
                      cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor) -> torch.Tensor:
+                     context_lens: torch.Tensor, lora: StackLora | None = None) -> torch.Tensor:
     """The torch reference of decode_stack (model/layers.py's computation, one row per token);
-    writes the same cache slots and returns [M, hidden] in x's dtype."""
+    writes the same cache slots and returns [M, hidden] in x's dtype. lora: each projection's output gets
+    lora_cpu.lora_rows_ref's corrections on its targets' columns."""
     dtype, (h, kvh, d) = x.dtype, (shape.heads, shape.kv_heads, shape.head_dim)
     m = x.shape[0]
 
@@ -113,14 +147,23 @@ def decode_stack_ref(shape: Shape, layers: list[LayerWeights], final_norm: torch
         f = t.float()
         return w * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + shape.eps)).to(dtype)
 
-    def linear(t: torch.Tensor, p: Projection) -> torch.Tensor:
-        return gemv_ref(t, p.weight, p.scale, p.bias).to(dtype)     # fp32 sums, one rounding
+    def linear(t: torch.Tensor, p: Projection, layer: int, targets: tuple[tuple[int, int, int], ...]) -> torch.Tensor:
+        """targets: (target index, first column, columns) of each LoRA target on this projection's output."""
+        out = gemv_ref(t, p.weight, p.scale, p.bias).to(dtype)     # fp32 sums, one rounding
+        for target, col, n in targets if lora is not None else ():
+            if target in lora.arenas[layer]:
+                a, bt = lora.arenas[layer][target]
+                out[:, col:col + n] = lora_rows_ref(out[:, col:col + n], t, a, bt, lora.offsets[target],
+                                                    lora.ranks[target])
+        return out
 
     def rotate(t: torch.Tensor) -> torch.Tensor:
         return t * cos[:, None] + t.roll(d // 2, -1) * sin[:, None]
 
-    for w in layers:
-        qkv = linear(norm(x, w.input_norm), w.qkv)
+    inter = shape.intermediate
+    qkv_targets = ((0, 0, h * d), (1, h * d, kvh * d), (2, (h + kvh) * d, kvh * d))
+    for i, w in enumerate(layers):
+        qkv = linear(norm(x, w.input_norm), w.qkv, i, qkv_targets)
         q, k, v = qkv.split((h * d, kvh * d, kvh * d), dim=1)
         q, k, v = q.reshape(m, h, d), k.reshape(m, kvh, d), v.reshape(m, kvh, d)
         if w.q_norm is not None:
@@ -129,9 +172,9 @@ def decode_stack_ref(shape: Shape, layers: list[LayerWeights], final_norm: torch
         w.k_cache.view(-1, kvh, d).index_copy_(0, slots, k)
         w.v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
         attn = paged_decode_ref(q, w.k_cache, w.v_cache, block_tables, context_lens, 1 / math.sqrt(d))
-        x = x + linear(attn.reshape(m, h * d), w.o)
-        gate, up = linear(norm(x, w.post_norm), w.gate_up).chunk(2, dim=1)
-        x = x + linear(F.silu(gate) * up, w.down)
+        x = x + linear(attn.reshape(m, h * d), w.o, i, ((3, 0, shape.hidden),))
+        gate, up = linear(norm(x, w.post_norm), w.gate_up, i, ((4, 0, inter), (5, inter, inter))).chunk(2, dim=1)
+        x = x + linear(F.silu(gate) * up, w.down, i, ((6, 0, shape.hidden),))
     return norm(x, final_norm)
 
 

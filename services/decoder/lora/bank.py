@@ -1,8 +1,12 @@
-"""The adapter bank: resident device slots for LoRA weights, installed on a CausalLM.
+"""The adapter bank: resident device slots for LoRA weights, installed on a CausalLM (the CUDA store).
 
 Slots are storage only. Which adapter a slot holds, who leases it and when it may be
 refilled is the registry's business (lora/registry.py); the bank writes and clears
 slots and, for the duration of one forward, publishes the step's row grouping.
+
+It implements the store interface (lora/store.py): a handle is a slot number, `place` fills the
+first empty slot (None when every slot is filled) and `free` clears one. The CPU service uses
+the adapter pool (lora/pool.py) instead; the bank still runs on CPU with its torch path.
 
 Every write goes through `write(slot, weights)` with LoraWeights that
 `prepare_weights` already validated against `shapes`, so a write cannot fail halfway
@@ -20,11 +24,10 @@ from services.common.errors import Unsupported
 from services.decoder.kernels.lora import backend_name
 from services.decoder.kernels.lora_meta import LoraBatchMeta, build_lora_meta
 from services.decoder.lora.layer import LoraSlots, LoraStep
+from services.decoder.lora.store import RowSpan
 from services.decoder.lora.weights import TARGETS, LoraWeights, leaf
 from services.decoder.model.linear import Linear
 
-# (first row in the step, number of rows, slot): one per chunk that uses an adapter.
-RowSpan = tuple[int, int, int]
 # CPU: use the padded per-slot form (lora/layer.py) when rows * slots * rank is at most this
 # (decode-shaped steps), or when the rows are spread evenly enough over the slots (`_balanced`);
 # 0: never. It runs every slot as one batched GEMM pair over the rows padded to the busiest
@@ -67,6 +70,7 @@ class AdapterBank:
         self.dense_max_work = DENSE_MAX_WORK if self.backend == "torch" else 0
         # The family's checkpoint_fused (model/decoder.py): the names its adapters give fused projections.
         self.fused: dict[str, tuple[str, ...]] = dict(getattr(model, "checkpoint_fused", {}))
+        self.filled = [False] * num_slots          # which slots hold an adapter (write / clear)
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
@@ -78,7 +82,30 @@ class AdapterBank:
         return sum(m.lora_A.numel() * m.lora_A.element_size() + m.lora_B.numel() * m.lora_B.element_size()
                    for m in self.layers.values())
 
+    def describe(self) -> str:
+        return f"{self.num_slots} slots of rank {self.max_rank} ({self.nbytes / 2**20:.1f} MiB)"
+
+    def refusal(self, weights: LoraWeights) -> str | None:
+        return None      # prepare_weights already bounded the rank: any adapter fits an empty slot
+
     # -- slots ------------------------------------------------------------------
+
+    def place(self, weights: LoraWeights) -> int | None:
+        """Write `weights` into the first empty slot; that slot, or None when all are filled."""
+        slot = next((s for s, used in enumerate(self.filled) if not used), None)
+        if slot is not None:
+            self.write(slot, weights)
+        return slot
+
+    def would_fit(self, weights: LoraWeights, freed: list[int]) -> bool:
+        return bool(freed) or not all(self.filled)
+
+    def free(self, slot: int) -> None:
+        self.clear(slot)
+
+    def valid(self, slot: int) -> bool:
+        return not isinstance(slot, bool) and isinstance(slot, int) and 0 <= slot < self.num_slots \
+            and self.filled[slot]
 
     @torch.no_grad()
     def write(self, slot: int, weights: LoraWeights) -> None:
@@ -96,6 +123,7 @@ class AdapterBank:
                 layer.lora_A[slot, :r].copy_(pair[0])
                 layer.lora_B[slot, :, :r].copy_(pair[1])
             layer.sync_slot(slot)
+        self.filled[slot] = True
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
@@ -105,6 +133,7 @@ class AdapterBank:
             layer.lora_A[slot].zero_()
             layer.lora_B[slot].zero_()
             layer.sync_slot(slot)
+        self.filled[slot] = False
 
     def _check_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:

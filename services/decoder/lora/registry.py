@@ -1,17 +1,19 @@
-"""The host-side adapter registry: names -> weights, and which content sits in which slot.
+"""The host-side adapter registry: names -> weights, and which content sits under which handle.
 
-More adapters can be registered (--max-cpu-loras, weights on the host) than fit the
-device (--max-loras slots). A slot is keyed by content digest, so two names with equal
-weights share one slot (and, through the digest in block hashes, their prefix KV).
+More adapters can be registered (--max-cpu-loras, weights on the host) than the adapter store
+holds at once (the CUDA bank's --max-loras slots, the CPU pool's --lora-memory-gb bytes). Placed
+content is keyed by digest, so two names with equal weights share one handle (and, through the
+digest in block hashes, their prefix KV).
 
-A request leases its adapter's slot at admission (`acquire`) and releases it when it
-finishes, aborts or fails (`release`); a preempted request keeps it. A slot with live
-leases is never rewritten. When a request's adapter is not resident, `acquire` fills an
-empty slot, else evicts the least recently used idle slot, else answers None: the
-request keeps waiting in the queue until a lease ends.
+A request leases its adapter's handle at admission (`acquire`) and releases it when it
+finishes, aborts or fails (`release`); a preempted request keeps it. Content with live
+leases is never freed or rewritten. When a request's adapter is not placed, `acquire` asks the
+store to place it, evicting the least recently used idle adapters one by one until that
+succeeds; it answers None only when nothing idle is left to evict: the request keeps waiting
+in the queue until a lease ends.
 
 Not thread-safe: the service runs every call on the engine thread (AsyncEngine.call),
-so slot writes happen between forwards and never under a running step.
+so store writes happen between forwards and never under a running step.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import re
 from dataclasses import dataclass
 
 from services.common.errors import AdapterInUse, AdapterNotFound, InvalidArgument, Overloaded
-from services.decoder.lora.bank import AdapterBank
+from services.decoder.lora.store import AdapterStore
 from services.decoder.lora.weights import LoraWeights
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
@@ -41,7 +43,7 @@ class AdapterEntry:
 
 @dataclass(frozen=True)
 class AdapterStatus:
-    """What ListAdapters reports for one name. slot -1: registered, not resident."""
+    """What ListAdapters reports for one name. slot: its store handle, -1 when not resident."""
 
     name: str
     digest: str
@@ -51,6 +53,15 @@ class AdapterStatus:
     refs: int
 
 
+@dataclass
+class Resident:
+    """Content placed in the store under one handle. refs: live leases; used: last lease tick (LRU)."""
+
+    digest: str
+    refs: int = 0
+    used: int = 0
+
+
 def check_name(name: str) -> None:
     if not isinstance(name, str) or not _NAME.match(name):
         raise InvalidArgument(f"adapter name {name!r} is invalid: 1-128 characters, letters, digits and ._:/@+- "
@@ -58,28 +69,31 @@ def check_name(name: str) -> None:
 
 
 class AdapterRegistry:
-    def __init__(self, bank: AdapterBank, max_cpu_loras: int):
-        if max_cpu_loras < bank.num_slots:
+    """bank: the adapter store (the CUDA AdapterBank or the CPU AdapterPool)."""
+
+    def __init__(self, bank: AdapterStore, max_cpu_loras: int):
+        if bank.num_slots is not None and max_cpu_loras < bank.num_slots:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least the slot count ({bank.num_slots})")
         self.bank = bank
         self.max_cpu_loras = max_cpu_loras
         self.entries: dict[str, AdapterEntry] = {}
-        n = bank.num_slots
-        self.slot_digest: list[str | None] = [None] * n   # content resident in each slot
-        self.slot_refs: list[int] = [0] * n               # live leases per slot
-        self.slot_used: list[int] = [0] * n               # last lease tick, for LRU eviction
-        self.resident: dict[str, int] = {}                # digest -> slot
+        self.residents: dict[int, Resident] = {}          # handle -> the content placed there
+        self.resident: dict[str, int] = {}                # digest -> handle
         self._tick = itertools.count(1)
-        self.num_slot_loads = 0                           # slot fills (registration or swap-in)
-        self.num_evictions = 0                            # fills that displaced another adapter
+        self.num_slot_loads = 0                           # placements (registration or swap-in)
+        self.num_evictions = 0                            # idle adapters freed to make room
 
     # -- registration ----------------------------------------------------------
 
     def register(self, name: str, weights: LoraWeights) -> AdapterStatus:
         """Add or replace `name` (weights already validated). Replacing a leased name
-        raises AdapterInUse; a new name over --max-cpu-loras raises Overloaded. If a
-        slot is empty the adapter is placed right away, else on first use."""
+        raises AdapterInUse; a new name over --max-cpu-loras raises Overloaded, weights the store
+        could never hold InvalidArgument. If the store has room the adapter is placed right away
+        (evicting nothing), else on first use."""
         check_name(name)
+        refused = self.bank.refusal(weights)
+        if refused:
+            raise InvalidArgument(f"adapter {name!r}: {refused}", param="lora_path")
         old = self.entries.get(name)
         if old is not None and old.refs:
             raise AdapterInUse(f"adapter {name!r} is used by {old.refs} active requests; it cannot be replaced "
@@ -91,9 +105,7 @@ class AdapterRegistry:
         if old is not None:
             self._drop_orphan(old.digest)
         if weights.digest not in self.resident:
-            empty = next((s for s, d in enumerate(self.slot_digest) if d is None), None)
-            if empty is not None:
-                self._fill(empty, weights)
+            self._place(weights)
         return self.status(name)
 
     def unregister(self, name: str) -> None:
@@ -105,16 +117,15 @@ class AdapterRegistry:
         self._drop_orphan(entry.digest)
 
     def _drop_orphan(self, digest: str) -> None:
-        """Free the slot of content no name refers to any more (no lease can hold it:
+        """Free the handle of content no name refers to any more (no lease can hold it:
         leases are taken by name, and every name with this digest is gone)."""
         if any(e.digest == digest for e in self.entries.values()):
             return
-        slot = self.resident.pop(digest, None)
-        if slot is not None:
-            if self.slot_refs[slot]:
-                raise RuntimeError(f"slot {slot} leased by no registered name")  # a bookkeeping bug
-            self.slot_digest[slot] = None
-            self.bank.clear(slot)
+        handle = self.resident.get(digest)
+        if handle is not None:
+            if self.residents[handle].refs:
+                raise RuntimeError(f"handle {handle} leased by no registered name")  # a bookkeeping bug
+            self._evict(handle)
 
     def _entry(self, name: str) -> AdapterEntry:
         entry = self.entries.get(name)
@@ -129,7 +140,8 @@ class AdapterRegistry:
     # -- leases ---------------------------------------------------------------------
 
     def acquire(self, name: str, digest: str) -> int | None:
-        """Lease the slot holding `name`'s weights; None when every slot is leased.
+        """Lease the handle holding `name`'s weights, placing them first if needed (evicting
+        idle adapters, least recently used first); None when they do not fit beside the leased ones.
 
         digest: the content the request was admitted with (its KV salt). If the name was
         unloaded or replaced since, the request fails rather than run other weights
@@ -139,47 +151,56 @@ class AdapterRegistry:
         if entry is None or entry.digest != digest:
             raise AdapterNotFound(f"adapter {name!r} was unloaded or replaced before the request started",
                                   param="model")
-        slot = self.resident.get(digest)
-        if slot is None:
-            slot = self._free_slot()
-            if slot is None:
+        handle = self.resident.get(digest)
+        if handle is None:
+            handle = self._place(entry.weights, evict=True)
+            if handle is None:
                 return None
-            self._fill(slot, entry.weights)
-        self.slot_refs[slot] += 1
-        self.slot_used[slot] = next(self._tick)
+        held = self.residents[handle]
+        held.refs += 1
+        held.used = next(self._tick)
         entry.refs += 1
-        return slot
+        return handle
 
     def release(self, name: str, slot: int) -> None:
         entry = self.entries.get(name)
-        if entry is None or entry.refs < 1 or self.slot_refs[slot] < 1 \
+        held = self.residents.get(slot)
+        if entry is None or entry.refs < 1 or held is None or held.refs < 1 \
                 or self.resident.get(entry.digest) != slot:
             raise RuntimeError(f"adapter lease {name!r} on slot {slot} released twice or never taken")
         entry.refs -= 1
-        self.slot_refs[slot] -= 1
+        held.refs -= 1
 
-    def _free_slot(self) -> int | None:
-        """An empty slot, else the least recently used idle one, else None."""
-        empty = [s for s, d in enumerate(self.slot_digest) if d is None]
-        if empty:
-            return empty[0]
-        idle = [s for s in range(self.bank.num_slots) if self.slot_refs[s] == 0]
-        if not idle:
+    def _place(self, weights: LoraWeights, evict: bool = False) -> int | None:
+        """Place `weights` in the store; with evict, free idle adapters (least recently used
+        first) until it fits. None when it does not fit even with every idle adapter gone (then
+        nothing is evicted)."""
+        handle = self.bank.place(weights)
+        if handle is None and evict:
+            idle = sorted((h for h, r in self.residents.items() if r.refs == 0), key=lambda h: self.residents[h].used)
+            if not self.bank.would_fit(weights, idle):
+                return None
+            for victim in idle:
+                self._evict(victim)
+                self.num_evictions += 1
+                handle = self.bank.place(weights)
+                if handle is not None:
+                    break
+        if handle is None:
             return None
-        victim = min(idle, key=lambda s: self.slot_used[s])
-        del self.resident[self.slot_digest[victim]]
-        self.slot_digest[victim] = None
-        self.num_evictions += 1
-        return victim
-
-    def _fill(self, slot: int, weights: LoraWeights) -> None:
-        if self.slot_refs[slot]:
-            raise RuntimeError(f"slot {slot} is leased; it must not be rewritten")  # docs/design.md, invariant 5
-        self.bank.write(slot, weights)
-        self.slot_digest[slot] = weights.digest
-        self.resident[weights.digest] = slot
-        self.slot_used[slot] = next(self._tick)
+        if handle in self.residents:
+            raise RuntimeError(f"the store handed out handle {handle} twice")   # a store bug
+        self.residents[handle] = Resident(weights.digest, used=next(self._tick))
+        self.resident[weights.digest] = handle
         self.num_slot_loads += 1
+        return handle
+
+    def _evict(self, handle: int) -> None:
+        held = self.residents.pop(handle)
+        if held.refs:
+            raise RuntimeError(f"handle {handle} is leased; it must not be freed")  # docs/design.md, invariant 5
+        del self.resident[held.digest]
+        self.bank.free(handle)
 
     # -- observing --------------------------------------------------------------------
 
@@ -193,12 +214,13 @@ class AdapterRegistry:
 
     @property
     def total_refs(self) -> int:
-        return sum(self.slot_refs)
+        return sum(r.refs for r in self.residents.values())
 
     @property
     def slots_in_use(self) -> int:
-        return sum(d is not None for d in self.slot_digest)
+        """Handles placed in the store (bank slots filled, pool adapters resident)."""
+        return len(self.residents)
 
     @property
     def slots_leased(self) -> int:
-        return sum(r > 0 for r in self.slot_refs)
+        return sum(r.refs > 0 for r in self.residents.values())

@@ -7,7 +7,9 @@ step in one call over the same weights and the same paged cache, each projection
 Linear chose at load for that row count (gemv_cpu, packed or plain). A step takes it when:
 - every row is a decode row of the in-place attention operator (no prefill span; a short chunk
   after 0, e.g. speculative drafts, and a short first chunk count as rows), at most `max_rows` of them;
-- no row uses a LoRA adapter (those steps need the per-projection corrections of the layers);
+- no row uses a LoRA adapter, unless the adapters live in the CPU pool (lora/pool.py): the stack then holds
+  the pool's arenas (`attach_lora`, refreshed when the pool moved rows) and adds each row's corrections after
+  each projection, as the layers' PoolLayer does;
 - the model has no sliding-window layer and no attention soft-cap (the stack's attention has neither).
 Any other step runs the model's own layers, which stay the reference (tests compare the two).
 
@@ -37,6 +39,8 @@ import torch
 from services.common import native
 from services.common import plan as execution
 from services.decoder.kernels import decode_stack_cpu, tile_gemm_cpu
+from services.decoder.lora.pool import AdapterPool, PoolStep
+from services.decoder.lora.store import AdapterStore
 from services.decoder.model import glue
 from services.decoder.model.decoder import CausalLM
 from services.decoder.model.linear import Linear
@@ -59,6 +63,8 @@ class FusedDecode:
         self.tiles = False          # whether self.stack is that one
         self.tiled_timed = False    # whether the tiled stack was timed at all
         self.max_rows = 0
+        self.pool: AdapterPool | None = None    # the adapter store whose arenas the stack holds
+        self.pool_version = -1                  # the pool's version when the stack last took its arenas
         # int8 projections run in gemv_cpu only (the library path above it takes bf16 activations).
         int8 = any(m.qweight is not None for m in model.modules() if isinstance(m, Linear))
         self.timing_rows = tuple(r for r in TIMING_ROWS if not int8 or r <= decode_stack_cpu.KERNEL_ROWS)
@@ -102,20 +108,34 @@ class FusedDecode:
                       f"panels {'on' if fused.tiles else 'off'}" if fused.tiled_timed else "")
         return (fused if fused.max_rows else None), summary
 
+    def attach_lora(self, store: AdapterStore) -> None:
+        """Run adapter rows in the stack when `store` is the CPU pool; other stores (the CUDA bank) keep such
+        steps on the layers."""
+        if isinstance(store, AdapterPool):
+            self.pool, self.pool_version = store, -1
+
     def applies(self, batch: StepBatch) -> bool:
         plan = batch.plan
         return (not plan.prefills and plan.decode_rows is not None and plan.decode_rows.rows is None
-                and len(batch.input_ids) <= self.max_rows and not batch.lora_spans)
+                and len(batch.input_ids) <= self.max_rows and (not batch.lora_spans or self.pool is not None))
 
-    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        """embeds [M, hidden] (consumed) -> final-normed hidden states [M, hidden], as CausalLM.forward."""
-        return self._run(self.stack, embeds, positions, plan)
+    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
+                 adapters: PoolStep | None = None) -> torch.Tensor:
+        """embeds [M, hidden] (consumed) -> final-normed hidden states [M, hidden], as CausalLM.forward.
+        adapters: the pool's step (AdapterPool.activate) when rows use adapters, else None."""
+        if adapters is not None and self.pool is not None and self.pool.version != self.pool_version:
+            # Rows moved or an arena was reallocated since the last step (only ever between steps).
+            decode_stack_cpu.set_arenas(self.stack, self.pool.arenas())
+            self.pool_version = self.pool.version
+        return self._run(self.stack, embeds, positions, plan, adapters)
 
-    def _run(self, stack, embeds: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    def _run(self, stack, embeds: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
+             adapters: PoolStep | None = None) -> torch.Tensor:
         cos, sin = self.model.rotary.cos_sin(positions, embeds.dtype)       # [M, 1, D]
         d = plan.decode_rows
+        offsets, ranks = (adapters.offsets, adapters.ranks) if adapters is not None else (None, None)
         return decode_stack_cpu.decode_stack(stack, embeds.contiguous(), cos[:, 0], sin[:, 0],
-                                             plan.slot_mapping, d.block_tables, d.context_lens)
+                                             plan.slot_mapping, d.block_tables, d.context_lens, offsets, ranks)
 
     @torch.inference_mode()
     def choose(self, cache: KVCache, timer: Timer | None = None) -> tuple[str, list[execution.Timing]]:

@@ -32,7 +32,7 @@ from services.decoder.runner.sampler import Sampler, check_sampling
 from services.decoder.runner.windows import Windows, binding
 
 if TYPE_CHECKING:
-    from services.decoder.lora.bank import AdapterBank
+    from services.decoder.lora.store import AdapterStore
 
 log = logging.getLogger("tessera.runner")
 
@@ -92,16 +92,18 @@ class Runner:
             plan, huge_pages, model.unsupported().get("screen", ""))
         # How constrained rows get their grammar masks applied, chosen by timing at the real width.
         self.sampler.grammars.choose(cfg.vocab_size, self.device, plan)
-        # The adapter bank installed on self.model, if any (attach_lora); chunks with a
-        # lora_slot need it.
-        self.lora: AdapterBank | None = None
+        # The adapter store installed on self.model, if any (attach_lora): the CUDA slot bank or the CPU
+        # pool (lora/store.py); chunks with a lora_slot (a store handle) need it.
+        self.lora: AdapterStore | None = None
 
-    def attach_lora(self, bank: AdapterBank) -> None:
-        """Use `bank` (already installed on self.model) for chunks with a lora_slot."""
+    def attach_lora(self, bank: AdapterStore) -> None:
+        """Use `bank` (an adapter store already installed on self.model) for chunks with a lora_slot."""
         name, slots = next(iter(bank.layers.items()))
         if self.model.get_submodule(name).lora is not slots:
-            raise ValueError("the adapter bank is not installed on this runner's model")
+            raise ValueError("the adapter store is not installed on this runner's model")
         self.lora = bank
+        if self.fused_decode is not None:
+            self.fused_decode.attach_lora(bank)
 
     @classmethod
     def from_folder(cls, folder: str | Path, dtype: str | torch.dtype = "fp32", block_size: int = 16,
@@ -151,17 +153,17 @@ class Runner:
         # The per-step adapter grouping is built once here and shared by every layer.
         scope = self.lora.activate(batch.lora_spans, len(batch.input_ids)) if self.lora is not None \
             else nullcontext()
-        if self.fused_decode is not None and self.fused_decode.applies(batch):
-            hidden = self.fused_decode(embeds, batch.positions, batch.plan)
-        else:
-            with scope:
+        with scope as adapters:
+            if self.fused_decode is not None and self.fused_decode.applies(batch):
+                hidden = self.fused_decode(embeds, batch.positions, batch.plan, adapters)
+            else:
                 hidden = self.model(embeds, batch.positions, PagedAttention(self.cache, batch.plan, self.workspace))
         return hidden.index_select(0, batch.sample_rows), batch
 
     def refusal(self, chunk: ScheduledChunk) -> TesseraError | None:
         """Why this runner cannot run `chunk`'s request, or None. Request-shaped faults only (the
         server refuses them before the engine; this is the last line): a token id outside the
-        vocabulary, an adapter slot without a bank, images the model cannot place, bad sampling."""
+        vocabulary, an adapter handle without a store, images the model cannot place, bad sampling."""
         ids = chunk.token_ids
         if not ids:
             return InvalidArgument("a chunk needs at least one token")
@@ -170,9 +172,8 @@ class Runner:
         if chunk.lora_slot is not None:
             if self.lora is None:
                 return Unsupported("LoRA adapters need an adapter bank; this runner has none (--max-loras 0)")
-            if not 0 <= chunk.lora_slot < self.lora.num_slots:
-                return InvalidArgument(f"adapter slot {chunk.lora_slot} is not one of the bank's "
-                                       f"{self.lora.num_slots}")
+            if not self.lora.valid(chunk.lora_slot):
+                return InvalidArgument(f"adapter handle {chunk.lora_slot} is not placed in the adapter store")
         images = chunk.images
         if images is not None:
             sections = self.config.mrope_sections

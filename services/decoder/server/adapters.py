@@ -1,4 +1,4 @@
-"""The decoder service's LoRA side: bank + registry + leases through the engine, admin paths, metrics.
+"""The decoder service's LoRA side: adapter store + registry + leases through the engine, admin paths, metrics.
 
 Who runs what:
 - reading and validating a PEFT folder is slow file work: it runs off the event loop
@@ -9,7 +9,8 @@ Who runs what:
   again when the request leases its slot, so a concurrent reload can never run other
   weights under the request's cache identity.
 
-Clients never name slots or arbitrary paths: runtime loads resolve inside --lora-root.
+Clients never name slots or arbitrary paths: runtime loads resolve inside --lora-root, those by
+LoadAdapter and those of a Generate naming an adapter by its folder (--lora-on-demand, ondemand.py).
 """
 from __future__ import annotations
 
@@ -20,17 +21,20 @@ from prometheus_client import Gauge
 
 from services.common.errors import AdapterNotFound, InvalidArgument, PermissionDenied
 from services.common.pb import decoder_pb2
-from services.decoder.engine.request import AdapterRef
 from services.decoder.lora import AdapterLeases, AdapterRegistry, AdapterStatus, LoraWeights, load_peft
-from services.decoder.lora.leases import adapter_request
+from services.decoder.lora.pool import AdapterPool
 from services.decoder.server.async_engine import AsyncEngine
 from services.decoder.server.config import DecoderConfig
+from services.decoder.server.ondemand import OnDemand
 
 log = logging.getLogger("tessera.decoder.lora")
 
 _RUNNING = Gauge("tessera_decoder_adapter_running_requests", "running requests per adapter", ["adapter"])
 _WAITING = Gauge("tessera_decoder_adapter_waiting_requests", "waiting requests per adapter", ["adapter"])
 _SLOTS = Gauge("tessera_decoder_adapter_slots", "adapter slots by state", ["state"])
+_POOL_BYTES = Gauge("tessera_decoder_adapter_pool_bytes",
+                    "the CPU adapter pool: bytes of placed adapters (used), of its arenas (allocated), its budget",
+                    ["state"])
 _REGISTERED = Gauge("tessera_decoder_adapters_registered", "adapters registered on the host")
 _LEASES = Gauge("tessera_decoder_adapter_leases", "live adapter leases (requests holding a slot)")
 _LOADS = Gauge("tessera_decoder_adapter_slot_loads", "adapter weights written into a slot so far")
@@ -41,7 +45,8 @@ class Adapters:
     """LoRA for one loaded decoder. Install once, before the engine starts."""
 
     def __init__(self, cfg: DecoderConfig, engine: AsyncEngine):
-        self.bank = engine.install_adapters(cfg.lora_targets, cfg.max_loras, cfg.max_lora_rank)
+        self.bank = engine.install_adapters(cfg.lora_targets, cfg.max_loras, cfg.max_lora_rank,
+                                            int(cfg.lora_memory_gb * 2**30))
         self.registry = AdapterRegistry(self.bank, cfg.max_cpu_loras)
         self.leases = AdapterLeases(self.registry)
         engine.use_leases(self.leases)
@@ -52,14 +57,17 @@ class Adapters:
                 raise ValueError(f"--lora-root {cfg.lora_root!r} is not a directory")
             self.root = root.resolve()
         self._seen: set[str] = set()
+        # Generate's door to names: registered ones, else (--lora-on-demand) --lora-root/NAME loaded on first use.
+        self.on_demand = OnDemand(self.registry, engine, enabled=cfg.lora_on_demand, resolve=self.resolve_path,
+                                  read=self.read, on_change=self.export_registry)
         for name, folder in cfg.preload_adapters:
             # Operator-given paths (flags), so not confined to --lora-root.
             status = self.registry.register(name, self.read(Path(folder)))
             log.info("preloaded adapter %s from %s: rank %d on %s, slot %d, digest %s", name, folder,
                      status.rank, ",".join(status.targets), status.slot, status.digest[:12])
-        log.info("LoRA: backend %s, %d slots of rank %d on %s (%.1f MiB), up to %d registered, root %s",
-                 self.bank.backend, self.bank.num_slots, self.bank.max_rank, ",".join(self.bank.targets),
-                 self.bank.nbytes / 2**20, cfg.max_cpu_loras, self.root or "(runtime loads disabled)")
+        log.info("LoRA: backend %s, %s on %s, up to %d registered, root %s%s", self.bank.backend,
+                 self.bank.describe(), ",".join(self.bank.targets), cfg.max_cpu_loras,
+                 self.root or "(runtime loads disabled)", ", loaded on demand by name" if cfg.lora_on_demand else "")
         self.export_registry()
 
     # -- loading ------------------------------------------------------------------
@@ -86,13 +94,6 @@ class Adapters:
             raise AdapterNotFound(f"adapter folder {path!r} does not exist in the adapter root", param="lora_path")
         return resolved
 
-    def request(self, name: str) -> tuple[AdapterRef, tuple]:
-        """(adapter, extra_keys) for a Generate naming adapter `name`; AdapterNotFound if unknown."""
-        entry = self.registry.entries.get(name)
-        if entry is None:
-            raise AdapterNotFound(f"adapter {name!r} is not loaded", param="model")
-        return adapter_request(name, entry.digest)
-
     # -- metrics (engine thread) -------------------------------------------------------
 
     def export(self, engine: AsyncEngine) -> None:
@@ -111,7 +112,12 @@ class Adapters:
         r = self.registry
         _SLOTS.labels("leased").set(r.slots_leased)
         _SLOTS.labels("filled").set(r.slots_in_use)
-        _SLOTS.labels("total").set(self.bank.num_slots)
+        if self.bank.num_slots is not None:       # the CPU pool has no slot count
+            _SLOTS.labels("total").set(self.bank.num_slots)
+        if isinstance(self.bank, AdapterPool):
+            _POOL_BYTES.labels("used").set(self.bank.used_bytes)
+            _POOL_BYTES.labels("allocated").set(self.bank.nbytes)
+            _POOL_BYTES.labels("budget").set(self.bank.budget)
         _REGISTERED.set(len(r.entries))
         _LEASES.set(r.total_refs)
         _LOADS.set(r.num_slot_loads)

@@ -26,6 +26,8 @@ from services.decoder.engine.request import AdapterRef, SpanKey
 from services.decoder.engine.scheduler import Leases
 from services.decoder.engine.step import CompiledGrammar, PlacedImages, SamplingParams
 from services.decoder.lora.bank import AdapterBank
+from services.decoder.lora.pool import AdapterPool
+from services.decoder.lora.store import AdapterStore
 from services.decoder.model.config import ModelConfig
 from services.decoder.runner.runner import Runner
 
@@ -150,12 +152,19 @@ class AsyncEngine:
             model=r.config, vocab_size=r.vocab_size, quantization=r.quantization, plan=r.plan,
             lora_backend=r.lora.backend if r.lora is not None else "")
 
-    def install_adapters(self, targets: Sequence[str], num_slots: int, max_rank: int) -> AdapterBank:
-        """Before start: put an adapter bank of num_slots slots of rank max_rank on the model's
-        `targets` projections; the runner runs each chunk's lora_slot through it."""
+    def install_adapters(self, targets: Sequence[str], num_slots: int, max_rank: int,
+                         memory_bytes: int = 2**30) -> AdapterStore:
+        """Before start: put an adapter store on the model's `targets` projections; the runner runs
+        each chunk's lora_slot (a store handle) through it. On CUDA the bank of num_slots slots of
+        rank max_rank; on CPU the pool of memory_bytes, ranks up to max_rank (num_slots unused)."""
         if self._thread is not None:
             raise RuntimeError("adapters are installed before the engine starts")
-        bank = AdapterBank(self._runner.model, targets, num_slots, max_rank)
+        model = self._runner.model
+        bank: AdapterStore
+        if self._runner.device.type == "cpu":
+            bank = AdapterPool(model, targets, memory_bytes, max_rank)
+        else:
+            bank = AdapterBank(model, targets, num_slots, max_rank)
         self._runner.attach_lora(bank)
         return bank
 

@@ -71,15 +71,30 @@ class DecoderConfig:
                                                   " the chat template must render tools")
     tool_call_parser: str = option("", f"the model's tool-call format, named as in vLLM: {TOOL_CALL_PARSERS_HELP};"
                                        f" needs --enable-auto-tool-choice", metavar="NAME")
-    # LoRA adapters (services/decoder/lora). --max-loras 0 installs no bank at all.
-    max_loras: int = option(4, "adapter slots resident on the device (adapters in one batch); 0 disables LoRA")
-    max_lora_rank: int = option(16, "largest adapter rank; every slot is padded to it")
+    # LoRA adapters (services/decoder/lora). --max-loras 0 installs no adapter store at all; on CPU the
+    # adapters live in a byte-budgeted pool (lora/pool.py), on CUDA in --max-loras fixed slots (lora/bank.py).
+    max_loras: int = option(4, "CUDA: adapter slots resident on the device (adapters in one batch); CPU: no cap "
+                               "(adapters share the --lora-memory-gb pool); 0 disables LoRA")
+    max_lora_rank: int = option(16, "largest adapter rank; on CUDA every slot is padded to it, on CPU it only "
+                                    "bounds ranks")
+    lora_memory_gb: float = option(1.0, "CPU: GiB that resident adapters may take (each adapter costs its rank "
+                                        "times (in + out) of every projection it covers, in the serving dtype; "
+                                        "idle ones are evicted least recently used first when a request needs "
+                                        "room); unused on CUDA", metavar="GB")
     max_cpu_loras: int = option(16, "adapters registered on the host (>= --max-loras); the rest wait for a slot")
     lora_targets: tuple[str, ...] = option(LORA_TARGETS, "projections that can carry adapters (repeatable)",
                                            metavar="PROJ")
-    lora_root: str = option("", "folder that LoadAdapter paths are confined to; empty refuses runtime loads",
+    lora_root: str = option("", "folder that LoadAdapter paths (and --lora-on-demand names) are confined to; "
+                                "empty refuses runtime loads",
                             metavar="DIR")
     lora: tuple[str, ...] = option((), "preload an adapter at start: NAME=DIR (repeatable)", metavar="NAME=DIR")
+    lora_on_demand: bool = option(False, "load an adapter that a request names and nobody registered from "
+                                         "--lora-root/NAME on first use, as LoRAX and vLLM's filesystem resolver "
+                                         "do: read off the engine thread, two at a time, while other requests "
+                                         "run; with --max-cpu-loras registered, the least recently used idle "
+                                         "adapter loaded this way is unregistered first (never a --lora or "
+                                         "LoadAdapter one). Off by default: it lets every client, not only the "
+                                         "admin, load any adapter folder under --lora-root")
     # Speculative decoding (services/decoder/engine/drafter.py), vLLM's flag and keys.
     speculative_config: str = option(
         "", 'n-gram (prompt lookup) speculative decoding as JSON, e.g. \'{"method": "ngram", '
@@ -118,6 +133,8 @@ class DecoderConfig:
     def _check_lora(self) -> None:
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError("max_loras must be >= 0 and max_lora_rank at least 1")
+        if not self.lora_memory_gb > 0:
+            raise ValueError("lora_memory_gb must be positive")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         bad = sorted(set(self.lora_targets) - set(LORA_TARGETS))
@@ -131,6 +148,8 @@ class DecoderConfig:
             raise ValueError(f"lora: a name is given twice in {names}")
         if self.lora and not self.max_loras:
             raise ValueError("lora: preloading adapters needs --max-loras >= 1")
+        if self.lora_on_demand and not (self.lora_root and self.max_loras):
+            raise ValueError("lora_on_demand loads adapters from --lora-root DIR: set it, and --max-loras >= 1")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -221,8 +221,17 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     async def Generate(self, request, context):
         st = self._ready()
         self._check_model(st, request.model)
+        if not request.adapter:
+            async for msg in self._generate(st, request, None, ()):
+                yield msg
+            return
         # The adapter's content digest salts the request's block hashes; the slot is leased at admission.
-        adapter, lora_keys = self._adapter_request(st, request.adapter) if request.adapter else (None, ())
+        # A cold adapter loads here first (--lora-on-demand), before the engine sees the request.
+        async with self._lora(st, request.adapter).on_demand.use(request.adapter) as (adapter, lora_keys):
+            async for msg in self._generate(st, request, adapter, lora_keys):
+                yield msg
+
+    async def _generate(self, st: Loaded, request, adapter: AdapterRef | None, lora_keys: tuple):
         # Images are checked before rendering and expanded after it, before any length check
         # (docs/design.md, invariant 1).
         # Every semantic rule is the rulebook's (services/decoder/server/validation.py).
@@ -296,6 +305,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             speculative_decoding=_speculative(st.engine_config.speculative),
             tool_call_parser=self.cfg.tool_call_parser, quantization=st.info.quantization,
             max_loras=self.cfg.max_loras if st.adapters else 0, max_lora_rank=self.cfg.max_lora_rank,
+            lora_on_demand=bool(st.adapters) and self.cfg.lora_on_demand,
             limits=self._limits(st).to_proto(),
             stats=decoder_pb2.EngineStats(
                 free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, running=s.num_running,
@@ -311,7 +321,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         st = self._ready()
         self._check_model(st, request.model)
         if request.adapter:
-            self._adapter_request(st, request.adapter)    # it must exist; it tokenizes as its base
+            # It must exist (or, loaded on demand, be found); it tokenizes as its base.
+            self._lora(st, request.adapter).on_demand.check(request.adapter)
         kind = request.WhichOneof("prompt")
         if kind == "text":
             ids = st.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
@@ -332,20 +343,19 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         st = self._ready()
         self._check_model(st, request.model)
         if request.adapter:
-            self._adapter_request(st, request.adapter)
+            self._lora(st, request.adapter).on_demand.check(request.adapter)
         ids = st.tokenizer.validate_ids(list(request.token_ids), limit=st.info.vocab_size, param="token_ids")
         return decoder_pb2.DetokenizeResponse(text=st.tokenizer.decode(ids, skip_special_tokens=False))
 
     # -- adapters (services/decoder/server/adapters.py) ------------------------------------
 
-    def _adapter_request(self, st: Loaded, name: str) -> tuple[AdapterRef, tuple]:
+    @staticmethod
+    def _lora(st: Loaded, adapter: str = "") -> Adapters:
+        """The adapters; without LoRA a request naming `adapter` is a 404, an admin call a 400."""
         if st.adapters is None:
-            raise AdapterNotFound(f"adapter {name!r} is not loaded (LoRA is disabled: --max-loras 0)",
-                                  param="model")
-        return st.adapters.request(name)
-
-    def _lora(self, st: Loaded) -> Adapters:
-        if st.adapters is None:
+            if adapter:
+                raise AdapterNotFound(f"adapter {adapter!r} is not loaded (LoRA is disabled: --max-loras 0)",
+                                      param="model")
             raise Unsupported("LoRA is disabled on this decoder (started with --max-loras 0)", param="lora_name")
         return st.adapters
 
@@ -368,6 +378,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
         def register():
             status = adapters.registry.register(request.name, weights)
+            adapters.on_demand.forget(request.name)     # the operator's now: never evicted
             adapters.export_registry()
             return status
         status = await st.engine.call(register)

@@ -258,12 +258,15 @@ def adapters(family, folder, reference, declined, tmp_path_factory):
 LORA_WORK = [(0, "attn"), (1, None), (2, "rest"), (0, None), (4, "attn"), (3, "rest")]
 
 
-@pytest.mark.parametrize("speculative", [None, SPEC], ids=["plain", "speculative"])
-def test_mixed_adapter_batch_equals_peft(folder, adapters, speculative):
+# The CPU service's store (the pool) with and without drafts; the slot bank (the CUDA store) without.
+@pytest.mark.parametrize(("speculative", "store"), [(None, "bank"), (None, "pool"), (SPEC, "pool")],
+                         ids=["plain-bank", "plain-pool", "speculative-pool"])
+def test_mixed_adapter_batch_equals_peft(folder, adapters, speculative, store):
     if adapters is None:
         return                               # declined, and refused with the reason (the fixture checked)
     folders, want = adapters
-    core, registry = lora_engine(folder, budget=5, speculative=speculative)
+    core, registry = lora_engine(folder, budget=5, speculative=speculative,
+                                 pool_bytes=2**24 if store == "pool" else None)
     digests = {n: register(registry, n, f).digest for n, f in folders.items()}
     got = {str(i): [] for i in range(len(LORA_WORK))}
     pending, steps = list(enumerate(LORA_WORK)), 0

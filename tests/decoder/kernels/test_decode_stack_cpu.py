@@ -7,12 +7,15 @@ import torch
 from services.common import linear_path
 from services.decoder.kernels.decode_stack_cpu import (
     KERNEL_ROWS,
+    NUM_TARGETS,
     LayerWeights,
     Projection,
     Shape,
+    StackLora,
     decode_stack,
     decode_stack_ref,
     make_stack,
+    set_arenas,
 )
 from services.decoder.kernels.gemv_cpu import BF16_ROWS
 from services.decoder.model.quantization import quantize
@@ -143,23 +146,30 @@ def test_rows_past_gemv_rows_run_the_library_matmuls(kind, rows, gemv_rows, libr
 
 
 @pytest.mark.parametrize("kind,loop", [("fp32", BF16_ROWS[0])] + [("bf16", loop) for loop in BF16_ROWS])
-def test_a_row_is_independent_of_the_others_and_the_thread_count_bit_for_bit(kind, loop):
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_row_is_independent_of_the_others_and_the_thread_count_bit_for_bit(kind, loop, lora):
     g = torch.Generator().manual_seed(7)
     shape = Shape(4, 2, 64, hidden=128, intermediate=192, eps=1e-6)
     layers, final = model(kind, shape, False, True, 64, 16, g)
     run_loop(layers, loop)
     x, cos, sin, slots, tables, lens = step(4, [5, 70, 33, 128], 16, 64, shape, DTYPES[kind], g)
     stack = make_stack(shape, layers, final)
+    spans, row2 = (), ()
+    if lora:    # rows 0 and 2 on one adapter, 3 on another, 1 on none
+        set_arenas(stack, lora_arenas(shape, DTYPES[kind], g))
+        offsets = torch.tensor([[0, 0, 0, 54]] * NUM_TARGETS, dtype=torch.int32)
+        ranks = torch.tensor([[16, 0, 16, 13]] * NUM_TARGETS, dtype=torch.int32)
+        spans, row2 = (offsets, ranks), (offsets[:, 2:3].contiguous(), ranks[:, 2:3].contiguous())
     caches = [(w.k_cache.clone(), w.v_cache.clone()) for w in layers]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(max(2, threads))
-        four = decode_stack(stack, x.clone(), cos, sin, slots, tables, lens)
+        four = decode_stack(stack, x.clone(), cos, sin, slots, tables, lens, *spans)
         for w, (k, v) in zip(layers, caches, strict=True):
             w.k_cache.copy_(k)
             w.v_cache.copy_(v)
         torch.set_num_threads(1)
-        one = decode_stack(stack, x[2:3].clone(), cos[2:3], sin[2:3], slots[2:3], tables[2:3], lens[2:3])
+        one = decode_stack(stack, x[2:3].clone(), cos[2:3], sin[2:3], slots[2:3], tables[2:3], lens[2:3], *row2)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one[0], four[2])
@@ -189,3 +199,110 @@ def test_refusals():
         bad = clone(layers)[0]
         bad.o = Projection(torch.zeros(32, 64, dtype=torch.int8))
         make_stack(shape, [bad], final)
+
+
+# LoRA in the stack: every layer has arenas for every target; rows mix adapters (some covering only q and v)
+# with base rows.
+LORA_SHAPE = (4, 2, 16, 4, True, True)      # GQA 2, per-head norms, qkv bias
+
+
+def lora_arenas(shape: Shape, dtype, g: torch.Generator, p: int = 70):
+    """Per layer {target: (A [p, K], Bt [p, N])} for all NUM_TARGETS targets, values that make O(1) corrections."""
+    h, kvh, d, hid, inter = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden, shape.intermediate
+    widths = [(hid, h * d), (hid, kvh * d), (hid, kvh * d), (h * d, hid), (hid, inter), (hid, inter), (inter, hid)]
+    return [{t: ((torch.randn(p, k, generator=g) / k ** 0.5).to(dtype), (torch.randn(p, n, generator=g) / 4).to(dtype))
+             for t, (k, n) in enumerate(widths)} for _ in range(LAYERS)]
+
+
+def lora_spans(rows: int, g: torch.Generator, p: int = 70):
+    """offsets, ranks [NUM_TARGETS, rows]: about a third of the rows base (rank 0 everywhere), the others on one of
+    five adapters of ranks 1 to 16 (consecutive rows often on the same one), adapter 1 covering q and v only."""
+    adapters = [(0, 16), (16, 8), (24, 1), (25, 13), (54, 16)]
+    offsets = torch.zeros(NUM_TARGETS, rows, dtype=torch.int32)
+    ranks = torch.zeros(NUM_TARGETS, rows, dtype=torch.int32)
+    for m in range(rows):
+        which = int(torch.randint(-2, len(adapters), (1,), generator=g)) if m % 4 else (m // 4) % len(adapters)
+        if which >= 0 and (rows == 1 or m != 1):
+            o, r = adapters[which]
+            targets = (0, 2) if which == 1 else range(NUM_TARGETS)
+            for t in targets:
+                offsets[t, m], ranks[t, m] = o, r
+    return offsets, ranks
+
+
+def run_lora(kind: str, rows: int, library: str = "plain", gemv_rows: int = KERNEL_ROWS):
+    """(stack output with adapters, the ref's, the stack's without adapters, ranks)."""
+    heads, kv_heads, head_dim, block_size, qk_norm, bias = LORA_SHAPE
+    g = torch.Generator().manual_seed(rows + 50)
+    shape = Shape(heads, kv_heads, head_dim, hidden=64, intermediate=96, eps=1e-5)
+    lengths = [1 + (37 * r + 2 * block_size * (r % 2)) % 40 for r in range(rows)]
+    num_blocks = rows * -(-40 // block_size) + 8
+    layers, final = model(kind, shape, qk_norm, bias, num_blocks, block_size, g, library, gemv_rows)
+    x, cos, sin, slots, tables, lens = step(rows, lengths, block_size, num_blocks, shape, DTYPES[kind], g)
+    arenas = lora_arenas(shape, DTYPES[kind], g)
+    offsets, ranks = lora_spans(rows, g)
+    ref_layers, base_layers = clone(layers), clone(layers)
+    expected = decode_stack_ref(shape, ref_layers, final, x.clone(), cos, sin, slots, tables, lens,
+                                StackLora(arenas, offsets, ranks))
+    stack = make_stack(shape, layers, final)
+    set_arenas(stack, arenas)
+    got = decode_stack(stack, x.clone(), cos, sin, slots, tables, lens, offsets, ranks)
+    base = decode_stack(make_stack(shape, base_layers, final), x.clone(), cos, sin, slots, tables, lens)
+    for mine, ref in zip(layers, ref_layers, strict=True):
+        assert_close(mine.k_cache, ref.k_cache, dtype=DTYPES[kind], k=shape.intermediate, depth=10 * LAYERS)
+        assert_close(mine.v_cache, ref.v_cache, dtype=DTYPES[kind], k=shape.intermediate, depth=10 * LAYERS)
+    return got, expected, base, ranks
+
+
+@pytest.mark.parametrize("kind,rows,library,gemv_rows", [(k, r, "plain", KERNEL_ROWS) for k in ("fp32", "bf16")
+                                                         for r in (1, 4, 16, 64)]
+                         + [("int8", 1, "plain", KERNEL_ROWS), ("int8", 4, "plain", KERNEL_ROWS),
+                            ("bf16", 16, "widened", KERNEL_ROWS), ("fp32", 3, "plain", 1)])
+def test_lora_rows_match_reference_and_base_rows_are_untouched(kind, rows, library, gemv_rows):
+    if library != "plain" and linear_path.pack_dtype(DTYPES[kind]) is None:
+        pytest.skip(linear_path.pack_error(DTYPES[kind]))
+    got, expected, base, ranks = run_lora(kind, rows, library, gemv_rows)
+    # Each layer: the base's depth and two more products per projection with adapters.
+    assert_close(got, expected, dtype=DTYPES[kind], k=96, depth=10 * LAYERS + 1)
+    plain = (ranks == 0).all(dim=0)      # row 1 always, when there is one
+    assert plain.any() == (rows > 1) and torch.equal(got[plain], base[plain])
+    assert not torch.isclose(got[~plain], base[~plain]).all(dim=1).any()    # each adapter row changed
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+def test_arenas_without_lora_rows_change_nothing_bit_for_bit(kind):
+    """A stack holding arenas gives the no-adapter result with no spans, and with all ranks 0."""
+    g = torch.Generator().manual_seed(21)
+    shape = Shape(4, 2, 16, hidden=64, intermediate=96, eps=1e-5)
+    layers, final = model(kind, shape, False, True, 40, 4, g)
+    x, cos, sin, slots, tables, lens = step(4, [3, 9, 17, 30], 4, 40, shape, DTYPES[kind], g)
+    runs = []
+    for arenas, spans in ((False, False), (True, False), (True, True)):
+        stack = make_stack(shape, clone(layers), final)
+        if arenas:
+            set_arenas(stack, lora_arenas(shape, DTYPES[kind], g))
+        zero = torch.zeros(NUM_TARGETS, 4, dtype=torch.int32)
+        runs.append(decode_stack(stack, x.clone(), cos, sin, slots, tables, lens, *((zero, zero) if spans else ())))
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+
+
+def test_lora_refusals():
+    g = torch.Generator().manual_seed(8)
+    shape = Shape(4, 2, 16, hidden=64, intermediate=96, eps=1e-5)
+    layers, final = model("fp32", shape, False, False, 16, 4, g)
+    stack = make_stack(shape, layers, final)
+    x, cos, sin, slots, tables, lens = step(2, [3, 5], 4, 16, shape, torch.float32, g)
+    offsets = torch.zeros(NUM_TARGETS, 2, dtype=torch.int32)
+    ranks = offsets.clone()
+    ranks[2, 1] = 4
+    with pytest.raises(RuntimeError, match="rows of target 2 have adapters but layer 0 has no arena"):
+        decode_stack(stack, x, cos, sin, slots, tables, lens, offsets, ranks)
+    with pytest.raises(RuntimeError, match=r"target 2 needs contiguous CPU A \[P, 64\] and Bt \[P, 32\]"):
+        stack.set_lora(0, 2, torch.zeros(8, 64), torch.zeros(8, 64))
+    with pytest.raises(RuntimeError, match="in the model's dtype"):
+        stack.set_lora(0, 2, torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16))
+    set_arenas(stack, [{2: (torch.zeros(3, 64), torch.zeros(3, 32))}] * LAYERS)
+    with pytest.raises(RuntimeError, match=r"row 1 reads arena rows \[0, 4\) of 3"):
+        decode_stack(stack, x, cos, sin, slots, tables, lens, offsets, ranks)
+    with pytest.raises(RuntimeError, match="must be contiguous int32"):
+        decode_stack(stack, x, cos, sin, slots, tables, lens, offsets[:, :1], ranks[:, :1])

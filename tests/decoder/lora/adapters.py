@@ -14,7 +14,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from services.decoder.engine.config import EngineConfig
 from services.decoder.engine.engine_core import EngineCore
-from services.decoder.lora import AdapterBank, AdapterLeases, AdapterRegistry, load_peft
+from services.decoder.lora import AdapterBank, AdapterLeases, AdapterPool, AdapterRegistry, load_peft
 from services.decoder.runner.runner import Runner
 from tests.decoder.model.checkpoints import load_reference
 
@@ -66,12 +66,17 @@ def lora_engine(base_folder: Path, *, slots: int = 4, max_rank: int = 8, cpu_lor
                 targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
                 block_size: int = 4, num_blocks: int = 128, budget: int = 64, max_seqs: int = 8,
                 prefix_caching: bool = True, speculative=None, device: str = "cpu",
-                fast_paths: str = "screen=on") -> tuple[EngineCore, AdapterRegistry]:
-    """EngineCore + Runner with an adapter bank, registry and leases (no adapters yet); fast_paths: the CPU
-    runner's pins (off CPU none: the screen is CPU-only)."""
-    runner = Runner.from_folder(base_folder, "fp32", block_size, num_blocks, device,
+                fast_paths: str = "screen=on", pool_bytes: int | None = None, dtype: str = "fp32"
+                ) -> tuple[EngineCore, AdapterRegistry]:
+    """EngineCore + Runner with an adapter store, registry and leases (no adapters yet): the slot bank, or
+    with pool_bytes the CPU pool of that budget; fast_paths: the CPU runner's pins (off CPU none: the
+    screen is CPU-only)."""
+    runner = Runner.from_folder(base_folder, dtype, block_size, num_blocks, device,
                                 fast_paths=fast_paths if device == "cpu" else "")
-    bank = AdapterBank(runner.model, targets, slots, max_rank)
+    if pool_bytes is None:
+        bank = AdapterBank(runner.model, targets, slots, max_rank)
+    else:
+        bank = AdapterPool(runner.model, targets, pool_bytes, max_rank)
     runner.attach_lora(bank)
     registry = AdapterRegistry(bank, cpu_loras)
     core = EngineCore(runner, EngineConfig(block_size=block_size, num_blocks=num_blocks,

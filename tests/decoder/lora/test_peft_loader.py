@@ -50,7 +50,7 @@ def read(reg, folder):
 
 
 def snapshot(reg):
-    return ([(n, e.digest, e.refs) for n, e in reg.entries.items()], list(reg.slot_digest),
+    return ([(n, e.digest, e.refs) for n, e in reg.entries.items()], dict(reg.resident),
             {n: (m.lora_A.clone(), m.lora_B.clone()) for n, m in reg.bank.layers.items()})
 
 

@@ -40,21 +40,24 @@ def setup(request, tmp_path_factory):
 # The matmul path pinned each way: with it timed at load (auto), a loaded machine once gave base rows of the
 # mixed step that differed from the adapter-free step's in the last bits, which the pins here never do.
 @pytest.mark.parametrize("linear", ["plain", "packed"])
-@pytest.mark.parametrize("path", ["dense", "segments"])
+@pytest.mark.parametrize("path", ["dense", "segments", "pool"])
 def test_mixed_batch_logits_match_peft(setup, path, linear):
-    """Both CPU forms: the dense masked GEMMs (small steps) and lora_apply's per-segment GEMMs."""
+    """The bank's two CPU forms: the dense masked GEMMs (small steps) and lora_apply's per-segment GEMMs;
+    and the CPU adapter pool's rank rows (lora/pool.py)."""
     base, folders, peft = setup
-    core, registry = lora_engine(base, fast_paths=f"screen=on,linear={linear}")
-    registry.bank.dense_max_work = 10**9 if path == "dense" else 0
+    core, registry = lora_engine(base, fast_paths=f"screen=on,linear={linear}",
+                                 pool_bytes=2**24 if path == "pool" else None)
     seen = []
-    real_activate = registry.bank.activate
+    if path != "pool":
+        registry.bank.dense_max_work = 10**9 if path == "dense" else 0
+        real_activate = registry.bank.activate
 
-    @contextmanager
-    def spy(spans, num_rows):
-        with real_activate(spans, num_rows) as meta:
-            seen.append(registry.bank.step.dense_mask is not None)    # which form this forward really takes
-            yield meta
-    registry.bank.activate = spy
+        @contextmanager
+        def spy(spans, num_rows):
+            with real_activate(spans, num_rows) as meta:
+                seen.append(registry.bank.step.dense_mask is not None)    # which form this forward really takes
+                yield meta
+        registry.bank.activate = spy
     for name, folder in folders.items():
         register(registry, name, folder)
     runner = core.runner
@@ -71,7 +74,7 @@ def test_mixed_batch_logits_match_peft(setup, path, linear):
         want = peft(input_ids=prompts, adapter_names=rows).logits[:, -1].float()
         base_only = peft(input_ids=prompts, adapter_names=["__base__"] * len(rows)).logits[:, -1].float()
     assert_close(got, want, **TINY_SHAPE)
-    assert seen == [path == "dense"]
+    assert seen == ([] if path == "pool" else [path == "dense"])
     # The adapters matter: adapter rows differ from the base beyond rounding, base rows do not at all.
     for i, n in enumerate(rows):
         if n == "__base__":
@@ -97,10 +100,11 @@ def peft_greedy(peft, prompt, adapter):
     return out[0, len(prompt):].tolist()
 
 
-def test_engine_greedy_equals_peft_generate(setup):
+@pytest.mark.parametrize("store", ["bank", "pool"])
+def test_engine_greedy_equals_peft_generate(setup, store):
     base, folders, peft = setup
     expected = [peft_greedy(peft, PROMPTS[p], a) for p, a in WORKLOAD]
-    core, registry = lora_engine(base, budget=5)
+    core, registry = lora_engine(base, budget=5, pool_bytes=2**24 if store == "pool" else None)
     digests = {n: register(registry, n, f).digest for n, f in folders.items()}
     got = {str(i): [] for i in range(len(WORKLOAD))}
     pending, steps = list(enumerate(WORKLOAD)), 0

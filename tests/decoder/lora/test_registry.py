@@ -173,15 +173,16 @@ class RegistryMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         reg = self.reg
-        for slot in range(reg.bank.num_slots):
-            assert reg.slot_refs[slot] == sum(s == slot for _, s, _ in self.leases)
+        for slot, held in reg.residents.items():
+            assert held.refs == sum(s == slot for _, s, _ in self.leases)
         for name, entry in reg.entries.items():
             assert entry.refs == sum(n == name for n, _, _ in self.leases)
         for name, slot, digest in self.leases:
             w = reg.entries[name].weights
             assert w.digest == digest and reg.resident[digest] == slot and slot_holds(reg.bank, slot, w)
         assert len(reg.resident) == len(set(reg.resident.values())) == reg.slots_in_use
-        assert all(reg.slot_digest[s] == d for d, s in reg.resident.items())
+        assert all(reg.residents[s].digest == d for d, s in reg.resident.items())
+        assert all(reg.bank.filled[s] == (s in reg.residents) for s in range(reg.bank.num_slots))
 
 
 MODEL: list = []

@@ -12,6 +12,7 @@ import time
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from services.common.errors import REASON_KEY
 from services.common.pb import decoder_pb2, decoder_pb2_grpc
@@ -77,11 +78,15 @@ def wait_refs(stub, refs, timeout=20):
 def test_preloaded_adapter_and_model_info(lora_server):
     stub = lora_server
     info = stub.GetModelInfo(D.GetModelInfoRequest())
-    assert (info.lora_backend, info.max_loras, info.max_lora_rank, info.stats.adapter_refs) == ("torch", 2, 8, 0)
+    assert (info.lora_backend, info.max_loras, info.max_lora_rank, info.stats.adapter_refs) == ("cpu", 2, 8, 0)
     pre = listed(stub)["pre"]
     assert (pre.rank, list(pre.target_modules), pre.slot, pre.refs, len(pre.digest)) == \
         (4, ["q_proj", "v_proj"], 0, 0, 64)
     assert stub.ListAdapters(D.ListAdaptersRequest()).base_model == info.name
+    # The CPU pool's bytes: the preloaded adapter's rank-4 rows placed, within the default 1 GiB budget.
+    used, allocated, budget = (REGISTRY.get_sample_value("tessera_decoder_adapter_pool_bytes", {"state": state})
+                               for state in ("used", "allocated", "budget"))
+    assert 0 < used <= allocated <= budget == 2**30
 
 
 def test_load_generate_unload(lora_server):

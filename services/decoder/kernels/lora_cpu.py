@@ -1,0 +1,75 @@
+"""Multi-LoRA over the rows of a step on CPU, each row its own adapter in an arena: a C++ operator and its ref.
+
+The kernel is lora_cpu.cpp next to this file (the loops are in lora_rows.h, which the decode stack shares),
+compiled once per machine by native.load (`make kernels`). An arena is a pair A [P, K], Bt [P, N] holding the
+rank rows of many adapters (an adapter of rank r at offset o owns rows [o, o + r) of both; Bt is B transposed,
+with the LoRA scale folded in), so mixed ranks need no padding. `lora_rows` is the launcher, `lora_rows_ref`
+the torch computation it must match.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from services.common import native
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+BLOCK = 8             # rows on one adapter that share one read of its rows (lora_rows.h)
+DTYPES = (torch.float32, torch.bfloat16)
+OPERATOR = native.Operator("lora_cpu", SOURCE)
+load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
+
+
+def lora_rows(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, offsets: torch.Tensor,
+              ranks: torch.Tensor) -> torch.Tensor:
+    """y += each row's LoRA correction, in place; returns y.
+
+    y [M, N], x [M, K] (rows unit-strided, e.g. contiguous), A [P, K] and Bt [P, N] contiguous, all one dtype,
+    float32 or bfloat16; offsets [M], ranks [M] int32 contiguous (rank 0: the row is left exactly as it was).
+
+        for m: o, r = offsets[m], ranks[m]; if r: y[m] += (x[m] @ A[o:o+r].T) @ Bt[o:o+r]
+
+    Sums in fp32 (bf16 on a CPU with avx512_bf16: its dot product, exact products, subnormals as zero); in
+    bf16 rounded where the torch path stores (see lora_rows_ref). Rows with one (offset, rank), consecutive or
+    not, share reads of their rows in blocks of BLOCK; the blocks run on the threads (when there is enough work).
+    Each row's result is the same bit for bit whatever the other rows and the thread count.
+    """
+    load().lora_rows(y, x, A, Bt, offsets, ranks)
+    return y
+
+
+def lora_rows_torch(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, offsets: torch.Tensor,
+                    ranks: torch.Tensor) -> torch.Tensor:
+    """lora_rows in torch, in place (the adapter pool's path where the operator cannot be built): rows that share
+    (offset, rank) are gathered and run as two matmuls, rounded as lora_rows_ref. Returns y."""
+    live = torch.nonzero(ranks > 0).flatten()
+    if not live.numel():
+        return y
+    keys = torch.stack([offsets[live].to(torch.int64), ranks[live].to(torch.int64)], dim=1)
+    groups, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    for g, (o, r) in enumerate(groups.tolist()):
+        rows = live[inverse == g]
+        h = (x.index_select(0, rows).float() @ A[o:o + r].float().t()).to(y.dtype)
+        delta = (h.float() @ Bt[o:o + r].float()).to(y.dtype)
+        y[rows] = (y.index_select(0, rows).float() + delta.float()).to(y.dtype)
+    return y
+
+
+def lora_rows_ref(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, offsets: torch.Tensor,
+                  ranks: torch.Tensor) -> torch.Tensor:
+    """The torch reference, out of place: a new tensor of y's shape and dtype. Per row with rank r > 0, as two
+    torch matmuls in the arena's dtype would: h = (x[m] @ A[o:o+r].T) rounded to the dtype, delta = (h @
+    Bt[o:o+r]) rounded, y[m] + delta rounded; fp32 sums throughout."""
+    out = y.clone()
+    dtype = y.dtype
+    for m, (o, r) in enumerate(zip(offsets.tolist(), ranks.tolist(), strict=True)):
+        if r:
+            h = (x[m].float() @ A[o:o + r].float().T).to(dtype)
+            delta = (h.float() @ Bt[o:o + r].float()).to(dtype)
+            out[m] = (y[m].float() + delta.float()).to(dtype)
+    return out
+
+
+if __name__ == "__main__":
+    OPERATOR.main()
