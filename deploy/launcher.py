@@ -13,11 +13,13 @@ records the pids (with their start times, so a recycled pid is never
 signalled) and `down` stops exactly those processes and nothing else.
 
 Flags from the environment: RERANKER_MODEL=DIR serves another cross-encoder than the demo reranker
-`make models` trains (models/minilm-gsm8k-reranker).
+`make models` trains (models/minilm-gsm8k-reranker). TESSERA_GATEWAY_API_KEY / TESSERA_GATEWAY_ADMIN_KEY go
+to the gateway only (child_env); without an API key `up` binds loopback only and refuses any other --host.
 """
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import signal
@@ -98,6 +100,53 @@ TOPOLOGY: tuple[Service, ...] = (
 )
 
 
+# Each service's own variables: the ENV_PREFIX of its config module (tests/deploy holds them equal), by the
+# module its argv runs. A child starts without the other services' variables, so the gateway's API and admin
+# keys (TESSERA_GATEWAY_API_KEY, TESSERA_GATEWAY_ADMIN_KEY) reach the gateway alone, never Redis or a backend.
+ENV_PREFIXES = {"gateway": "TESSERA_GATEWAY_", "services.decoder": "TESSERA_DECODER_",
+                "services.vision": "TESSERA_VISION_", "services.pooling": "TESSERA_POOLING_"}
+# The keys' names before per-service prefixes: the gateway refuses them naming the new ones; nobody else sees them.
+FORMER_KEY_VARIABLES = ("TESSERA_API_KEY", "TESSERA_ADMIN_KEY")
+API_KEY_VARIABLE = "TESSERA_GATEWAY_API_KEY"
+
+
+def module_of(service: Service) -> str:
+    """`{python} -m MOD ...` -> MOD; anything else (redis-server) -> its program."""
+    argv = service.argv
+    return argv[argv.index("-m") + 1] if "-m" in argv[:3] else argv[0]
+
+
+def child_env(service: Service, environ=os.environ) -> dict[str, str]:
+    """The environment one row's process starts with: environ less every other service's variables (and the
+    former key names, except for the gateway, which refuses them by name)."""
+    own = ENV_PREFIXES.get(module_of(service))
+    foreign = tuple(prefix for prefix in ENV_PREFIXES.values() if prefix != own)
+    gateway = own == ENV_PREFIXES["gateway"]
+    env = {name: value for name, value in environ.items()
+           if not name.startswith(foreign) and (gateway or name not in FORMER_KEY_VARIABLES)}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def open_bind_refusal(host: str, environ=os.environ) -> str | None:
+    """Why `up` must not start, when it binds beyond loopback with no API key: the gateway would answer the
+    network unauthenticated. None when it may start."""
+    if environ.get(API_KEY_VARIABLE) or is_loopback(host):
+        return None
+    return (f"--host {host} without {API_KEY_VARIABLE}: the gateway would answer every host that reaches it, "
+            f"unauthenticated; set {API_KEY_VARIABLE} (and TESSERA_GATEWAY_ADMIN_KEY for the admin endpoints) "
+            "or keep the default 127.0.0.1")
+
+
 def argv_for(service: Service, ports: dict[str, int], host: str, models: Path, run: Path,
              environ=os.environ) -> list[str]:
     """The command line of one row, placeholders filled and env flags added."""
@@ -175,7 +224,7 @@ class Fleet:
         with open(log_path, "wb") as log:
             # A new session: Ctrl-C in the terminal reaches only the launcher, which stops children in order.
             proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                    env=child_env(service))
         entry = {"name": service.name, "pid": proc.pid, "start": start_time(proc.pid), "argv": argv}
         self.procs.append((service, proc, entry))
         self._record()
@@ -238,6 +287,13 @@ def up(args) -> int:
             print(f"the fleet is already up (launcher pid {old['launcher']['pid']}); `make down` first",
                   file=sys.stderr)
             return 1
+    refusal = open_bind_refusal(args.host)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
+    if not os.environ.get(API_KEY_VARIABLE):
+        print(f"no {API_KEY_VARIABLE}: the gateway takes calls without a key, from this host only ({args.host})",
+              flush=True)
     models = args.models.resolve()
     ports = parse_ports(args.port)
     print(f"backend token and Redis password (new for this fleet): {secrets.ensure(run / 'secrets', fresh=True)}",

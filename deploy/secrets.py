@@ -10,7 +10,7 @@ bare password for the vision service's --redis-password-file).
 `make cluster-up` (deploy/cluster/) writes them once into build/cluster/secrets and keeps them; compose mounts
 them as secrets at /run/secrets/NAME, so there the files must be readable by the containers' users: the folder
 is its owner's alone (0700) and guards them on the host. Kubernetes reads the same three keys from the Secret
-`tessera-secrets` (docs/operation.md, Security).
+`tessera-backend` (docs/operation.md, Security).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
   included; services/common/process.py refuses to start a service with neither a token nor --insecure-no-auth;
 - NOT_SERVING until the service calls `ready()` (after its models load), which also freezes what
   start-up allocated out of the garbage collector's sight;
-- the Prometheus /metrics endpoint of the service's registry on --metrics-port;
+- the Prometheus /metrics endpoint of the service's registry on --metrics-port, bound to --host;
 - max message size from config;
 - optional TLS (--tls-cert/--tls-key, mutual with --tls-client-ca; services/common/tls.py);
 - SIGTERM/SIGINT: report NOT_SERVING, refuse new calls, give in-flight calls
@@ -19,6 +19,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -41,7 +42,7 @@ class ServerConfig:
     port: int = option(0, "port to bind; 0 picks a free one")
     max_message_mb: int = option(64, "largest gRPC message accepted or sent, in MiB")
     drain_seconds: float = option(30.0, "on SIGTERM, how long in-flight calls may take to finish")
-    metrics_port: int = option(0, "Prometheus /metrics HTTP port; 0 disables it")
+    metrics_port: int = option(0, "Prometheus /metrics HTTP port, bound to --host; 0 disables it")
     log_level: str = option("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     threads: int = option(0, "torch intra-op threads; 0 keeps torch's default (all cores)")
     tls_cert: str | None = option(None, "PEM certificate chain: serve gRPC over TLS (with --tls-key)",
@@ -101,6 +102,7 @@ class Server:
                 [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.grpc)
         self.port = 0
         self.serving = False
+        self.metrics: WSGIServer | None = None  # the /metrics endpoint once started, on cfg.host
 
     async def start(self) -> int:
         """Bind and start (and the /metrics endpoint); health says NOT_SERVING until ready(). Returns the port."""
@@ -114,7 +116,7 @@ class Server:
             raise OSError(f"could not bind {self.cfg.host}:{self.cfg.port}")
         await self.grpc.start()
         await self.set_serving(False)
-        metrics.serve(self.cfg.metrics_port, registry=self.registry)
+        self.metrics = metrics.serve(self.cfg.metrics_port, self.cfg.host, registry=self.registry)
         log.info("gRPC listening on %s:%d%s%s (%s)", self.cfg.host, self.port,
                  " with TLS" + (" (client certificates required)" if self.cfg.tls_client_ca else "")
                  if self.cfg.tls_cert else "",

@@ -81,7 +81,7 @@ def test_every_service_has_a_health_check_the_right_way(compose):
                 assert test[5] in known, f"{name} checks unknown gRPC service {test[5]}"
                 assert target.endswith(f":{port_flag(svc['command'])}"), name
         else:
-            assert name == "redis" and test[1:] == ["redis-cli", "-p", port_flag(svc["command"]), "ping"]
+            assert name == "redis" and test[1:] == topo.redis_ping(int(port_flag(svc["command"])))
 
 
 def port_flag(command: list[str]) -> str:
@@ -200,3 +200,54 @@ def test_the_agreement_check_notices_a_changed_port(compose, monkeypatch):
     monkeypatch.setattr(launcher, "TOPOLOGY", moved)
     with pytest.raises(AssertionError, match="pooling|gateway"):
         test_compose_and_launcher_describe_the_same_topology(compose)
+
+
+# -- hardening ---------------------------------------------------------------------------------------------
+
+def test_every_container_is_read_only_unprivileged_and_capped(compose):
+    for name, svc in compose["services"].items():
+        assert svc["cap_drop"] == ["ALL"] and "cap_add" not in svc, name
+        assert "no-new-privileges:true" in svc["security_opt"], name
+        assert svc["read_only"] is True and not svc.get("privileged"), name
+        assert "network_mode" not in svc and "pid" not in svc and "ipc" not in svc, name
+        assert re.fullmatch(r"\d+[mg]", str(svc["mem_limit"])) and 0 < float(svc["cpus"]) <= 2, name
+        # Writable: size-capped tmpfs only (the image points the caches at /tmp; Redis writes its --dir).
+        tmpfs = {entry.split(":", 1)[0]: entry for entry in svc["tmpfs"]}
+        assert all(re.search(r":size=\d+[kmg]$", entry) for entry in tmpfs.values()), name
+        want = {"/tmp", dict(topo.split_argv(svc["command"])[1])["--dir"]} if name == "redis" else {"/tmp"}
+        assert set(tmpfs) == want, name
+        assert all(v.endswith(":ro") for v in svc.get("volumes", [])), name
+
+
+def parse_bytes(size: str) -> int:
+    """4g / 4Gi / 384m / 384Mi -> bytes (binary units either way)."""
+    number, unit = re.fullmatch(r"(\d+)([kmgKMG])i?", size).groups()
+    return int(number) << {"k": 10, "m": 20, "g": 30}[unit.lower()]
+
+
+def test_memory_caps_are_the_kubernetes_limits(compose):
+    k8s = {o["metadata"]["name"]: o for o in topo.load_k8s() if o["kind"] in ("Deployment", "StatefulSet")}
+    for name, svc in compose["services"].items():
+        (c,) = k8s[name]["spec"]["template"]["spec"]["containers"]
+        assert parse_bytes(svc["mem_limit"]) == parse_bytes(c["resources"]["limits"]["memory"]), name
+
+
+def test_redis_runs_as_its_user_not_root(compose):
+    user = compose["services"]["redis"]["user"]
+    uid, gid = (int(part) for part in user.split(":"))
+    assert uid != 0 and gid != 0
+
+
+def test_ports_are_published_on_loopback_only(compose):
+    """A fleet started without an API key must not answer the network: the gateway too stays on this host
+    (docs/deployment.md shows the override that publishes it, which demands a key)."""
+    for name, svc in compose["services"].items():
+        assert all(p.startswith("127.0.0.1:") for p in svc["ports"]), f"{name}: {svc['ports']}"
+
+
+def test_each_service_is_given_exactly_the_secrets_it_reads(compose):
+    for name, svc in compose["services"].items():
+        words = [*svc["command"], *svc["healthcheck"]["test"]]
+        read = {m for word in words for m in re.findall(r"/run/secrets/(\w+)", word)}
+        assert set(svc["secrets"]) == read, name
+        assert read <= set(compose["secrets"]), name

@@ -210,3 +210,189 @@ def test_the_gateway_lists_every_decoder_replica(objects):
         assert load["kind"] == "StatefulSet" and load["spec"]["serviceName"] == name
         want += [f"{name}-{i}.{name}:{port}" for i in range(load["spec"]["replicas"])]
     assert sorted(listed) == sorted(want)
+
+
+# -- hardening: pods, containers, secrets --------------------------------------------------------------------
+
+def dockerfile_uid() -> int:
+    """The numeric user the tessera images run as (deploy/Dockerfile's USER uid:gid)."""
+    return int(re.search(r"^USER (\d+):\d+$", topo.DOCKERFILE.read_text(), re.M)[1])
+
+
+def test_every_pod_runs_non_root_under_seccomp_without_a_service_account_token(objects):
+    for name, load in workloads(objects).items():
+        pod = load["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False, name
+        ctx = pod["securityContext"]
+        assert ctx["runAsNonRoot"] is True and ctx["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert all(ctx[k] > 0 for k in ("runAsUser", "runAsGroup", "fsGroup")), f"{name}: {ctx}"
+        assert "hostNetwork" not in pod and "hostPID" not in pod and "hostIPC" not in pod, name
+        if container(load)["image"].startswith("tessera-"):
+            assert ctx["runAsUser"] == dockerfile_uid(), f"{name}: not the image's user"
+
+
+def test_every_container_is_read_only_unprivileged_with_every_capability_dropped(objects):
+    for name, load in workloads(objects).items():
+        pod = load["spec"]["template"]["spec"]
+        for c in pod["containers"] + pod.get("initContainers", []):
+            ctx = c["securityContext"]
+            assert ctx == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                           "capabilities": {"drop": ["ALL"]}}, f"{name}/{c['name']}: {ctx}"
+            # Requests for the scheduler (and the HPAs), a memory limit against a runaway. No CPU limit by
+            # choice: CFS throttling would stall a decode step mid-batch; the request reserves the cores.
+            assert {"cpu", "memory"} <= set(c["resources"]["requests"]), name
+            assert "memory" in c["resources"]["limits"], name
+
+
+def test_the_writable_paths_are_size_capped_empty_dirs(objects):
+    """Under a read-only root, each writable mount is an emptyDir with a size limit: /tmp for the services
+    (where the image points the caches), Redis's --dir."""
+    for name, load in workloads(objects).items():
+        pod, c = load["spec"]["template"]["spec"], container(load)
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        writable = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"] if not m.get("readOnly")}
+        for path, volume in writable.items():
+            assert "sizeLimit" in volume.get("emptyDir", {}), f"{name}: {path} is {volume}"
+        if c["command"][0] == "redis-server":
+            assert set(writable) == {dict(topo.split_argv(c["command"])[1])["--dir"]}, name
+        else:
+            assert set(writable) == {"/tmp"}, name
+    assert "XDG_CACHE_HOME=/tmp/" in topo.DOCKERFILE.read_text() and "TRITON_HOME=/tmp" in topo.DOCKERFILE.read_text()
+
+
+def test_redis_runs_as_its_user_and_its_probes_authenticate(objects):
+    load = workloads(objects)["redis"]
+    pod, c = load["spec"]["template"]["spec"], container(load)
+    assert c["command"][0] == "redis-server"   # no entrypoint runs first: the pod's user is Redis's user
+    assert pod["securityContext"]["runAsUser"] != 0
+    port = int(dict(topo.split_argv(c["command"])[1])["--port"])
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["exec"]["command"] == topo.redis_ping(port), probe
+    (secret,) = [v["secret"] for v in pod["volumes"] if "secret" in v]
+    assert {i["key"] for i in secret["items"]} == {"redis_conf", "redis_password"}
+
+
+def test_no_secret_that_carries_auth_is_optional(objects):
+    """A missing or misnamed Secret must keep a pod from starting, never start it without authentication.
+    Only the admin key may be absent: without it the admin endpoints are refused (it fails closed)."""
+    for name, load in workloads(objects).items():
+        pod, c = load["spec"]["template"]["spec"], container(load)
+        for volume in pod["volumes"]:
+            if "secret" in volume:
+                assert volume["secret"]["optional"] is False, f"{name}: {volume['name']}"
+        for env in c.get("env", []):
+            ref = env.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                assert ref["optional"] is (env["name"] == "TESSERA_GATEWAY_ADMIN_KEY"), f"{name}: {env['name']}"
+    gateway_env = {e["name"] for e in container(workloads(objects)["gateway"]).get("env", [])}
+    assert "TESSERA_GATEWAY_API_KEY" in gateway_env
+
+
+# -- NetworkPolicies -------------------------------------------------------------------------------------------
+
+ANYWHERE = "anywhere"
+
+
+def selected(selector: dict, loads: dict[str, dict]) -> set[str]:
+    """The workloads whose pods a podSelector picks ({} picks them all)."""
+    labels = selector.get("matchLabels", {})
+    assert set(selector) <= {"matchLabels"}, f"only matchLabels is evaluated here: {selector}"
+    return {n for n, w in loads.items() if labels.items() <= w["spec"]["template"]["metadata"]["labels"].items()}
+
+
+def container_port(load: dict, port) -> int | None:
+    """A policy's port on this workload: a number as it is, a name through the container's named ports."""
+    if isinstance(port, int):
+        return port
+    return {p["name"]: p["containerPort"] for p in container(load)["ports"]}.get(port)
+
+
+def admitted(objects) -> set[tuple[str, str, int]]:
+    """(source, target workload, port) for every connection the policies let in. source: a workload of the
+    namespace, ANYWHERE, or `namespaces:KEY=VALUE` for a namespaceSelector."""
+    loads, edges = workloads(objects), set()
+    for policy in by_kind(objects, "NetworkPolicy").values():
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"], policy["metadata"]["name"]
+        for target in selected(spec["podSelector"], loads):
+            for rule in spec.get("ingress", []):
+                sources = {ANYWHERE} if "from" not in rule else set()
+                for peer in rule.get("from", []):
+                    assert set(peer) in ({"podSelector"}, {"namespaceSelector"}), peer
+                    if "podSelector" in peer:
+                        sources |= selected(peer["podSelector"], loads)
+                    else:
+                        sources |= {"namespaces:" + ",".join(f"{k}={v}" for k, v in
+                                                              peer["namespaceSelector"]["matchLabels"].items())}
+                for port in rule["ports"]:
+                    assert port["protocol"] == "TCP"
+                    number = container_port(loads[target], port["port"])
+                    if number is not None:
+                        edges |= {(source, target, number) for source in sources}
+    return edges
+
+
+def dialled(objects) -> set[tuple[str, str, int]]:
+    """(workload, workload it connects to, port), read from every command's HOST:PORT arguments."""
+    loads, services = workloads(objects), by_kind(objects, "Service")
+    edges = set()
+    for name, load in loads.items():
+        for arg in container(load)["command"]:
+            for host, port in re.findall(r"(?:^|//)([a-z][\w.-]*):(\d+)", normalise_address(arg) or ""):
+                if host in services:
+                    (target,) = selected({"matchLabels": services[host]["spec"]["selector"]}, loads)
+                    edges.add((name, target, int(port)))
+    return edges
+
+
+def test_ingress_is_denied_by_default_in_the_namespace(objects):
+    policies = by_kind(objects, "NetworkPolicy")
+    deny = [p for p in policies.values() if p["spec"]["podSelector"] == {} and not p["spec"].get("ingress")]
+    assert len(deny) == 1 and deny[0]["spec"]["policyTypes"] == ["Ingress"]
+    assert "networkpolicy.yaml" in yaml.safe_load((topo.K8S / "kustomization.yaml").read_text())["resources"]
+
+
+def test_the_policies_admit_exactly_the_connections_the_fleet_makes(objects):
+    """The gateway's HTTP port from anywhere; each backend's gRPC port from the gateway; Redis from vision;
+    nothing else (the metrics rule matches no port in these manifests, see the next test)."""
+    http = port_flag(container(workloads(objects)["gateway"])["command"])
+    want = dialled(objects) | {(ANYWHERE, "gateway", http)}
+    assert {(s, t) for s, t, _ in want} >= {("gateway", b) for b in ("decoder", "decoder-vl", "pooling", "vision")} \
+        | {("vision", "redis")}
+    assert admitted(objects) == want
+
+
+def test_metrics_are_admitted_only_from_a_labelled_monitoring_namespace(objects):
+    policies = by_kind(objects, "NetworkPolicy")
+    (rule,) = policies["allow-metrics"]["spec"]["ingress"]
+    assert rule == {"from": [{"namespaceSelector": {"matchLabels": {"tessera.io/scrape": "true"}}}],
+                    "ports": [{"protocol": "TCP", "port": "metrics"}]}
+    # A container that names a port `metrics` is then scraped from there, and from nowhere else.
+    with_metrics = copy.deepcopy(objects)
+    decoder = container(workloads(with_metrics)["decoder"])
+    decoder["ports"].append({"name": "metrics", "containerPort": 9090})
+    assert admitted(with_metrics) - admitted(objects) == {("namespaces:tessera.io/scrape=true", "decoder", 9090)}
+
+
+def test_the_policy_check_notices_a_missing_or_wider_rule(objects):
+    """The comparison is live: drop the vision -> Redis rule, or let every pod reach Redis, and it disagrees."""
+    without = [o for o in objects if o["metadata"]["name"] != "redis-from-vision"]
+    wider = copy.deepcopy(objects)
+    next(o for o in wider if o["metadata"]["name"] == "redis-from-vision")["spec"]["ingress"][0]["from"] = \
+        [{"podSelector": {}}]
+    for broken in (without, wider):
+        with pytest.raises(AssertionError):
+            test_the_policies_admit_exactly_the_connections_the_fleet_makes(broken)
+
+
+def test_the_namespace_enforces_the_restricted_pod_security_profile(objects):
+    """Admission refuses any pod that drifts from what the tests above check; the volumes are of the kinds the
+    profile allows."""
+    (namespace,) = by_kind(objects, "Namespace").values()
+    labels = namespace["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    allowed = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected",
+               "secret"}
+    for name, load in workloads(objects).items():
+        for volume in load["spec"]["template"]["spec"]["volumes"]:
+            assert set(volume) - {"name"} <= allowed, f"{name}: {volume}"

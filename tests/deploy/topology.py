@@ -94,11 +94,16 @@ def grpc_service_names() -> set[str]:
     return names
 
 
+def redis_ping(port: int) -> list[str]:
+    """The argv that asks Redis for PONG with the password (compose health check, k8s exec probe)."""
+    return ["sh", "-c", f"redis-cli -p {port} --askpass ping < /run/secrets/redis_password | grep -qx PONG"]
+
+
 def expected_healthcheck(row: launcher.Service, port: int) -> list[str]:
     """The container health check that asks what launcher.healthy asks."""
     kind, _, arg = row.health.partition(":")
-    if kind == "redis":
-        return ["CMD", "redis-cli", "-p", str(port), "ping"]
+    if kind == "redis":  # authenticated, the password from the secret on stdin: a NOAUTH reply must fail it
+        return ["CMD", *redis_ping(port)]
     probe = ["CMD", "python", "-m", "services.common.healthcheck"]
     if kind == "grpc":
         return [*probe, f"127.0.0.1:{port}", arg]

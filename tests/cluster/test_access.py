@@ -1,0 +1,72 @@
+"""Inside the running compose cluster, as a process on the fleet's network would try it: a backend refuses a
+call without the backend token, Redis refuses a client without the password, and every container runs as a
+non-root user on a read-only root with /tmp its one writable path.
+
+Collected before tests/cluster/test_cluster.py (whose last test takes the cluster down); it only reads and
+probes, so that file's tests start from the same healthy fleet.
+"""
+from __future__ import annotations
+
+import pytest
+
+from deploy import cluster as cluster_mod
+
+try:
+    cluster_mod.find_engine(install=not cluster_mod.settings().no_install)
+except cluster_mod.EngineUnavailable as exc:
+    pytest.skip(f"cluster test NOT RUN: {exc}", allow_module_level=True)
+
+SERVICES = ("redis", "vision", "decoder", "decoder-vl", "pooling", "gateway")
+
+# Run inside the gateway's container: a raw LoadAdapter on the decoder with no token (what an attacker on the
+# network would send first: it would put other weights behind an adapter's name).
+UNAUTHENTICATED_CALL = """
+import grpc
+with grpc.insecure_channel("decoder:50052") as channel:
+    call = channel.unary_unary("/tessera.decoder.v1.DecoderService/LoadAdapter")
+    try:
+        call(b"", timeout=20)
+        print("ANSWERED")
+    except grpc.RpcError as exc:
+        print(exc.code().name)
+"""
+
+# Run inside the vision container (it has the redis client): a client that sends no password.
+NO_PASSWORD = """
+import redis
+try:
+    redis.Redis(host="redis", port=6380, socket_timeout=10).dbsize()
+    print("ANSWERED")
+except redis.exceptions.RedisError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def exec_in(cluster, service: str, *argv: str):
+    cid = cluster.container(service, running=True)
+    assert cid is not None, f"{service} is not running"
+    return cluster("exec", cid, *argv, check=False, timeout=60)
+
+
+def test_a_backend_refuses_a_call_without_the_token(cluster):
+    done = exec_in(cluster, "gateway", "python", "-c", UNAUTHENTICATED_CALL)
+    assert done.stdout.strip() == "UNAUTHENTICATED", done.stdout + done.stderr
+
+
+def test_redis_refuses_a_client_without_the_password(cluster):
+    done = exec_in(cluster, "vision", "python", "-c", NO_PASSWORD)
+    assert done.stdout.startswith("AuthenticationError"), done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_the_container_runs_non_root_on_a_read_only_root(cluster, service):
+    uid = exec_in(cluster, service, "id", "-u")
+    assert uid.returncode == 0 and uid.stdout.strip() not in ("", "0"), uid.stdout + uid.stderr
+    assert exec_in(cluster, service, "touch", "/probe").returncode != 0, "the root filesystem is writable"
+    scratch = exec_in(cluster, service, "sh", "-c", "touch /tmp/probe && rm /tmp/probe")
+    assert scratch.returncode == 0, scratch.stdout + scratch.stderr
+    # cap_drop ALL empties the bounding set (a non-root user's effective set is empty anyway), and
+    # no-new-privileges is set on every process.
+    lines = exec_in(cluster, service, "cat", "/proc/self/status").stdout.splitlines()
+    status = dict(line.split(":", 1) for line in lines if ":" in line)
+    assert status["CapBnd"].strip().strip("0") == "" and status["NoNewPrivs"].strip() == "1", status
