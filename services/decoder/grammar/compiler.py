@@ -20,8 +20,8 @@ compile past it is written off rather than killed): past it the request gets Inv
 field, and the spec is remembered (by digest, the last REFUSALS of them, for REFUSAL_S) so a repeat is
 refused at once without taking a thread; forgotten after that, so a spec that was slow only because the
 machine was (a CPU shared with a burst of requests) is compiled again. Small inputs can compile slowly
-(`[^0-9]{1,999}[0-9]{1,999}`, 25 characters, takes about 2 s on a Zen 4), so the size limits (services/decoder/server/validation.py)
-are not enough on their own.
+(`[^0-9]{1,999}[0-9]{1,999}`, 25 characters, takes about 2 s on a Zen 4), so the size limits
+(services/decoder/server/validation.py) are not enough on their own.
 """
 from __future__ import annotations
 
