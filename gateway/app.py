@@ -11,7 +11,7 @@ from . import errors
 from .backends import Catalog, build_backends
 from .config import GatewayConfig
 from .edge import Edge
-from .limits import ConcurrencyLimit, SendTimeout, per_key_limit
+from .limits import ConcurrencyLimit, SendTimeout, TokenRateLimit, per_key_limit
 from .response_store import ResponseStore
 from .routes import (
     adapters,
@@ -76,6 +76,8 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
     tenants = cfg.tenants()
     app.state.tenants = tenants
     # Added first, so it runs inside Edge (the last added is outermost): refusals get ids, logs and metrics.
+    # Inside ConcurrencyLimit: a request it refuses spends nothing and is not counted twice.
+    app.add_middleware(TokenRateLimit, per_minute=cfg.max_tokens_per_minute_per_key, tenant_ids=tenants.ids)
     app.add_middleware(ConcurrencyLimit, limit=cfg.max_concurrent_requests,
                        per_key=per_key_limit(cfg.max_concurrent_per_key, cfg.max_concurrent_requests,
                                              len(tenants.keys)))

@@ -74,6 +74,13 @@ class GatewayConfig:
                                                       " still get through; unset: half of"
                                                       " --max-concurrent-requests when --api-key has two or more"
                                                       " keys, else none; 0: no per-key limit")
+    max_tokens_per_minute_per_key: int = option(0, "most tokens (prompt + completion, as each response's usage"
+                                                   " counts them) a tenant of --api-key/--api-key-file may spend a"
+                                                   " minute on generation, embeddings and rerank: a token bucket"
+                                                   " refilled continuously; a request that finds it empty gets 429"
+                                                   " with Retry-After, and what a request spends is debited when it"
+                                                   " ends, so one may overdraw it; no API key: all callers share one"
+                                                   " bucket; 0: no limit")
     send_timeout_s: float = option(30.0, "a response that waits this many seconds to send because its client"
                                          " does not read (it must take ~48 KiB of the 64 KiB the gateway buffers"
                                          " per connection) is cut, freeing its place and cancelling its"
@@ -152,6 +159,8 @@ class GatewayConfig:
             raise ValueError("max_concurrent_requests must be >= 0 (0: no limit)")
         if self.max_concurrent_per_key is not None and self.max_concurrent_per_key < 0:
             raise ValueError("max_concurrent_per_key must be >= 0 (0: no per-key limit)")
+        if self.max_tokens_per_minute_per_key < 0:
+            raise ValueError("max_tokens_per_minute_per_key must be >= 0 (0: no limit)")
         if self.send_timeout_s < 0:
             raise ValueError("send_timeout_s must be >= 0 (0: never)")
         if self.response_store_ttl_s < 1 or self.response_store_max_bytes < 1024:

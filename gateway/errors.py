@@ -54,8 +54,12 @@ def anthropic_route(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
 
 
-def error_response(err: TesseraError, rid: str | None, path: str = "") -> JSONResponse:
+def error_response(err: TesseraError, rid: str | None, path: str = "",
+                   retry_after: int | None = None) -> JSONResponse:
+    """retry_after: the Retry-After seconds when known (an overloaded error otherwise says 1)."""
     status, body, headers = http_error(err, rid)
+    if retry_after is not None:
+        headers = {**headers, "Retry-After": str(retry_after)}
     if anthropic_route(path):
         body = anthropic_error(err, rid)
     if rid:

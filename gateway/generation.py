@@ -185,11 +185,18 @@ class Usage:
     cached_tokens: int = 0
     images: int = 0
     cached_images: int = 0
+    # Tokens seen in deltas: a call cancelled midway (its client left) never sends its usage.
+    streamed: int = 0
 
     def add(self, usage) -> None:
         self.prompt_tokens += usage.prompt_tokens
         self.completion_tokens += usage.completion_tokens
         self.cached_tokens += usage.cached_tokens
+
+    def spent(self) -> int:
+        """Tokens to debit from the caller's token rate (gateway/limits.py): the prompt's and the completion's
+        as reported, or the completion tokens seen so far where a call ended before reporting."""
+        return self.prompt_tokens + max(self.completion_tokens, self.streamed)
 
     def to_json(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -292,6 +299,7 @@ class Generation:
             elif isinstance(item, TesseraError):
                 raise item
             else:
+                self.usage.streamed += len(item.token_ids)
                 if item.HasField("usage"):
                     self.usage.add(item.usage)
                     if not (item.token_ids or item.text or item.finish_reason):

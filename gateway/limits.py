@@ -12,12 +12,24 @@ may wait on a client that does not read.
   disconnect: the stream's Generation is closed, which cancels its decoder calls (their KV blocks and adapter
   leases return), and its places above are given back. Without it a client that never reads would hold its
   place for as long as the generation lasts, and 256 of them would lock every other client out.
+- At most --max-tokens-per-minute-per-key tokens (prompt + completion, as usage reports them) per tenant: a
+  token bucket per tenant (gateway/tenants.py; keys of one tenant share it, so rotating a key does not double
+  the budget; with no API key every caller is one tenant), holding at most a minute's tokens and refilled
+  continuously. A metered request (TokenRateLimit.METERED) is let in while its tenant's bucket is positive, and
+  refused with 429 + Retry-After (the seconds until it is positive again) when it is not. What a request spent
+  is debited when it ends, a stream's when the stream ends, also when its client leaves: the cost of a
+  generation is unknown until then, so one request may overdraw the bucket and the next ones wait.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections import Counter as Tally
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from prometheus_client import Counter, Gauge
 
@@ -29,6 +41,8 @@ from .errors import error_response
 log = logging.getLogger("tessera.gateway.limits")
 
 IN_FLIGHT = Gauge("tessera_gateway_requests_in_flight", "HTTP requests being answered (limited ones)")
+TOKEN_RATE_REFUSALS = Counter("tessera_gateway_token_rate_refusals_total",
+                              "requests refused because their tenant spent --max-tokens-per-minute-per-key")
 SEND_TIMEOUTS = Counter("tessera_gateway_send_timeouts_total",
                         "responses cut because the client read nothing for --send-timeout-s")
 
@@ -83,6 +97,108 @@ class ConcurrencyLimit:
                 if not self.by_key[key]:
                     del self.by_key[key]
             IN_FLIGHT.dec()
+
+
+class Spent(Protocol):
+    """A request's usage that is still counting (a generation's, gateway/generation.py Usage)."""
+
+    def spent(self) -> int: ...
+
+
+@dataclass
+class Meter:
+    """What one metered request spends, read when it ends: tokens already known plus live usages."""
+
+    tokens: int = 0
+    live: list[Spent] = field(default_factory=list)
+
+    def total(self) -> int:
+        return self.tokens + sum(u.spent() for u in self.live)
+
+
+def bill(request, spent: int | Spent) -> None:
+    """The one hook the routes call: add to the request's spend a count of tokens, or a usage read when the
+    request ends. A no-op where no token rate is in force (no Meter in the request's state)."""
+    meter: Meter | None = getattr(request.state, "meter", None)
+    if meter is None:
+        return
+    if isinstance(spent, int):
+        meter.tokens += spent
+    else:
+        meter.live.append(spent)
+
+
+class TokenRateExceeded(Overloaded):
+    code = "rate_limit_exceeded"   # OpenAI's code for a rate limit
+
+
+class TokenBuckets:
+    """A token bucket per tenant: per_minute tokens at most, refilled at per_minute / 60 a second. A level
+    may go below zero (debits come after the fact)."""
+
+    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic):
+        self.capacity = float(per_minute)
+        self.rate = per_minute / 60.0
+        self.clock = clock
+        self.levels: dict[str, tuple[float, float]] = {}   # tenant -> (level, when it was that)
+
+    def level(self, tenant: str) -> float:
+        now = self.clock()
+        level, at = self.levels.get(tenant, (self.capacity, now))
+        level = min(self.capacity, level + (now - at) * self.rate)
+        if level >= self.capacity:
+            self.levels.pop(tenant, None)   # a full bucket is the default: idle tenants take no memory
+        else:
+            self.levels[tenant] = (level, now)
+        return level
+
+    def wait_s(self, tenant: str) -> int:
+        """Whole seconds until the tenant's bucket is positive; 0: it is now."""
+        level = self.level(tenant)
+        return 0 if level > 0 else math.floor(-level / self.rate) + 1
+
+    def debit(self, tenant: str, tokens: int) -> None:
+        level = self.level(tenant) - tokens
+        if level < self.capacity:
+            self.levels[tenant] = (level, self.clock())
+
+
+class TokenRateLimit:
+    """ASGI middleware, installed inside Edge like ConcurrencyLimit (it reads `key_index`). tenant_ids: the
+    tenant of each key index (gateway/tenants.py Tenants.ids)."""
+
+    # The routes whose usage counts: generation, embeddings and rerank. Token counting, the model list and
+    # probes cost no generation and stay free.
+    METERED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
+                         "/v1/embeddings", "/v1/rerank", "/v2/rerank", "/rerank"})
+
+    def __init__(self, app, *, per_minute: int, tenant_ids: tuple[str, ...] = ()):
+        self.app = app
+        self.buckets = TokenBuckets(per_minute) if per_minute else None
+        self.tenant_ids = tenant_ids
+
+    async def __call__(self, scope, receive, send):
+        if self.buckets is None or scope["type"] != "http" or scope["path"] not in self.METERED:
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        key = state.get("key_index")
+        tenant = self.tenant_ids[key] if key is not None and key < len(self.tenant_ids) else ""
+        wait = self.buckets.wait_s(tenant)
+        if wait:
+            TOKEN_RATE_REFUSALS.inc()
+            err = TokenRateExceeded(f"this API key's tenant has spent its {self.buckets.capacity:.0f} tokens"
+                                    f" per minute; retry after {wait} s")
+            await error_response(err, state.get("request_id"), scope["path"], retry_after=wait)(
+                scope, receive, send)
+            return
+        meter = state["meter"] = Meter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            # The app returns once the response is sent in full or the client has gone; a stream's
+            # Generation is closed by then, so its usage holds all it will ever hold.
+            self.buckets.debit(tenant, meter.total())
 
 
 class SendTimeout:

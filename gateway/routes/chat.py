@@ -29,6 +29,7 @@ from .. import routing, sse
 from ..backends import GENERATION, Model
 from ..errors import request_id
 from ..generation import Generation, SamplingFields, finish_reason
+from ..limits import bill
 from ..structured_output import DECODER_PARAM
 from ..tenants import cache_salt
 from ..tool_calls import ChoiceToolCalls
@@ -200,6 +201,7 @@ async def start_chat(body: ChatRequest, request: Request, renamed: dict[str, str
             fields[DECODER_PARAM] = "tools"    # a forced call's schema is the tools' parameters
         fields.update(renamed or {})
         generation = Generation(routing.route(request, model), [generate], rid, body.n, fields)
+        bill(request, generation.usage)
         if images:
             generation.usage.images, generation.usage.cached_images = len(images), cached_images
         await generation.start()

@@ -19,6 +19,7 @@ from ..backends import GENERATION
 from ..echo import EchoedPrompt, echoed
 from ..errors import request_id
 from ..generation import Generation, SamplingFields, finish_reason
+from ..limits import bill
 from ..tenants import cache_salt
 from .common import (
     ERROR_RESPONSES,
@@ -119,6 +120,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         **({"text": p} if isinstance(p, str) else {"token_ids": decoder_pb2.TokenIds(ids=p)}))
         for p in prompts]
     generation = Generation(routing.route(request, model), requests, rid, body.n, body.error_fields())
+    bill(request, generation.usage)
     await generation.start()
     head = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": model.name}
     want_logprobs = body.logprobs is not None
@@ -168,6 +170,7 @@ async def _echo(body: CompletionRequest, request: Request, model, prompts: list,
     requests = [decoder_pb2.GenerateRequest(**model.target(), sampling=sampling, cache_salt=salt,
                                             token_ids=decoder_pb2.TokenIds(ids=e.ids)) for e in echoes]
     generation = Generation(routing.route(request, model), requests, rid, body.n, body.error_fields())
+    bill(request, generation.usage)
     await generation.start()
     choices = await sse.collect(request, generation)
     if not isinstance(choices, list):

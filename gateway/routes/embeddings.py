@@ -16,6 +16,7 @@ from services.common.tensors import from_proto
 from ..backends import EMBEDDING
 from ..counts import check_counts
 from ..errors import request_id
+from ..limits import bill
 from .common import (
     ERROR_RESPONSES,
     INT32_MAX,
@@ -96,6 +97,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request, response: 
     else:
         data = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
     usage = reply.usage
+    bill(request, usage.prompt_tokens)
     answer = {"object": "list", "model": reply.model or model.name,
               "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(data)],
               "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.total_tokens}}

@@ -12,6 +12,7 @@ from services.common.pb import pooling_pb2
 from ..backends import RERANK
 from ..counts import check_counts
 from ..errors import request_id
+from ..limits import bill
 from .common import ERROR_RESPONSES, INT32_MAX, StrictBody, catalog
 
 router = APIRouter()
@@ -76,5 +77,6 @@ async def rerank(body: RerankRequest, request: Request) -> dict:
             result["document"] = {"text": body.documents[r.index]}
         results.append(result)
     usage = reply.usage
+    bill(request, usage.prompt_tokens)
     return {"id": f"rerank-{rid}", "model": reply.model or model.name, "results": results,
             "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.total_tokens}}
