@@ -16,6 +16,7 @@ from gateway.limits import TokenBuckets
 from tests.conftest import free_port
 from tests.gateway.chat_fleet import chat_fleet
 from tests.gateway.fleet import GatewayThread
+from tests.pooling.conftest import RunningServer, minilm_dir, tiny_bert_dir  # noqa: F401 - fixtures
 
 KEYS = ("sk-rate-a", "sk-rate-b", "sk-rate-c", "sk-rate-d")
 BUDGET = 50   # tokens a minute: one SPEND overdraws it
@@ -103,6 +104,26 @@ def test_without_the_flag_nothing_is_refused(fleet):
             answer = post(gateway.url, KEYS[0], SPEND)
             assert answer.status_code == 200, answer.text
             assert spent(answer) > BUDGET
+
+
+@pytest.fixture(scope="module")
+def pooling(tiny_bert_dir):  # noqa: F811 - the imported fixture
+    running = RunningServer(embedding_model=str(tiny_bert_dir), embedding_name="tiny")
+    yield running
+    running.close()
+
+
+def test_embeddings_spend_their_prompt_tokens(pooling):
+    cfg = GatewayConfig(host="127.0.0.1", port=free_port(), pooling=f"127.0.0.1:{pooling.port}",
+                        api_key=",".join(KEYS[:2]), max_tokens_per_minute_per_key=BUDGET)
+    body = {"input": ["one two three four five six seven eight nine ten"] * 6}
+    with GatewayThread(cfg) as gateway:
+        first = post(gateway.url, KEYS[0], body, "/v1/embeddings")
+        assert first.status_code == 200, first.text
+        overdraft = first.json()["usage"]["prompt_tokens"] - BUDGET
+        assert overdraft > 0
+        assert_refused(post(gateway.url, KEYS[0], {"input": "one"}, "/v1/embeddings"), overdraft)
+        assert post(gateway.url, KEYS[1], {"input": "one"}, "/v1/embeddings").status_code == 200
 
 
 def test_bucket_refills_continuously_up_to_a_minutes_tokens():
