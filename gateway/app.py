@@ -75,8 +75,8 @@ def create_app(cfg: GatewayConfig) -> FastAPI:
                         app.openapi_url, app.docs_url, app.redoc_url])
     tenants = cfg.tenants()
     app.state.tenants = tenants
-    # Added first, so it runs inside Edge (the last added is outermost): refusals get ids, logs and metrics.
-    # Inside ConcurrencyLimit: a request it refuses spends nothing and is not counted twice.
+    # Added first, so they run inside Edge (the last added is outermost): refusals get ids, logs and metrics.
+    # The token rate runs inside the concurrency limit, so a request refused there is never metered.
     app.add_middleware(TokenRateLimit, per_minute=cfg.max_tokens_per_minute_per_key, tenant_ids=tenants.ids)
     app.add_middleware(ConcurrencyLimit, limit=cfg.max_concurrent_requests,
                        per_key=per_key_limit(cfg.max_concurrent_per_key, cfg.max_concurrent_requests,
