@@ -83,7 +83,11 @@ class PoolLayer:
         step = self.step
         if not step.active[self.kind]:
             return y
-        y = y.contiguous()       # the kernel writes whole rows
+        # In place, into a fused projection's column slice too (the kernel takes any row stride): the
+        # fused output then holds the corrected q and k, so the layer keeps its joint q|k path (model/layers.py)
+        # and base rows of a step with adapters take exactly the path, and the bits, of a step without.
+        if y.stride(-1) != 1:
+            y = y.contiguous()
         return step.rows(y, x.contiguous(), self.A, self.Bt, step.offsets[self.kind], step.ranks[self.kind])
 
 

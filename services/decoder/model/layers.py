@@ -76,7 +76,8 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x [N, hidden] -> q [N, H*D], k, v [N, KVH*D] (adapter corrections applied), and q|k as one
-        [N, (H+KVH)*D] view of the fused matmul's output when no adapter changed them (else None)."""
+        [N, (H+KVH)*D] view of the fused matmul's output when q and k are its slices still (no adapter, or
+        corrections made in place, as the CPU pool's are), else None."""
         if self.qkv is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x), None
         qkv = self.qkv(x)
