@@ -170,6 +170,10 @@ class RegistryMachine(RuleBasedStateMachine):
         name, slot, _ = self.leases.pop(i % len(self.leases))
         self.reg.release(name, slot)
 
+    def holds(self, slot, weights) -> bool:
+        """Whether the store reads `weights` back exactly at `slot` (the pool's machine reads its own way)."""
+        return slot_holds(self.reg.bank, slot, weights)
+
     @invariant()
     def consistent(self):
         reg = self.reg
@@ -179,10 +183,15 @@ class RegistryMachine(RuleBasedStateMachine):
             assert entry.refs == sum(n == name for n, _, _ in self.leases)
         for name, slot, digest in self.leases:
             w = reg.entries[name].weights
-            assert w.digest == digest and reg.resident[digest] == slot and slot_holds(reg.bank, slot, w)
+            assert w.digest == digest and reg.resident[digest] == slot and self.holds(slot, w)
         assert len(reg.resident) == len(set(reg.resident.values())) == reg.slots_in_use
         assert all(reg.residents[s].digest == d for d, s in reg.resident.items())
-        assert all(reg.bank.filled[s] == (s in reg.residents) for s in range(reg.bank.num_slots))
+        assert self.store_agrees()
+
+    def store_agrees(self) -> bool:
+        """Whether the store holds exactly the registry's residents (the pool's machine asks its own way)."""
+        reg = self.reg
+        return all(reg.bank.filled[s] == (s in reg.residents) for s in range(reg.bank.num_slots))
 
 
 MODEL: list = []
