@@ -43,6 +43,9 @@ PATHS: dict[str, tuple[str, ...]] = {
     "linear": ("plain", "packed"),
     # decoder: the few-row kernel at 1..4 rows (services/decoder/model/linear.py)
     "gemv": ("off", "on"),
+    # decoder: the matmul over int8 weights above the few-row kernel's rows, per weight shape
+    # (services/decoder/model/quantization.py GEMMS, chosen in services/decoder/model/linear.py)
+    "int8_gemm": ("int8pack", "dequant", "dynamic"),
     # decoder: the few-row kernel's loop for bf16 x over bf16 weights (services/decoder/model/linear.py)
     "gemv_bf16_row": ("rowwise", "interleave4"),
     # decoder: RMSNorm and SiLU(gate) * up by torch's ops or the C++ row ops (services/decoder/model/glue.py)
@@ -64,8 +67,8 @@ PATHS: dict[str, tuple[str, ...]] = {
 }
 
 # The paths each service runs.
-DECODER = ("linear", "gemv", "gemv_bf16_row", "glue", "attention", "decode_stack", "screen", "grammar_mask",
-           "huge_pages", "malloc")
+DECODER = ("linear", "gemv", "int8_gemm", "gemv_bf16_row", "glue", "attention", "decode_stack", "screen",
+           "grammar_mask", "huge_pages", "malloc")
 POOLING = ("linear", "encoder_attention", "malloc")
 
 

@@ -18,7 +18,8 @@ weight row once for all rows. `choose_gemv` times it against the Linear's own pa
 module of a shape (as a forward would stream them, not one weight hot in cache) at 1..4 rows,
 and each Linear keeps `gemv_rows`: up to how many rows the kernel runs. For bf16 activations over bf16
 weights the kernel has two loops (gemv_cpu.BF16_ROWS) whose speed depends on the CPU; `choose_bf16_row`
-times both over the model's weights and each Linear keeps `bf16_row`.
+times both over the model's weights and each Linear keeps `bf16_row`. Above `gemv_rows` an int8 weight runs
+one of quantization.GEMMS, `int8_gemm`, which `choose_int8_gemm` times per shape at many rows.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ class Linear(nn.Linear):
     qweight: torch.Tensor | None = None     # [out, in] int8 (quantization.quantize)
     qscale: torch.Tensor | None = None      # [out]
     gemv_rows: int = 0                       # rows up to which gemv_cpu runs (choose_gemv)
+    int8_gemm: str = next(iter(quantization.GEMMS))  # the int8 weight's matmul above them (choose_int8_gemm)
     bf16_row: str = gemv_cpu.BF16_ROWS[0]    # its loop for bf16 x over a bf16 weight (choose_bf16_row)
     lora: RowCorrection | None = None        # each row's adapter correction, once an adapter bank installs it
 
@@ -72,7 +74,7 @@ class Linear(nn.Linear):
         if 0 < x.shape[0] <= self.gemv_rows:
             y = self.gemv(x)
         elif self.qweight is not None:
-            y = quantization.int8_linear(x, self.qweight, self.qscale, self.bias)
+            y = quantization.GEMMS[self.int8_gemm](x, self.qweight, self.qscale, self.bias)
         elif packed is not None and self.rule.use_packed(x.shape[0]):
             y = linear_path.packed_linear(x, packed, self.bias)
         else:
@@ -165,6 +167,70 @@ def pack_linears(model: nn.Module, record: execution.ExecutionPlan) -> str:
     for m in linears:
         m.adopt(plan)
     return plan.summary
+
+
+# Row counts at which choose_int8_gemm times the int8 matmuls: a mid-size and a large decode batch.
+INT8_GEMM_ROWS = (32, 128)
+# A weight with more output rows is timed on its first INT8_GEMM_OUT (a view, no copy): beyond a few of
+# the GEMMs' column blocks every path's time grows in proportion to the outputs, and a 49152-row LM head
+# then costs the timing no more than a layer's MLP weight.
+INT8_GEMM_OUT = 3072
+# Interleaved rounds per (shape, rows): the whole choice stays within ~1 s for a 135M model on 2 cores.
+INT8_GEMM_REPS = 3
+
+# (a Linear with an int8 weight, rows) -> {quantization.GEMMS name: seconds for one call at `rows` rows}.
+Int8GemmTimer = Callable[[Linear, int], dict[str, float]]
+
+
+@torch.inference_mode()
+def time_int8_gemm(m: Linear, rows: int) -> dict[str, float]:
+    """Each of quantization.GEMMS over m's int8 weight (its first INT8_GEMM_OUT rows) at `rows` rows of m's
+    dtype, by the plan's timer."""
+    q, scale = m.qweight[:INT8_GEMM_OUT], m.qscale[:INT8_GEMM_OUT]
+    bias = None if m.bias is None else m.bias[:INT8_GEMM_OUT]
+    x = torch.randn(rows, m.in_features, dtype=m.weight.dtype)
+    return execution.fastest({name: (lambda f=f: f(x, q, scale, bias)) for name, f in quantization.GEMMS.items()},
+                             reps=INT8_GEMM_REPS)
+
+
+def choose_int8_gemm(model: nn.Module, record: execution.ExecutionPlan, timer: Int8GemmTimer | None = None) -> str:
+    """Set int8_gemm on every Linear of model that holds an int8 weight (the `int8_gemm` path of record):
+    pinned, that matmul everywhere; auto, per (out, in, bias) shape, each of quantization.GEMMS timed at
+    INT8_GEMM_ROWS rows on one module of the shape, and the one with the least time per row summed over
+    those counts kept if it beats the default (plan.pick), one matmul for every row count above the
+    few-row kernel's. A summary such as "int8 gemm: dequant on 960x576,576x576; int8pack on 49152x576"."""
+    name, candidates = "int8_gemm", execution.PATHS["int8_gemm"]
+    pin = record.pinned(name)
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.qweight is not None]
+    if not linears:
+        if pin != execution.AUTO:
+            record.record(name, pin, reason=f"pinned by --fast-paths {name}={pin}; no int8 weights")
+        return "int8 gemm: none (no int8 weights)"
+    if pin != execution.AUTO:
+        for m in linears:
+            m.int8_gemm = pin
+        record.record(name, pin)
+        return f"int8 gemm: {pin} on every shape (--fast-paths {name}={pin})"
+    timer = timer or time_int8_gemm
+    groups: dict[tuple[int, int, bool], list[Linear]] = {}
+    for m in linears:
+        groups.setdefault((m.out_features, m.in_features, m.bias is not None), []).append(m)
+    chosen: dict[str, list[str]] = {}
+    for (out, inp, bias), group in groups.items():
+        shape = f"{out}x{inp}{'+b' if bias else ''}"
+        timings, per_row = [], dict.fromkeys(candidates, 0.0)
+        for rows in INT8_GEMM_ROWS:
+            best = timer(group[0], rows)
+            for c in candidates:
+                timings.append(execution.Timing(c, best[c], rows))
+                per_row[c] += best[c] / rows
+        pick = execution.pick(per_row, candidates[0])
+        for m in group:
+            m.int8_gemm = pick
+        timed = f"first {INT8_GEMM_OUT} of {out} rows" if out > INT8_GEMM_OUT else "whole weight"
+        record.record(f"{name} {shape}", pick, timings, reason=f"timed, {timed}")
+        chosen.setdefault(pick, []).append(shape)
+    return "int8 gemm: " + "; ".join(f"{pick} on {','.join(shapes)}" for pick, shapes in chosen.items())
 
 
 def _timed_rows(group: list, timer: GemvTimer, record: execution.ExecutionPlan, name: str) -> int:

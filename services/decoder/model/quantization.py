@@ -2,7 +2,7 @@
 
 At batch 1 a decode step reads every weight once, so the bytes read decide its time
 (the projections and LM head are ~85% of a batch-1 step). int8 weights are a
-quarter of fp32's bytes and half of bf16's. The matmul is torch's own CPU kernel,
+quarter of fp32's bytes and half of bf16's. The first matmul was torch's own CPU kernel,
 aten._weight_int8pack_mm: y = (x @ q^T) * scale, accumulated in fp32. Its vectorised
 path takes bf16 activations (with fp32 activations it runs scalar code, ~7x slower than
 bf16 on a Zen 4), so the projection's input is rounded to bf16 and its bf16 output cast
@@ -14,6 +14,19 @@ multiple of 16 on this torch, so such weights stay dense (`eligible`), and the s
 says how many did. Decode steps of a few rows may instead run kernels/gemv_cpu.cpp over the
 same int8 weights and scales, where it was measured faster at load (model/linear.py,
 choose_gemv); it rounds the activations to int8 in blocks of 32 (gemv_cpu.round_blocks).
+
+Steps of more rows run one of three matmuls over the same int8 weights (`GEMMS`, the `int8_gemm`
+path of the execution plan, chosen per weight shape at load by model/linear.py, choose_int8_gemm):
+- `int8pack`: aten._weight_int8pack_mm, as above. On a 2-core Zen 4 it made SmolLM2-135M at 64
+  chats slower in int8 than in fp32 (237.7 tok/s against 365.6).
+- `dequant`: the weight widened to bf16 one tile of rows at a time into a small scratch (int8 is
+  exact in bf16), each tile multiplied by the library's bf16 GEMM (oneDNN; AMX where the CPU has it)
+  and the tile's output by its rows' scales in fp32. Same roundings as int8pack (bf16 activations,
+  fp32 sums, bf16 output); no bf16 copy of the weight is kept, so int8 still holds a quarter of fp32's bytes.
+- `dynamic`: each activation row split into two int8 parts (its rounding to int8 at its own scale, and
+  the remainder's at a 254x finer one), both summed exactly in int32 by torch's int8 GEMM (torch._int_mm:
+  oneDNN, VNNI or AMX) in one call over twice the rows, then multiplied by the rows' and the output
+  channels' scales. The activations lose less than bf16 rounding loses (`dynamic_linear`).
 """
 from __future__ import annotations
 
@@ -56,6 +69,65 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     """x [N, in] -> [N, out] = x @ dequantize(q, scale)^T + bias, in x's dtype."""
     y = torch.ops.aten._weight_int8pack_mm(x.to(ACT_DTYPE).contiguous(), q, scale.to(ACT_DTYPE)).to(x.dtype)
     return y if bias is None else y.add_(bias)
+
+
+# Weight bytes widened to bf16 per tile of the dequant path: a tile and its output stay in L2 while
+# the GEMM reads them, and one tile is the path's only extra memory.
+TILE_BYTES = 1 << 20
+# Tiles are whole multiples of this many output rows (a GEMM's column block).
+TILE_ROWS = 64
+
+
+def tile_rows(in_features: int) -> int:
+    """Output rows per tile of the dequant path for weights in_features wide (TILE_BYTES of bf16)."""
+    return max(TILE_ROWS, TILE_BYTES // (2 * in_features) // TILE_ROWS * TILE_ROWS)
+
+
+def dequant_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [N, in] -> [N, out] = x @ dequantize(q, scale)^T + bias in x's dtype, by a bf16 GEMM over
+    one bf16 tile of q's rows (tile_rows) at a time; the scales multiply each tile's bf16 output."""
+    xb = x.to(ACT_DTYPE).contiguous()
+    out, k = q.shape
+    step = min(tile_rows(k), out)
+    tile = torch.empty(step, k, dtype=ACT_DTYPE)
+    part = torch.empty(x.shape[0] * step, dtype=ACT_DTYPE)
+    y = torch.empty(x.shape[0], out, dtype=x.dtype)
+    s = scale.float()
+    for start in range(0, out, step):
+        end = min(start + step, out)
+        t, p = tile[:end - start], part[:x.shape[0] * (end - start)].view(x.shape[0], end - start)
+        t.copy_(q[start:end])
+        torch.mm(xb, t.t(), out=p)
+        torch.mul(p, s[start:end], out=y[:, start:end])
+    return y if bias is None else y.add_(bias)
+
+
+def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, K] fp32 -> (round(x / scale) [N, K] as fp32 in [-127, 127], scale [N, 1] = max|row| / 127, 1 for a
+    zero row)."""
+    scale = x.abs().amax(dim=1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(x / scale), scale
+
+
+def dynamic_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [N, in] -> [N, out] = x @ dequantize(q, scale)^T + bias in x's dtype, by one int8 GEMM (torch._int_mm,
+    exact int32 sums) over 2N rows: each row of x as hi * s + lo * s2, hi its int8 rounding at s = max|row| /
+    127 and lo the remainder's at s2 = max|remainder| / 127 <= s / 254. What is left, at most max|row| / 64516,
+    is finer than rounding x to bf16 (which the other paths do); one rounding alone (max|row| / 254) was
+    coarser than the few-row kernel's blocks of 32 and failed the int8 models' bound in the tests."""
+    xf = x.float()
+    hi, s = _int8_rows(xf)
+    lo, s2 = _int8_rows(xf - hi * s)
+    n = x.shape[0]
+    acc = torch._int_mm(torch.cat([hi, lo]).to(torch.int8), q.t()).float()
+    y = acc[:n].mul_(s).add_(acc[n:].mul_(s2)).mul_(scale.float())
+    y = y if bias is None else y.add_(bias)
+    return y.to(x.dtype)
+
+
+# The int8_gemm path's candidates (services/common/plan.py lists the same names; the first is the default).
+GEMMS = {"int8pack": int8_linear, "dequant": dequant_linear, "dynamic": dynamic_linear}
 
 
 def int8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

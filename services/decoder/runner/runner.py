@@ -21,7 +21,13 @@ from services.common.plan import ExecutionPlan, Pins
 from services.decoder.engine.step import ScheduledChunk, StepInput, StepOutput
 from services.decoder.model.decoder import CausalLM
 from services.decoder.model.glue import choose as choose_glue
-from services.decoder.model.linear import choose_bf16_row, choose_gemv, pack_linears, quantize_linears
+from services.decoder.model.linear import (
+    choose_bf16_row,
+    choose_gemv,
+    choose_int8_gemm,
+    pack_linears,
+    quantize_linears,
+)
 from services.decoder.model.loader import load_model
 from services.decoder.model.screen import build as build_screen
 from services.decoder.runner.attention import PagedAttention, Workspace, choose_decode_backend
@@ -59,6 +65,9 @@ class Runner:
         # The matmul path per weight shape, chosen by timing at load (model/linear.py) unless pinned
         # (linear=packed or plain).
         pack_linears(model, plan)
+        # int8 weights: their matmul above the few-row kernel's rows, per shape by timing at many rows;
+        # before choose_gemv, which times the kernel against it.
+        choose_int8_gemm(model, plan)
         # Then the few-row kernel where it beats that path (decode at batch 1 to 4), by timing.
         choose_gemv(model, plan)
         # And its loop for bf16 activations over bf16 weights, by timing both at this model's weights.

@@ -35,6 +35,7 @@ from services.decoder.model import load_model
 from services.decoder.model.decoder import DECLINABLE
 from services.decoder.model.families import MODELS
 from services.decoder.model.moe_decoder import MoeCausalLM
+from services.decoder.model.quantization import GEMMS
 from services.decoder.runner import Runner
 from tests.decoder.drive import drive, token_ids
 from tests.decoder.families.routing import force_routing, reference_routing
@@ -379,11 +380,18 @@ def test_bf16_tracks_transformers_fp32(folder, reference, declined):
     drive(engine(runner, num_blocks=64, budget=5), PROMPTS, GREEDY)
 
 
-def test_int8_matches_the_dequantized_reference(folder, declined):
+# int8 timed, and each many-row int8 matmul pinned for every step (the few-row kernel off).
+INT8_PLANS = ["", *(f"gemv=off,int8_gemm={gemm}" for gemm in GEMMS)]
+
+
+@pytest.mark.parametrize("pins", INT8_PLANS)
+def test_int8_matches_the_dequantized_reference(folder, declined, pins):
     if refuses(folder, declined, "int8"):
         return
-    runner = Runner.from_folder(folder, "fp32", BLOCK, 64, quantization="int8")
+    runner = Runner.from_folder(folder, "fp32", BLOCK, 64, quantization="int8", fast_paths=pins)
     assert runner.quantization.startswith("int8: ")
+    if pins:
+        assert runner.plan.chosen("int8_gemm") == pins.rsplit("=", 1)[1]
     ref = dequantized_reference(folder)
     rows, tokens = chunked_logits(runner, PROMPTS[4], 4)
     with torch.no_grad():

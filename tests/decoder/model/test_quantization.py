@@ -1,15 +1,18 @@
-"""Weight-only int8 (model/quantization.py): the kernel vs its dequantized torch reference, the
-model and the runner vs transformers running the same dequantized weights, and refusals."""
+"""Weight-only int8 (model/quantization.py): each many-row matmul vs its dequantized torch reference,
+their choice per shape at load (model/linear.py, choose_int8_gemm), the model and the runner (each
+matmul pinned) vs transformers running the same dequantized weights, and refusals."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
+from services.common import plan as execution
+from services.common.plan import ExecutionPlan
 from services.decoder.engine.step import StepInput
-from services.decoder.model import load_model, quantization
-from services.decoder.model.linear import Linear, quantize_linears
-from services.decoder.model.quantization import MODES, dequantize, eligible, int8_linear, int8_linear_ref, quantize
+from services.decoder.model import linear, load_model, quantization
+from services.decoder.model.linear import Linear, choose_int8_gemm, quantize_linears
+from services.decoder.model.quantization import GEMMS, MODES, dequantize, eligible, int8_linear_ref, quantize
 from services.decoder.runner import Runner
 from services.decoder.server.config import QUANTIZATION_MODES
 from tests.decoder.model.checkpoints import TINY_SHAPE, build, load_reference
@@ -50,18 +53,115 @@ def test_quantize_rounds_each_row_to_its_own_scale():
     assert bool((q.abs().amax(1)[torch.arange(33) != 5] >= 126).all())   # each row uses its range
 
 
+def test_every_matmul_is_a_candidate_of_the_plan():
+    assert tuple(GEMMS) == execution.PATHS["int8_gemm"] and "int8_gemm" in execution.DECODER
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,out,k,bias", [(1, 160, 64, False), (3, 7, 48, True), (17, 96, 576, False),
-                                             (64, 33, 32, True)])
-def test_int8_linear_matches_dequantized_reference(dtype, rows, out, k, bias):
+                                             (64, 33, 32, True), (130, 1000, 576, True), (33, 200, 1552, False)])
+def test_int8_matmuls_match_dequantized_reference(gemm, dtype, rows, out, k, bias):
     g = torch.Generator().manual_seed(rows * k)
     w, x = torch.randn(out, k, generator=g), torch.randn(rows, k, generator=g).to(dtype)
     b = torch.randn(out, generator=g).to(dtype) if bias else None
     q, scale = quantize(w)
-    y = int8_linear(x, q, scale, b)
+    y = GEMMS[gemm](x, q, scale, b)
     assert y.dtype == dtype and y.shape == (rows, out)
-    # bf16 activations and output around an fp32-accumulated dot product of length k
-    assert_close(y, int8_linear_ref(x, q, scale, b), dtype=torch.bfloat16, k=k)
+    # int8pack and dequant: bf16 activations and output around fp32 sums of length k; dynamic's activations
+    # lose less than bf16 rounding (quantization.dynamic_linear) and its sums are exact.
+    assert_close(y, int8_linear_ref(x, q, scale, b), dtype=torch.bfloat16, k=k, what=gemm)
+
+
+def test_dequant_tiles_cover_every_row(monkeypatch):
+    """Many tiles and a short last one (1000 = 15 x 64 + 40 rows at the smallest tile)."""
+    monkeypatch.setattr(quantization, "TILE_BYTES", 1)
+    assert quantization.tile_rows(576) == quantization.TILE_ROWS
+    g = torch.Generator().manual_seed(5)
+    q, scale = quantize(torch.randn(1000, 576, generator=g))
+    x = torch.randn(9, 576, generator=g)
+    assert_close(quantization.dequant_linear(x, q, scale, None), int8_linear_ref(x, q, scale, None),
+                 dtype=torch.bfloat16, k=576)
+
+
+def test_dynamic_loses_less_than_bf16_rounding():
+    """Through an identity weight the output is the activations as dynamic splits them: within
+    max|row| / 64516 of x (bf16 rounding is max|x| / 512 of each value)."""
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(9)) * torch.logspace(-4, 2, 5)[:, None]
+    x[2] = 0
+    y = quantization.dynamic_linear(x, torch.eye(64, dtype=torch.int8), torch.ones(64), None)
+    bound = x.abs().amax(dim=1, keepdim=True) / 64516 * (1 + 1e-5)
+    assert bool(((y - x).abs() <= bound).all()) and not y[2].any()
+    assert float((y - x).abs().max()) < float((x.bfloat16().float() - x).abs().max()) / 10
+
+
+def int8_model() -> nn.Sequential:
+    """Two int8 weights of one shape, one of another (with a bias), one dense (in_features 13)."""
+    model = nn.Sequential(Linear(64, 96, bias=False), Linear(64, 96, bias=False), Linear(96, 64), Linear(13, 8))
+    quantize_linears(model, "int8")
+    return model
+
+
+def timer_of(ms: dict[tuple[int, int], dict[str, float]], calls: list):
+    """An Int8GemmTimer: ms[(out, rows)] = {matmul: milliseconds per call}."""
+    def timer(m, rows):
+        calls.append((m.out_features, rows))
+        return {name: t * 1e-3 for name, t in ms[(m.out_features, rows)].items()}
+    return timer
+
+
+def timings(at32: tuple[float, float, float], at128: tuple[float, float, float]) -> dict[int, dict[str, float]]:
+    return {32: dict(zip(GEMMS, at32, strict=True)), 128: dict(zip(GEMMS, at128, strict=True))}
+
+
+@pytest.mark.parametrize("at96,at64,expected", [
+    # dequant the least per row summed over both counts; dynamic faster at 128 rows only, by less
+    (timings((1.0, 0.5, 0.9), (4.0, 2.0, 1.9)), timings((1.0, 1.0, 1.0), (4.0, 4.0, 4.0)), ("dequant", "int8pack")),
+    # dynamic wins on the first shape; on the second int8pack stays within the tie rule
+    (timings((1.0, 0.9, 0.3), (4.0, 3.0, 1.0)), timings((1.0, 0.97, 2.0), (4.0, 3.9, 9.0)), ("dynamic", "int8pack")),
+    # int8pack fastest on one shape, dequant (by more than the tie) on the other
+    (timings((0.5, 1.0, 1.0), (2.0, 4.0, 4.0)), timings((1.0, 0.5, 2.0), (4.0, 2.0, 9.0)), ("int8pack", "dequant")),
+])
+def test_the_matmul_follows_the_timings_per_shape(at96, at64, expected):
+    model, record, calls = int8_model(), ExecutionPlan(), []
+    ms = {(96, r): t for r, t in at96.items()} | {(64, r): t for r, t in at64.items()}
+    summary = choose_int8_gemm(model, record, timer_of(ms, calls))
+    assert [m.int8_gemm for m in model[:3]] == [expected[0], expected[0], expected[1]]
+    # One module per shape, at each row count; the dense Linear is not timed.
+    assert calls == [(96, 32), (96, 128), (64, 32), (64, 128)]
+    for shape, want, got in (("96x64", expected[0], at96), ("64x96+b", expected[1], at64)):
+        choice = record.get(f"int8_gemm {shape}")
+        assert choice.chosen == want and choice.reason == "timed, whole weight"
+        assert [(t.rows, t.candidate, t.seconds) for t in choice.timings] == [
+            (r, name, got[r][name] * 1e-3) for r in linear.INT8_GEMM_ROWS for name in GEMMS]
+    parts = {expected[0]: ["96x64"]}
+    parts.setdefault(expected[1], []).append("64x96+b")
+    assert summary == "int8 gemm: " + "; ".join(f"{k} on {','.join(v)}" for k, v in parts.items())
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_a_pinned_matmul_is_not_timed(gemm):
+    model, record = int8_model(), ExecutionPlan(f"int8_gemm={gemm}", execution.DECODER)
+    summary = choose_int8_gemm(model, record, lambda *a: pytest.fail("nothing is timed when pinned"))
+    assert [m.int8_gemm for m in model[:3]] == [gemm] * 3 and summary.startswith(f"int8 gemm: {gemm} on every")
+    assert (record.chosen("int8_gemm"), record.get("int8_gemm").reason) == (gemm, f"pinned by --fast-paths "
+                                                                              f"int8_gemm={gemm}")
+
+
+def test_the_real_timer_times_every_matmul_on_a_slice_of_a_tall_weight(monkeypatch):
+    monkeypatch.setattr(linear, "INT8_GEMM_OUT", 64)
+    model, record = int8_model(), ExecutionPlan()
+    choose_int8_gemm(model, record)
+    choice = record.get("int8_gemm 96x64")
+    assert choice.reason == "timed, first 64 of 96 rows" and choice.chosen in GEMMS
+    assert {(t.rows, t.candidate) for t in choice.timings} == {(r, g) for r in linear.INT8_GEMM_ROWS for g in GEMMS}
+    assert all(t.seconds > 0 for t in choice.timings)
+
+
+def test_no_int8_weights_no_choice():
+    record = ExecutionPlan()
+    assert choose_int8_gemm(nn.Sequential(Linear(32, 8)), record) == "int8 gemm: none (no int8 weights)"
+    assert record.choices == []
 
 
 def test_modes_agree_with_the_torch_free_config():
@@ -107,16 +207,25 @@ def test_model_matches_transformers_on_dequantized_weights(folders, name, fp32_a
     assert not is_close(logits, unquantized, **TINY_SHAPE)
 
 
-def test_runner_decodes_with_int8_weights(folders):
-    """The real paths against the dequantized model: the prefill's library matmuls round the activations
-    to bf16, the decode steps' few-row kernel to int8 blocks (gemv_cpu.round_blocks), whose bound (int8
-    in tests/tolerance.py) is the wider of the two. The kernel alone is held to fp32's bound against
-    the same rounding in tests/decoder/kernels/test_gemv_cpu.py."""
+@pytest.mark.parametrize("pins", ["", *(f"gemv=off,int8_gemm={g}" for g in GEMMS)])
+def test_runner_decodes_with_int8_weights(folders, pins):
+    """The real paths against the dequantized model: timed (pins ""), and each many-row matmul pinned for
+    every step (the few-row kernel off). The prefill's library matmuls round the activations to bf16
+    (dynamic: to int8 per row), the decode steps' few-row kernel to int8 blocks (gemv_cpu.round_blocks),
+    whose bound (int8 in tests/tolerance.py) is the widest. The kernel alone is held to fp32's bound
+    against the same rounding in tests/decoder/kernels/test_gemv_cpu.py."""
     name = "llama_gqa4_tied_sharded"
-    runner = Runner.from_folder(folders[name], "fp32", block_size=4, num_blocks=32, quantization="int8")
+    runner = Runner.from_folder(folders[name], "fp32", block_size=4, num_blocks=32, quantization="int8",
+                                fast_paths=pins)
     assert runner.quantization.startswith("int8: ")
     assert (runner.plan.chosen("linear"), runner.plan.get("linear").reason) == ("none", "every linear is int8")
-    assert any(c.name.startswith("gemv ") for c in runner.plan.choices)
+    int8 = [m for m in runner.model.modules() if isinstance(m, Linear) and m.qweight is not None]
+    if pins:
+        assert runner.plan.chosen("int8_gemm") == pins.rsplit("=", 1)[1]
+        assert {(m.int8_gemm, m.gemv_rows) for m in int8} == {(pins.rsplit("=", 1)[1], 0)}
+    else:
+        assert any(c.name.startswith("gemv ") for c in runner.plan.choices)
+        assert all(runner.plan.chosen(f"int8_gemm {m.out_features}x{m.in_features}") == m.int8_gemm for m in int8)
     ref = dequantized_reference(folders[name])
     alloc, seq = BlockAllocator(32), Seq("a", [7, 9, 11, 13, 40, 41, 42, 100, 101, 150, 5])
     runner.logits(StepInput([seq.chunk(6, alloc, 4)]))

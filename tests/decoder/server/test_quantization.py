@@ -43,6 +43,9 @@ def test_model_info_and_the_gateway_report_it(quantized):
     plan = {c.name: c for c in info.execution_plan.choices}
     assert (plan["linear"].chosen, plan["linear"].reason) == ("none", "every linear is int8")
     assert any(name.startswith("gemv ") for name in plan)
+    # The many-row int8 matmul per shape, with the times it was chosen from.
+    assert all(plan[name].timings for name in plan if name.startswith("int8_gemm "))
+    assert any(name.startswith("int8_gemm ") for name in plan)
 
     async def card():
         backend = Backend("decoder", address, GatewayConfig(decoder=(address,)))
