@@ -175,8 +175,6 @@ INT8_GEMM_ROWS = (32, 128)
 # the GEMMs' column blocks every path's time grows in proportion to the outputs, and a 49152-row LM head
 # then costs the timing no more than a layer's MLP weight.
 INT8_GEMM_OUT = 3072
-# Interleaved rounds per (shape, rows): the whole choice stays within ~1 s for a 135M model on 2 cores.
-INT8_GEMM_REPS = 3
 
 # (a Linear with an int8 weight, rows) -> {quantization.GEMMS name: seconds for one call at `rows` rows}.
 Int8GemmTimer = Callable[[Linear, int], dict[str, float]]
@@ -189,8 +187,7 @@ def time_int8_gemm(m: Linear, rows: int) -> dict[str, float]:
     q, scale = m.qweight[:INT8_GEMM_OUT], m.qscale[:INT8_GEMM_OUT]
     bias = None if m.bias is None else m.bias[:INT8_GEMM_OUT]
     x = torch.randn(rows, m.in_features, dtype=m.weight.dtype)
-    return execution.fastest({name: (lambda f=f: f(x, q, scale, bias)) for name, f in quantization.GEMMS.items()},
-                             reps=INT8_GEMM_REPS)
+    return execution.fastest({name: (lambda f=f: f(x, q, scale, bias)) for name, f in quantization.GEMMS.items()})
 
 
 def choose_int8_gemm(model: nn.Module, record: execution.ExecutionPlan, timer: Int8GemmTimer | None = None) -> str:

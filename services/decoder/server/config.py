@@ -17,9 +17,10 @@ ENV_PREFIX = "TESSERA_DECODER_"
 # services.decoder.model.quantization.MODES/HELP (not imported: it imports torch).
 QUANTIZATION_MODES = ("none", "int8")
 QUANTIZATION_HELP = ("weight quantization of the projections and LM head: int8 keeps int8 weights with one "
-                     "scale per output channel (a quarter of fp32's weight bytes, for batch-1 latency on CPU; the "
-                     "matmul's activations are rounded to bf16, or to int8 in blocks of 32 in steps of up to 4 "
-                     "rows, as llama.cpp's Q8_0); none keeps the --dtype weights")
+                     "scale per output channel (a quarter of fp32's weight bytes, for batch-1 latency on CPU; "
+                     "steps of up to 4 rows round the activations to int8 in blocks of 32, as llama.cpp's Q8_0, "
+                     "larger ones to bf16 or to two int8 parts, by the matmul --fast-paths int8_gemm chose); "
+                     "none keeps the --dtype weights")
 
 # The projections an adapter may target (services.decoder.lora.weights.TARGETS; not
 # imported here so reading the config never imports torch).

@@ -17,11 +17,15 @@ D = decoder_pb2
 
 @pytest.fixture(scope="module")
 def quantized(tiny_chat_model):
-    """A real decoder started from the command line with --quantization int8: (stub, address)."""
+    """A real decoder started from the command line with --quantization int8: (stub, address). Without
+    prefix caching: a repeated prompt's cached prefix would leave its last tokens to the few-row kernel
+    (int8 blocks of 32) where the first run computed them by the many-row int8 matmul, and the random
+    tiny model's near-tied logits can then tell the two roundings apart."""
     from services.decoder.server.service import start
     server_cfg, cfg = cfg_mod.load((DecoderServerConfig, DecoderConfig),
                                    ["--model", str(tiny_chat_model), "--quantization", "int8", "--port", "0",
-                                    "--host", "127.0.0.1", "--num-blocks", "64", "--block-size", "4"],
+                                    "--host", "127.0.0.1", "--num-blocks", "64", "--block-size", "4",
+                                    "--no-enable-prefix-caching"],
                                    prog="decoder", description="", env_prefix=ENV_PREFIX)
     loop = LoopThread()
     server, servicer = loop.run(start(server_cfg, cfg))
