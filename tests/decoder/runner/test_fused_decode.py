@@ -10,6 +10,7 @@ from services.common.plan import ExecutionPlan
 from services.decoder.engine.step import StepInput
 from services.decoder.kernels import decode_stack_cpu, tile_gemm_cpu
 from services.decoder.model.linear import Linear
+from services.decoder.model.quantization import GEMMS
 from services.decoder.runner import Runner, attention
 from services.decoder.runner.batch import StepBatch
 from services.decoder.runner.fused_decode import FusedDecode
@@ -49,16 +50,16 @@ def runners(folder, variant: str) -> tuple[Runner, Runner]:
     layers = Runner.from_folder(folder, dtype, block_size=BLOCK, num_blocks=BLOCKS, quantization=quantization,
                                fast_paths=PINS)
     layers.fused_decode = None
-    # Both runners take the same elementwise glue and, for int8, the same few-row path. Each is chosen by
-    # timing at load, and int8's library path rounds activations to bf16: two runners that chose
-    # differently under a parallel load compared two roundings (a C++ against a torch RMSNorm in front of
-    # that rounding failed this test every time), not the stack against the layers.
+    # Both runners take the same elementwise glue and, for int8, the same few-row path and many-row matmul.
+    # Each is chosen by timing at load, and int8's many-row matmuls round activations differently: two
+    # runners that chose differently under a parallel load compared two roundings (a C++ against a torch
+    # RMSNorm in front of that rounding failed this test every time), not the stack against the layers.
     for runner in (fused, layers):
         runner.model.use_native_glue(norm=True, act=True)
         if quantization == "int8":
             for m in runner.model.modules():
                 if isinstance(m, Linear) and m.qweight is not None:
-                    m.gemv_rows = decode_stack_cpu.KERNEL_ROWS
+                    m.gemv_rows, m.int8_gemm = decode_stack_cpu.KERNEL_ROWS, next(iter(GEMMS))
     return fused, layers
 
 
