@@ -175,6 +175,10 @@ INT8_GEMM_ROWS = (32, 128)
 # the GEMMs' column blocks every path's time grows in proportion to the outputs, and a 49152-row LM head
 # then costs the timing no more than a layer's MLP weight.
 INT8_GEMM_OUT = 3072
+# Passes over every (shape, rows), each of INT8_GEMM_REPS interleaved rounds; the fastest of all passes
+# counts. A burst of other load on a shared machine (seen: every path 40x slower for a whole 32-row
+# round, which kept int8pack on the largest shape) then spans one pass, not all of them.
+INT8_GEMM_PASSES, INT8_GEMM_REPS = 3, 2
 
 # (a Linear with an int8 weight, rows) -> {quantization.GEMMS name: seconds for one call at `rows` rows}.
 Int8GemmTimer = Callable[[Linear, int], dict[str, float]]
@@ -187,13 +191,15 @@ def time_int8_gemm(m: Linear, rows: int) -> dict[str, float]:
     q, scale = m.qweight[:INT8_GEMM_OUT], m.qscale[:INT8_GEMM_OUT]
     bias = None if m.bias is None else m.bias[:INT8_GEMM_OUT]
     x = torch.randn(rows, m.in_features, dtype=m.weight.dtype)
-    return execution.fastest({name: (lambda f=f: f(x, q, scale, bias)) for name, f in quantization.GEMMS.items()})
+    return execution.fastest({name: (lambda f=f: f(x, q, scale, bias)) for name, f in quantization.GEMMS.items()},
+                             reps=INT8_GEMM_REPS)
 
 
 def choose_int8_gemm(model: nn.Module, record: execution.ExecutionPlan, timer: Int8GemmTimer | None = None) -> str:
     """Set int8_gemm on every Linear of model that holds an int8 weight (the `int8_gemm` path of record):
     pinned, that matmul everywhere; auto, per (out, in, bias) shape, each of quantization.GEMMS timed at
-    INT8_GEMM_ROWS rows on one module of the shape, and the one with the least time per row summed over
+    INT8_GEMM_ROWS rows on one module of the shape (fastest of INT8_GEMM_PASSES passes over all shapes),
+    and the one with the least time per row summed over
     those counts kept if it beats the default (plan.pick), one matmul for every row count above the
     few-row kernel's. A summary such as "int8 gemm: dequant on 960x576,576x576; int8pack on 49152x576"."""
     name, candidates = "int8_gemm", execution.PATHS["int8_gemm"]
@@ -212,16 +218,18 @@ def choose_int8_gemm(model: nn.Module, record: execution.ExecutionPlan, timer: I
     groups: dict[tuple[int, int, bool], list[Linear]] = {}
     for m in linears:
         groups.setdefault((m.out_features, m.in_features, m.bias is not None), []).append(m)
+    best = {key: {rows: dict.fromkeys(candidates, math.inf) for rows in INT8_GEMM_ROWS} for key in groups}
+    for _ in range(INT8_GEMM_PASSES):
+        for key, group in groups.items():
+            for rows in INT8_GEMM_ROWS:
+                for c, seconds in timer(group[0], rows).items():
+                    best[key][rows][c] = min(best[key][rows][c], seconds)
     chosen: dict[str, list[str]] = {}
     for (out, inp, bias), group in groups.items():
-        shape = f"{out}x{inp}{'+b' if bias else ''}"
-        timings, per_row = [], dict.fromkeys(candidates, 0.0)
-        for rows in INT8_GEMM_ROWS:
-            best = timer(group[0], rows)
-            for c in candidates:
-                timings.append(execution.Timing(c, best[c], rows))
-                per_row[c] += best[c] / rows
-        pick = execution.pick(per_row, candidates[0])
+        shape, at = f"{out}x{inp}{'+b' if bias else ''}", best[(out, inp, bias)]
+        timings = [execution.Timing(c, at[rows][c], rows) for rows in INT8_GEMM_ROWS for c in candidates]
+        pick = execution.pick({c: sum(at[rows][c] / rows for rows in INT8_GEMM_ROWS) for c in candidates},
+                              candidates[0])
         for m in group:
             m.int8_gemm = pick
         timed = f"first {INT8_GEMM_OUT} of {out} rows" if out > INT8_GEMM_OUT else "whole weight"

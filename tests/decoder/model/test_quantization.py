@@ -127,8 +127,8 @@ def test_the_matmul_follows_the_timings_per_shape(at96, at64, expected):
     ms = {(96, r): t for r, t in at96.items()} | {(64, r): t for r, t in at64.items()}
     summary = choose_int8_gemm(model, record, timer_of(ms, calls))
     assert [m.int8_gemm for m in model[:3]] == [expected[0], expected[0], expected[1]]
-    # One module per shape, at each row count; the dense Linear is not timed.
-    assert calls == [(96, 32), (96, 128), (64, 32), (64, 128)]
+    # One module per shape, at each row count, in each pass; the dense Linear is not timed.
+    assert calls == [(96, 32), (96, 128), (64, 32), (64, 128)] * linear.INT8_GEMM_PASSES
     for shape, want, got in (("96x64", expected[0], at96), ("64x96+b", expected[1], at64)):
         choice = record.get(f"int8_gemm {shape}")
         assert choice.chosen == want and choice.reason == "timed, whole weight"
@@ -137,6 +137,19 @@ def test_the_matmul_follows_the_timings_per_shape(at96, at64, expected):
     parts = {expected[0]: ["96x64"]}
     parts.setdefault(expected[1], []).append("64x96+b")
     assert summary == "int8 gemm: " + "; ".join(f"{k} on {','.join(v)}" for k, v in parts.items())
+
+
+def test_a_burst_of_load_in_one_pass_does_not_decide():
+    seen = []
+
+    def timer(m, rows):
+        seen.append((m.out_features, rows))
+        burst = 40.0 if len(seen) <= 2 else 1.0          # the first pass over 96x64, both row counts
+        return {"int8pack": 1e-3 * rows, "dequant": 0.5e-3 * rows * burst, "dynamic": 0.9e-3 * rows}
+    model, record = int8_model(), ExecutionPlan()
+    choose_int8_gemm(model, record, timer)
+    assert record.chosen("int8_gemm 96x64") == record.chosen("int8_gemm 64x96+b") == "dequant"
+    assert {t.seconds for t in record.get("int8_gemm 96x64").timings if t.candidate == "dequant"} == {16e-3, 64e-3}
 
 
 @pytest.mark.parametrize("gemm", GEMMS)
