@@ -176,7 +176,7 @@ INT8_GEMM_ROWS = (32, 128)
 # then costs the timing no more than a layer's MLP weight.
 INT8_GEMM_OUT = 3072
 # Passes over every (shape, rows), each of INT8_GEMM_REPS interleaved rounds; the fastest of all passes
-# counts. A burst of other load on a shared machine (seen: every path 40x slower for a whole 32-row
+# counts. A burst of other load on a shared machine (seen: every path 20-80x slower for a whole 32-row
 # round, which kept int8pack on the largest shape) then spans one pass, not all of them.
 INT8_GEMM_PASSES, INT8_GEMM_REPS = 3, 2
 
@@ -198,10 +198,10 @@ def time_int8_gemm(m: Linear, rows: int) -> dict[str, float]:
 def choose_int8_gemm(model: nn.Module, record: execution.ExecutionPlan, timer: Int8GemmTimer | None = None) -> str:
     """Set int8_gemm on every Linear of model that holds an int8 weight (the `int8_gemm` path of record):
     pinned, that matmul everywhere; auto, per (out, in, bias) shape, each of quantization.GEMMS timed at
-    INT8_GEMM_ROWS rows on one module of the shape (fastest of INT8_GEMM_PASSES passes over all shapes),
-    and the one with the least time per row summed over
-    those counts kept if it beats the default (plan.pick), one matmul for every row count above the
-    few-row kernel's. A summary such as "int8 gemm: dequant on 960x576,576x576; int8pack on 49152x576"."""
+    INT8_GEMM_ROWS rows on one module of the shape (fastest of INT8_GEMM_PASSES passes over all shapes), and
+    the one with the least time per row summed over those counts kept if it beats the default (plan.pick):
+    one matmul for every row count above the few-row kernel's. A summary such as
+    "int8 gemm: dequant on 960x576,576x576; int8pack on 49152x576"."""
     name, candidates = "int8_gemm", execution.PATHS["int8_gemm"]
     pin = record.pinned(name)
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.qweight is not None]
