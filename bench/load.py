@@ -214,13 +214,16 @@ class Stats:
         self.tokens = 0
         self.errors: dict[str, int] = {}
         self.examples: list[str] = []
-        # Per kind, over completed calls: prompt (or embedded) tokens, generated tokens, images.
+        # Per kind, over completed calls: prompt (or embedded) tokens computed (less prefix-cache hits), the
+        # hits, generated tokens, images.
         self.prompt_tokens: dict[str, int] = {}
+        self.cached_tokens: dict[str, int] = {}
         self.completion_tokens: dict[str, int] = {}
         self.images: dict[str, int] = {}
 
-    def count(self, kind: str, prompt: int, completion: int = 0, images: int = 0) -> None:
-        self.prompt_tokens[kind] = self.prompt_tokens.get(kind, 0) + prompt
+    def count(self, kind: str, prompt: int, completion: int = 0, images: int = 0, cached: int = 0) -> None:
+        self.prompt_tokens[kind] = self.prompt_tokens.get(kind, 0) + prompt - cached
+        self.cached_tokens[kind] = self.cached_tokens.get(kind, 0) + cached
         self.completion_tokens[kind] = self.completion_tokens.get(kind, 0) + completion
         self.images[kind] = self.images.get(kind, 0) + images
 
@@ -253,7 +256,8 @@ async def stream_chat(http: httpx.AsyncClient, kind: str, body: dict, stats: Sta
     stats.ttft.setdefault(kind, []).append(first if first is not None else time.perf_counter() - started)
     stats.done[kind] = stats.done.get(kind, 0) + 1
     if usage is not None:
-        stats.count(kind, usage["prompt_tokens"], usage["completion_tokens"], images)
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        stats.count(kind, usage["prompt_tokens"], usage["completion_tokens"], images, cached)
 
 
 async def embed(http: httpx.AsyncClient, text: str, stats: Stats) -> None:
@@ -425,7 +429,8 @@ def print_work(stats: Stats, work: dict[str, ModelWork], elapsed: float, probe: 
         flops = work[kind].token_flops * tokens + work[kind].image_flops * images
         total += flops
         prompt, generated = stats.prompt_tokens.get(kind, 0), stats.completion_tokens.get(kind, 0)
-        detail = f"{prompt} prompt + {generated} generated tokens" if kind != "embedding" else f"{tokens} tokens"
+        detail = f"{prompt} prompt + {generated} generated tokens, {stats.cached_tokens.get(kind, 0)} prompt tokens " \
+            "from the prefix cache not counted" if kind != "embedding" else f"{tokens} tokens"
         detail += f", {images} images through the encoder" if images else ""
         print(f"    {kind:<11} {flops / elapsed / 1e9:8.2f} GFLOP/s = {flops / elapsed / probe:.3f} of the probe "
               f"({detail})")
