@@ -52,7 +52,9 @@ def tensor_shapes(folder: Path) -> dict[str, list[int]]:
 
 
 def _matrices(shapes: dict[str, list[int]], keep) -> int:
-    return sum(math.prod(s) for name, s in shapes.items() if len(s) >= 2 and keep(name))
+    """Elements of the weight matrices (and conv kernels) named `keep`: 1-D weights are norms, and stored
+    buffers such as BERT's position_ids are not weights."""
+    return sum(math.prod(s) for name, s in shapes.items() if name.endswith(".weight") and len(s) >= 2 and keep(name))
 
 
 @dataclass(frozen=True)
