@@ -12,6 +12,9 @@ exits non-zero, naming its log. Logs go to run/logs/NAME.log; run/fleet.json
 records the pids (with their start times, so a recycled pid is never
 signalled) and `down` stops exactly those processes and nothing else.
 
+The model services share this machine: each gets --threads, its share of the CPUs, and OMP_WAIT_POLICY=PASSIVE
+(deploy/threads.py; docs/operation.md, thread settings), unless the environment already sets them.
+
 Flags from the environment: RERANKER_MODEL=DIR serves another cross-encoder than the demo reranker
 `make models` trains (models/minilm-gsm8k-reranker). TESSERA_GATEWAY_API_KEY / TESSERA_GATEWAY_ADMIN_KEY go
 to the gateway only (child_env); without an API key `up` binds loopback only and refuses any other --host.
