@@ -18,16 +18,18 @@ The fleet's model services share this machine as `make up` runs them: its CPUs s
 share and OMP_WAIT_POLICY=PASSIVE (deploy/threads.py).
 
 It reports p50/p99 time to first token (streams) and latency (embeddings), requests and tokens per
-second, errors by kind (goal: 0), and each process's RSS at start and end (goal: stable). Then the useful
-work per kind of call (bench/accounting.py: 2 x matmul weights per prompt and generated token, per embedded
-token, plus the vision encoder per image) in GFLOP/s and as a fraction of this machine's fp32 GEMM rate,
-probed before the fleet starts with every CPU; the total fraction is how much of the machine did useful work
-(each image chat sends its own variant of the photo, so the vision service's cache cannot skip the encoder).
---light runs 8 chat, 4 embedding and 2 image clients and checks the latency goals: text-chat TTFT p99 <= 1 s,
-embeddings p99 <= 150 ms. RSS is
+second, errors by kind (goal: 0), and each process's RSS at start and end (goal: stable). RSS is
 sampled every --sample-s seconds; the pooling service's curve is printed, and each process's
 slope over the run's last half (least squares, MiB/min): a warm-up rise that levels off reads ~0
-there, a leak does not. The last line is the summary. Nothing here is part of `make test`.
+there, a leak does not.
+
+Then the useful work per kind of call (bench/accounting.py: 2 x matmul weights per computed prompt token,
+prefix-cache hits not being computed, and per generated token; per embedded token; plus the vision encoder
+per image) in GFLOP/s and as a fraction of this machine's fp32 GEMM rate, probed before the fleet starts with
+every CPU; the total fraction is how much of the machine did useful work. Each image chat sends its own
+variant of the photo, so the vision service's cache never skips the encoder. --light runs 8 chat, 4
+embedding and 2 image clients and checks the latency goals: text-chat TTFT p99 <= 1 s, embeddings p99
+<= 150 ms. The last line is the summary. Nothing here is part of `make test`.
 """
 from __future__ import annotations
 
@@ -355,12 +357,12 @@ def main() -> None:
                         help="8 chat, 4 embedding and 2 image clients (--clients and --mix ignored), checking the "
                              "latency goals: chat TTFT p99 <= 1 s, embeddings p99 <= 150 ms")
     args = parser.parse_args()
-    if args.light:
-        args.clients = sum(LIGHT.values())
     for folder in ("SmolLM2-135M-Instruct", "all-MiniLM-L6-v2"):
         if not (MODELS / folder).is_dir():
             sys.exit(f"{MODELS / folder} is missing: run `make models`")
     with_images = not args.no_images and (MODELS / "qwen2-vl-random" / "config.json").is_file()
+    if args.light:
+        args.clients = len(client_kinds(args, with_images))
     # The machine's own rate, with every CPU and before the fleet takes any: what the useful work is held to.
     probe = gemm_flops()
     photos = Photos(package_file("skimage", "data", "coffee.png")) if with_images else None
