@@ -92,8 +92,9 @@ class DraftGate:
     token without a step of its own; the verify rows and the scan cost time a plain step does not spend.
     The gain's running mean (KEEP of the past) is judged after WARMUP attempts: below 0, the request stops
     proposing for a pause of FIRST_PAUSE steps, doubled at each pause in a row up to MAX_PAUSE, then tries
-    WARMUP attempts again (a reply may start quoting later). Which drafts are verified is unchanged, so the
-    outputs are those of speculation without the gate, token for token."""
+    WARMUP attempts again (a reply may start quoting later). The gate only decides whether a request
+    proposes; what is proposed and how it is verified are unchanged, so greedy outputs stay those of decoding
+    without drafts, token for token."""
 
     WARMUP = 4
     KEEP = 0.75
