@@ -11,6 +11,7 @@ import enum
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from services.decoder.engine.drafter import DraftRecord
 from services.decoder.engine.step import CompiledGrammar, PlacedImages, SamplingParams
 
 
@@ -100,6 +101,7 @@ class Request:
         # so that they find its full blocks in the prefix cache (see EngineCore).
         self.leader: Request | None = None
         self.prompt_done = False              # its prompt has been fully computed at least once
+        self.drafting = DraftRecord()         # speculative decoding: whether its drafts pay (DraftGate)
 
     @property
     def num_prompt_tokens(self) -> int:

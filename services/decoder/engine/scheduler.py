@@ -22,17 +22,20 @@ token; so only the run's last token can end the request. After the step, the
 computed count covers the accepted drafts only; blocks that held nothing but
 rejected positions go back to the pool, and only accepted tokens are hashed into
 the prefix cache. A step with disable_by_batch_size or more running requests
-drafts nothing.
+drafts nothing. With a DraftGate (the engine's, from the verify costs the runner measured
+at load), a request whose drafts do not pay for the rows that verify them stops
+proposing for a while (engine/drafter.py).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.common.errors import ContextLengthExceeded, InvalidArgument, TesseraError
 from services.decoder.engine.config import EngineConfig
-from services.decoder.engine.drafter import NgramDrafter
+from services.decoder.engine.drafter import DraftGate, NgramDrafter
 from services.decoder.engine.kv_cache_manager import KVCacheManager, cdiv
 from services.decoder.engine.output import RequestOutput
 from services.decoder.engine.request import Request, RequestStatus
@@ -106,7 +109,8 @@ class Scheduler:
     """Owns the waiting queue, the running set and the KV-cache manager. Not thread-safe:
     one loop calls add/abort/finish/schedule/update."""
 
-    def __init__(self, config: EngineConfig, leases: Leases | None = None):
+    def __init__(self, config: EngineConfig, leases: Leases | None = None, gate: DraftGate | None = None):
+        """gate: with speculative decoding, which requests' drafts pay (None: every n-gram hit is drafted)."""
         self.config = config
         self.leases: Leases = leases if leases is not None else NoLeases()
         self.kv = KVCacheManager(config.block_size, config.num_blocks, config.enable_prefix_caching,
@@ -122,6 +126,9 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifications = 0
+        self.gate = gate if spec else None
+        self.num_steps = 0              # schedule() calls: the clock of the gate's pauses
+        self.num_draft_scans = 0        # proposals scanned (each request, each step it may draft)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -142,6 +149,7 @@ class Scheduler:
     def schedule(self) -> tuple[SchedulerOutput, list[RequestOutput]]:
         """Plan one step. Also returns outputs of requests failed while planning
         (a lease hook that raised)."""
+        self.num_steps += 1
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
@@ -193,7 +201,15 @@ class Scheduler:
                     self.config.max_model_len - req.num_tokens - 1)
         if req.num_output_tokens < sampling.min_tokens:
             limit = min(limit, sampling.min_tokens - req.num_output_tokens - 1)
-        return self.drafter.propose(req.all_token_ids, limit, frozenset(self._stop_ids(req)))
+        if limit < 1 or (self.gate is not None and not self.gate.wants(req.drafting, self.num_steps)):
+            return []
+        self.num_draft_scans += 1
+        started = time.perf_counter()
+        draft = self.drafter.propose(req.all_token_ids, limit, frozenset(self._stop_ids(req)))
+        req.drafting.scan_s = time.perf_counter() - started
+        if not draft and self.gate is not None:     # a miss: the scan, for nothing
+            self.gate.observe(req.drafting, self.num_steps, 0, 0, req.drafting.scan_s)
+        return draft
 
     def _admit(self, budget: int, scheduled: list[tuple[Request, int]], failed: list[RequestOutput]) -> int:
         skipped: list[Request] = []
@@ -302,6 +318,9 @@ class Scheduler:
                 self.num_verifications += 1
                 self.num_draft_tokens += len(chunk.draft_token_ids)
                 self.num_accepted_tokens += len(accepted)
+                if self.gate is not None:
+                    self.gate.observe(req.drafting, self.num_steps, len(chunk.draft_token_ids), len(accepted),
+                                      req.drafting.scan_s)
             # KV now holds the known tokens and the accepted drafts; a rejected draft's is garbage
             # that the position's real token overwrites before anything reads it.
             req.num_computed_tokens += n - len(chunk.draft_token_ids) + len(accepted)

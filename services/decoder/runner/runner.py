@@ -24,6 +24,7 @@ from services.decoder.model.glue import choose as choose_glue
 from services.decoder.model.linear import choose_bf16_row, choose_gemv, pack_linears, quantize_linears
 from services.decoder.model.loader import load_model
 from services.decoder.model.screen import build as build_screen
+from services.decoder.runner import verify_cost
 from services.decoder.runner.attention import PagedAttention, Workspace, choose_decode_backend
 from services.decoder.runner.batch import StepBatch
 from services.decoder.runner.fused_decode import FusedDecode
@@ -95,6 +96,11 @@ class Runner:
         # The adapter store installed on self.model, if any (attach_lora): the CUDA slot bank or the CPU
         # pool (lora/store.py); chunks with a lora_slot (a store handle) need it.
         self.lora: AdapterStore | None = None
+
+    def verify_seconds(self, max_drafts: int) -> tuple[float, ...] | None:
+        """Seconds of a one-request decode step with k = 0..max_drafts drafts, timed now (runner/verify_cost.py)
+        for the engine's draft gate; None when --fast-paths speculation=always turns the gate off."""
+        return verify_cost.measure(self, max_drafts, self.plan)
 
     def attach_lora(self, bank: AdapterStore) -> None:
         """Use `bank` (an adapter store already installed on self.model) for chunks with a lora_slot."""
