@@ -21,6 +21,8 @@ pytestmark = pytest.mark.numerics
 
 PROMPT = [5, 9, 14, 3, 77, 21, 8, 40, 41, 40, 41, 10, 11, 12, 150, 12, 64, 99, 3]     # 19 tokens, 4-token blocks
 TOP = 3
+# Every fast path pinned one way: the fused decode stack runs one-row chunks, or the layers do.
+PATHS = {"on": "attention=cpp,decode_stack=on,screen=on", "off": "attention=torch,decode_stack=off,screen=off"}
 
 
 @pytest.fixture(scope="module", params=["qwen2_gqa2_odd_tied", "gemma2_gqa2_window_softcap"])
@@ -28,15 +30,20 @@ def checkpoint(request, tmp_path_factory):
     return build(tmp_path_factory.mktemp("scores"), request.param)
 
 
-@pytest.fixture(scope="module")
-def reference(checkpoint):
+def log_softmax(folder) -> torch.Tensor:
     """transformers' log_softmax [T, vocab] over PROMPT: row p scores token p + 1."""
     with torch.no_grad():
-        return torch.log_softmax(load_reference(checkpoint)(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
+        return torch.log_softmax(load_reference(folder)(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
 
 
-def engine(folder, *, budget: int, num_blocks: int = 64, prefix_caching: bool = True) -> EngineCore:
-    runner = Runner.from_folder(folder, "fp32", 4, num_blocks)
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return log_softmax(checkpoint)
+
+
+def engine(folder, *, budget: int, num_blocks: int = 64, prefix_caching: bool = True,
+           fast_paths: str | None = None) -> EngineCore:
+    runner = Runner.from_folder(folder, "fp32", 4, num_blocks, fast_paths=fast_paths)
     return EngineCore(runner, EngineConfig(block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                            max_num_seqs=4, max_model_len=64, enable_prefix_caching=prefix_caching,
                                            vocab_size=runner.vocab_size))
@@ -86,6 +93,16 @@ def test_prompt_alone_equals_transformers(checkpoint, reference, budget):
     assert len(outs) == 1 and outs[0].finish_reason == "length" and not outs[0].new_tokens
     assert outs[0].num_prompt_tokens == len(PROMPT) and outs[0].num_completion_tokens == 0
     check_scores(outs[0], reference)
+
+
+@pytest.mark.parametrize("stack", ["on", "off"])
+def test_one_token_chunks_through_either_decode_path(tmp_path, stack):
+    """A budget of 1 makes every prompt chunk one row, which the fused decode stack runs when pinned on (a model
+    it takes: Qwen2) and the layers when pinned off: either's hidden states score the prompt."""
+    folder = build(tmp_path, "qwen2_gqa2_odd_tied")
+    core = engine(folder, budget=1, fast_paths=PATHS[stack])
+    outs = run(core, {"a": SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=TOP)})["a"]
+    check_scores(outs[0], log_softmax(folder))
 
 
 def test_scores_come_first_then_generation_as_usual(checkpoint, reference):
