@@ -303,7 +303,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             completion[out.index] = choice.num_tokens if choice.stopped_by_string else out.num_completion_tokens
             if out.first:               # the choice's first message says what its prompt was
                 msg = msg or decoder_pb2.GenerateResponse(index=out.index)
-                msg.prompt.CopyFrom(prompt_info(out, prompt, st.tokenizer))
+                # Spelling a long prompt's tokens and alternatives is off the event loop, as tokenizing it was.
+                info = prompt_info(out, prompt, st.tokenizer) if out.prompt_logprobs is None else \
+                    await asyncio.to_thread(prompt_info, out, prompt, st.tokenizer)
+                msg.prompt.CopyFrom(info)
             if msg is None:
                 continue
             now = time.monotonic()
