@@ -23,6 +23,12 @@ computed count covers the accepted drafts only; blocks that held nothing but
 rejected positions go back to the pool, and only accepted tokens are hashed into
 the prefix cache. A step with disable_by_batch_size or more running requests
 drafts nothing.
+
+Prompt logprobs (SamplingParams.prompt_logprobs): until a request holds a score
+for every prompt token, its chunks ask the runner to score their prompt rows
+and it reads no prefix-cache hits (a cached position has no logits to score);
+its first output once the prompt is computed carries them. With max_tokens 0 the
+prompt's last chunk is not sampled and the request ends there ("length").
 """
 from __future__ import annotations
 
@@ -283,6 +289,10 @@ class Scheduler:
         got = set(result.sampled)
         if got != expected:
             raise ValueError(f"runner sampled {sorted(got)}, expected {sorted(expected)}")
+        asked = {c.request_id for c in plan.step.chunks if c.prompt_logprobs is not None}
+        unasked = set(result.prompt_logprobs) - asked
+        if unasked:
+            raise ValueError(f"runner scored the prompts of {sorted(unasked)}, which did not ask")
         drafts = {c.request_id: c.draft_token_ids for c in plan.step.chunks}
         for rid, toks in result.accepted.items():
             ids = [t.token_id for t in toks]
