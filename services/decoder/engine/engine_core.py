@@ -87,8 +87,10 @@ class EngineCore:
         ids = choice_ids(request_id, n)
         if request_id in self._choices or any(i in self.scheduler.requests for i in ids):
             raise InvalidArgument(f"duplicate request id {request_id!r}", param="request_id")
-        # Waiting for the leader only pays when it will leave a full block to hit.
-        share = n > 1 and self.config.enable_prefix_caching and len(prompt) > self.config.block_size
+        # Waiting for the leader only pays when it will leave a full block to hit. Choices that score their
+        # prompt (prompt_logprobs) read no hits, so each computes its own.
+        share = n > 1 and self.config.enable_prefix_caching and len(prompt) > self.config.block_size \
+            and sampling.prompt_logprobs is None
         leader = None
         for index, rid in enumerate(ids):
             child = sampling if n == 1 else replace(
