@@ -163,7 +163,8 @@ struct Proj {
         const tessera_grouped::Shape sh{N, K, group, bits};
         tessera_grouped::with_rows(M, [&](auto R) {
           tessera_grouped::run<R.value>(xf, w.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
-                                        offset.data_ptr<at::Half>(), bp, y, sh, false);
+                                        offset.data_ptr<at::Half>(), bp, y, sh,
+                                        tessera_grouped::Loop::widest);
         });
         break;
       }

@@ -17,8 +17,10 @@
 // product belongs to one group; the lanes are scaled by their group's scale * s_x in fp32 and summed.
 //
 // A row's sums are the same whatever the other rows of x in the call and wherever the threads split the
-// weight rows (every row of x runs the same loop over each weight row). Without AVX512-VNNI a portable
-// loop computes the same function (in another summation order).
+// weight rows (every row of x runs the same loop over each weight row). Without AVX512-VNNI, on AVX2 CPUs
+// (Zen 3, older Xeons), a 256-bit loop does the same with vpmaddubsw (pairs of byte products summed in 16
+// bits) and vpmaddwd (to 32-bit lanes); elsewhere a portable loop. Each sums in its own order; which one runs
+// is `Loop` (tests run every one the CPU has).
 #pragma once
 
 #include <torch/extension.h>
@@ -33,14 +35,38 @@
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
 #define TESSERA_GROUPED_VNNI 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TESSERA_GROUPED_AVX2 1
+#endif
+#if defined(TESSERA_GROUPED_VNNI) || defined(TESSERA_GROUPED_AVX2)
+#include <immintrin.h>
 #endif
 
 namespace tessera_grouped {
 
 constexpr int64_t MAX_ROWS = 4;   // rows of x per call (gemv_grouped_cpu.MAX_ROWS)
 constexpr int64_t CHUNK = 64;     // bytes of codes per vector step
+constexpr int64_t PAD = 8;        // zeros past XRow::s and sums, so a chunk's 8 groups can be read whole
+
+// The loops (gemv_grouped_cpu.LOOPS' indices): the widest this CPU runs, the AVX2 one, the portable one.
+enum class Loop : int64_t { widest = 0, avx2 = 1, portable = 2 };
+
+inline bool runs(Loop loop) {
+  switch (loop) {
+    case Loop::widest:
+    case Loop::portable:
+      return true;
+    case Loop::avx2:
+#ifdef TESSERA_GROUPED_AVX2
+      return true;
+#else
+      return false;
+#endif
+  }
+  return false;
+}
 
 template <typename F>
 inline void with_rows(int64_t M, F&& f) {
@@ -99,8 +125,8 @@ inline int32_t round_group(const float* xg, int64_t G, float step, int8_t* q) {
 inline void round_row(const float* x, const Shape& sh, XRow& r) {
   const int64_t chunks = (sh.row_bytes() + CHUNK - 1) / CHUNK;
   r.q.assign(chunks * CHUNK * (sh.bits == 4 ? 2 : 1), 0);
-  r.s.resize(sh.groups());
-  r.sums.resize(sh.groups());
+  r.s.assign(sh.groups() + PAD, 0.0f);
+  r.sums.assign(sh.groups() + PAD, 0.0f);
   const int64_t G = sh.G, half = G / 2;
   int8_t q[32];
   for (int64_t g = 0; g < sh.groups(); ++g) {
@@ -192,6 +218,73 @@ inline void row_grouped(const XRow* xr, const uint8_t* wn, const at::Half* sn, c
 }
 #endif
 
+#ifdef TESSERA_GROUPED_AVX2
+// One 32-byte half h of chunk c in 8 lanes (lane l: bytes 32 h + 4 l .. + 3, as the VNNI loop's lanes).
+// vpmaddubsw sums two products in 16 bits with saturation: 4-bit codes (<= 15) times |q| <= 127 keep four
+// products (lo and hi nibbles' pairs added) exact; an 8-bit code is taken as 16 * high nibble + low nibble.
+template <int BITS>
+inline __m256i dot_half(const uint8_t* w, const int8_t* q) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+  if constexpr (BITS == 4) {
+    const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + CHUNK));
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), ones);
+  } else {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i l = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xv), ones);
+    const __m256i h = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xv), ones);
+    return _mm256_add_epi32(l, _mm256_slli_epi32(h, 4));
+  }
+}
+
+template <int M, int BITS>
+inline void row_avx2(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
+                     int64_t n, float* acc) {
+  const int64_t bytes = sh.row_bytes(), gb = sh.group_bytes(), per_chunk = CHUNK / gb;
+  // Lane l of half h belongs to the chunk's group (32 h + 4 l) / gb.
+  __m256i spread[2];
+  for (int h = 0; h < 2; ++h) {
+    alignas(32) int32_t idx[8];
+    for (int l = 0; l < 8; ++l) idx[l] = static_cast<int32_t>((32 * h + 4 * l) / gb);
+    spread[h] = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
+  }
+  __m256 a[M][2], off[M];
+  for (int m = 0; m < M; ++m) a[m][0] = a[m][1] = off[m] = _mm256_setzero_ps();
+  alignas(32) uint8_t tail[CHUNK];
+  for (int64_t c = 0; c * CHUNK < bytes; ++c) {
+    const int64_t left = std::min(CHUNK, bytes - c * CHUNK), groups = left / gb, g0 = c * per_chunk;
+    const uint8_t* w = wn + c * CHUNK;
+    if (left < CHUNK) {  // the row's last, short chunk: zeros past it (x is zero there too)
+      std::memset(tail, 0, CHUNK);
+      std::memcpy(tail, w, left);
+      w = tail;
+    }
+    alignas(16) uint16_t sh16[8] = {}, oh16[8] = {};
+    std::memcpy(sh16, sn + g0, groups * sizeof(uint16_t));
+    std::memcpy(oh16, on + g0, groups * sizeof(uint16_t));
+    const __m256 sw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(sh16)));
+    const __m256 ow = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(oh16)));
+    for (int m = 0; m < M; ++m) {
+      const int8_t* q = xr[m].q.data() + c * CHUNK * (BITS == 4 ? 2 : 1);
+      const __m256 f = _mm256_mul_ps(sw, _mm256_loadu_ps(xr[m].s.data() + g0));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i d = dot_half<BITS>(w + 32 * h, q + 32 * h);
+        a[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(f, spread[h]), a[m][h]);
+      }
+      off[m] = _mm256_fmadd_ps(ow, _mm256_loadu_ps(xr[m].sums.data() + g0), off[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    const __m256 v = _mm256_add_ps(_mm256_add_ps(a[m][0], a[m][1]), off[m]);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    acc[m * sh.N + n] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+}
+#endif
+
 // The portable loop: per group, s_w * s_x * (q . code) + o_w * sums, codes read in XRow's order.
 template <int M>
 inline void row_portable(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
@@ -220,7 +313,7 @@ inline void row_portable(const XRow* xr, const uint8_t* wn, const at::Half* sn, 
 
 template <int M>
 void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::Half* offset, const float* bias,
-         float* y, const Shape& sh, bool portable) {
+         float* y, const Shape& sh, Loop loop) {
   // The caller's thread's buffers, kept between calls; the workers read them through this pointer.
   static thread_local XRow mine[MAX_ROWS];
   const XRow* xr = mine;
@@ -235,9 +328,16 @@ void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::
       const at::Half* sn = scale + n * ng;
       const at::Half* on = offset + n * ng;
 #ifdef TESSERA_GROUPED_VNNI
-      if (!portable) {
+      if (loop == Loop::widest) {
         if (sh.bits == 4) row_grouped<M, 4>(xr, wn, sn, on, sh, spread, n, y);
         else row_grouped<M, 8>(xr, wn, sn, on, sh, spread, n, y);
+        continue;
+      }
+#endif
+#ifdef TESSERA_GROUPED_AVX2
+      if (loop != Loop::portable) {
+        if (sh.bits == 4) row_avx2<M, 4>(xr, wn, sn, on, sh, n, y);
+        else row_avx2<M, 8>(xr, wn, sn, on, sh, n, y);
         continue;
       }
 #endif
@@ -251,10 +351,13 @@ void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::
 
 // out [M, N] = x [M, K] @ w^T (+ bias [N] fp32), w given by codes uint8 [N, K * bits / 8] and scale, offset fp16
 // [N, K / group] (grouped.py's layout). x and out are both float32 or both bfloat16: bf16 x is widened once and
-// the fp32 result rounded once into out. portable: the portable loop even where the VNNI one runs (tests: it is
-// what a CPU without AVX512-VNNI runs).
+// the fp32 result rounded once into out. loop: a Loop's value; tests run the narrower loops where a wider one
+// runs (they are what CPUs without it run).
 void gemv_grouped(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch::Tensor scale, torch::Tensor offset,
-                  int64_t bits, int64_t group, c10::optional<torch::Tensor> bias, bool portable) {
+                  int64_t bits, int64_t group, c10::optional<torch::Tensor> bias, int64_t loop_index) {
+  TORCH_CHECK(loop_index >= 0 && loop_index <= 2, "gemv_grouped: loop must be 0, 1 or 2, got ", loop_index);
+  const Loop loop = static_cast<Loop>(loop_index);
+  TORCH_CHECK(runs(loop), "gemv_grouped: this CPU does not run the AVX2 loop");
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && out.dim() == 2, "gemv_grouped: x, codes and out must be 2-D");
   TORCH_CHECK(bits == 4 || bits == 8, "gemv_grouped: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(group == 16 || group == 32, "gemv_grouped: group must be 16 or 32, got ", group);
@@ -297,7 +400,7 @@ void gemv_grouped(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::Half* sp = scale.data_ptr<at::Half>();
   const at::Half* op = offset.data_ptr<at::Half>();
-  with_rows(M, [&](auto R) { run<R.value>(xp, cp, sp, op, bp, yp, sh, portable); });
+  with_rows(M, [&](auto R) { run<R.value>(xp, cp, sp, op, bp, yp, sh, loop); });
   if (bf16) {
     at::BFloat16* ob = out.data_ptr<at::BFloat16>();
     for (int64_t i = 0; i < M * N; ++i) ob[i] = at::BFloat16(ys[i]);

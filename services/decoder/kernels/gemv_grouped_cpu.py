@@ -17,21 +17,29 @@ from services.common import native
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 MAX_ROWS = 4          # as gemv_cpu: every row of x within registers' reach; more rows go to GEMMs
+# The kernel's loops (gemv_grouped.h's Loop): the widest the CPU runs (AVX512-VNNI, else AVX2, else portable),
+# the AVX2 one, the portable one. Models run the first; tests run each the CPU has (`runs`).
+LOOPS = ("widest", "avx2", "portable")
 OPERATOR = native.Operator("gemv_grouped_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
 
 
 def gemv_grouped(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-                 group: int, bias: torch.Tensor | None = None, portable: bool = False) -> torch.Tensor:
+                 group: int, bias: torch.Tensor | None = None, loop: str = LOOPS[0]) -> torch.Tensor:
     """x [M <= MAX_ROWS, K] (fp32 or bf16) -> [M, N] in x's dtype = x @ w^T + bias, w [N, K] given by codes uint8
     [N, K * bits // 8], scale and offset fp16 [N, K // group] (model/grouped.py). x is rounded to int8 per group
     (grouped.round_groups); products and sums exact in int32 per group, then fp32; one rounding to x's dtype at
-    the end. portable: the portable loop, which CPUs without AVX512-VNNI run (tests run it everywhere).
+    the end. loop: one of LOOPS (what a CPU without the wider ones runs; tests run each where it can).
     Each row's result is the same whatever the other rows of x and the thread count."""
     out = torch.empty((x.shape[0], codes.shape[0]), dtype=x.dtype)
     load().gemv_grouped(out, x.contiguous(), codes, scale, offset, bits, group,
-                        None if bias is None else bias.float().contiguous(), portable)
+                        None if bias is None else bias.float().contiguous(), LOOPS.index(loop))
     return out
+
+
+def runs(loop: str) -> bool:
+    """Whether this CPU runs `loop` (one of LOOPS)."""
+    return bool(load().runs(LOOPS.index(loop)))
 
 
 def unpack_codes(codes: torch.Tensor, bits: int, group: int) -> torch.Tensor:
