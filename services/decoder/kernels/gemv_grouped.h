@@ -158,62 +158,50 @@ inline __m512i lane_groups(int64_t group_bytes) {
   return _mm512_load_si512(idx);
 }
 
-// acc[m, n] for M rows of x against weight row n.
-// One chunk c of codes into the accumulators a (lanes) and off (groups' offset terms) of every row of x.
-template <int M, int BITS>
-inline void chunk_grouped(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
-                          __m512i spread, int64_t c, __m512 (&a)[M], __m256 (&off)[M]) {
-  const int64_t gb = sh.group_bytes(), per_chunk = CHUNK / gb;  // groups a chunk holds (2, 4 or 8)
-  const int64_t left = sh.row_bytes() - c * CHUNK;
-  const __mmask64 bmask = left >= CHUNK ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
-  const int64_t g0 = c * per_chunk;
-  const __mmask8 gmask = static_cast<__mmask8>((1u << std::min(per_chunk, left / gb)) - 1);
-  const __m512i raw = _mm512_maskz_loadu_epi8(bmask, wn + c * CHUNK);
-  const __m256 sw = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(gmask, sn + g0));
-  const __m256 ow = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(gmask, on + g0));
-  __m512i lo, hi;
-  if constexpr (BITS == 4) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    lo = _mm512_and_si512(raw, low);
-    hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-  } else {
-    lo = raw;
-  }
-  for (int m = 0; m < M; ++m) {
-    const int8_t* q = xr[m].q.data() + c * CHUNK * (BITS == 4 ? 2 : 1);
-    __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
-    if constexpr (BITS == 4) d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(q + CHUNK));
-    const __m256 sx = _mm256_maskz_loadu_ps(gmask, xr[m].s.data() + g0);
-    const __m512 f = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_mul_ps(sw, sx)));
-    a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), f, a[m]);
-    off[m] = _mm256_fmadd_ps(ow, _mm256_maskz_loadu_ps(gmask, xr[m].sums.data() + g0), off[m]);
-  }
-}
-
-// acc[m, n] for M rows of x against weight row n: two sets of accumulators (even and odd chunks), so one
-// chunk's FMAs need not wait for the last's.
+// acc[m, n] for M rows of x against weight row n, one chunk of 64 bytes at a time. A full chunk's group count
+// is per_chunk, not a division: two integer divisions per chunk took ~10% of a 2048 x 2048 call.
 template <int M, int BITS>
 inline void row_grouped(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
                         __m512i spread, int64_t n, float* acc) {
-  const int64_t chunks = (sh.row_bytes() + CHUNK - 1) / CHUNK;
-  __m512 a0[M], a1[M];
-  __m256 o0[M], o1[M];
+  const int64_t bytes = sh.row_bytes(), gb = sh.group_bytes();
+  const int64_t per_chunk = CHUNK / gb;  // groups a chunk holds (2, 4 or 8)
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 a[M];
+  __m256 off[M];
   for (int m = 0; m < M; ++m) {
-    a0[m] = a1[m] = _mm512_setzero_ps();
-    o0[m] = o1[m] = _mm256_setzero_ps();
+    a[m] = _mm512_setzero_ps();
+    off[m] = _mm256_setzero_ps();
   }
-  int64_t c = 0;
-  for (; c + 2 <= chunks; c += 2) {
-    chunk_grouped<M, BITS>(xr, wn, sn, on, sh, spread, c, a0, o0);
-    chunk_grouped<M, BITS>(xr, wn, sn, on, sh, spread, c + 1, a1, o1);
+  for (int64_t c = 0; c * CHUNK < bytes; ++c) {
+    const int64_t left = bytes - c * CHUNK;
+    const __mmask64 bmask = left >= CHUNK ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
+    const int64_t g0 = c * per_chunk;
+    const __mmask8 gmask = static_cast<__mmask8>((1u << (left >= CHUNK ? per_chunk : left / gb)) - 1);
+    const __m512i raw = _mm512_maskz_loadu_epi8(bmask, wn + c * CHUNK);
+    const __m256 sw = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(gmask, sn + g0));
+    const __m256 ow = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(gmask, on + g0));
+    __m512i lo, hi;
+    if constexpr (BITS == 4) {
+      lo = _mm512_and_si512(raw, low);
+      hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    } else {
+      lo = raw;
+    }
+    for (int m = 0; m < M; ++m) {
+      const int8_t* q = xr[m].q.data() + c * CHUNK * (BITS == 4 ? 2 : 1);
+      __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
+      if constexpr (BITS == 4) d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(q + CHUNK));
+      const __m256 sx = _mm256_maskz_loadu_ps(gmask, xr[m].s.data() + g0);
+      const __m512 f = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_mul_ps(sw, sx)));
+      a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), f, a[m]);
+      off[m] = _mm256_fmadd_ps(ow, _mm256_maskz_loadu_ps(gmask, xr[m].sums.data() + g0), off[m]);
+    }
   }
-  if (c < chunks) chunk_grouped<M, BITS>(xr, wn, sn, on, sh, spread, c, a0, o0);
   for (int m = 0; m < M; ++m) {
-    const __m256 off = _mm256_add_ps(o0[m], o1[m]);
-    const __m128 o4 = _mm_add_ps(_mm256_castps256_ps128(off), _mm256_extractf128_ps(off, 1));
+    const __m128 o4 = _mm_add_ps(_mm256_castps256_ps128(off[m]), _mm256_extractf128_ps(off[m], 1));
     __m128 o2 = _mm_add_ps(o4, _mm_movehl_ps(o4, o4));
     o2 = _mm_add_ss(o2, _mm_movehdup_ps(o2));
-    acc[m * sh.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m])) + _mm_cvtss_f32(o2);
+    acc[m * sh.N + n] = _mm512_reduce_add_ps(a[m]) + _mm_cvtss_f32(o2);
   }
 }
 #endif
@@ -223,7 +211,7 @@ inline void row_grouped(const XRow* xr, const uint8_t* wn, const at::Half* sn, c
 // vpmaddubsw sums two products in 16 bits with saturation: 4-bit codes (<= 15) times |q| <= 127 keep four
 // products (lo and hi nibbles' pairs added) exact; an 8-bit code is taken as 16 * high nibble + low nibble.
 template <int BITS>
-inline __m256i dot_half(const uint8_t* w, const int8_t* q) {
+__attribute__((always_inline)) inline __m256i dot_half(const uint8_t* w, const int8_t* q) {
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
   const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
@@ -252,20 +240,32 @@ inline void row_avx2(const XRow* xr, const uint8_t* wn, const at::Half* sn, cons
   }
   __m256 a[M][2], off[M];
   for (int m = 0; m < M; ++m) a[m][0] = a[m][1] = off[m] = _mm256_setzero_ps();
+  // The row's scales and offsets in fp32, zero past its groups, so each chunk reads 8 of each whole (AVX2 has no
+  // masked 16-bit loads); the offsets' lanes past a chunk's groups are masked off (their sums are another
+  // chunk's).
+  static thread_local std::vector<float> sf, of;
+  const int64_t ng = sh.groups();
+  sf.assign(ng + PAD, 0.0f);
+  of.assign(ng + PAD, 0.0f);
+  for (int64_t g = 0; g < ng; ++g) {
+    sf[g] = half_to_float(sn + g);
+    of[g] = half_to_float(on + g);
+  }
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 full = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(per_chunk)), lanes));
   alignas(32) uint8_t tail[CHUNK];
   for (int64_t c = 0; c * CHUNK < bytes; ++c) {
-    const int64_t left = std::min(CHUNK, bytes - c * CHUNK), groups = left / gb, g0 = c * per_chunk;
+    const int64_t left = std::min(CHUNK, bytes - c * CHUNK), g0 = c * per_chunk;
     const uint8_t* w = wn + c * CHUNK;
+    __m256 keep = full;
     if (left < CHUNK) {  // the row's last, short chunk: zeros past it (x is zero there too)
       std::memset(tail, 0, CHUNK);
       std::memcpy(tail, w, left);
       w = tail;
+      keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(left / gb)), lanes));
     }
-    alignas(16) uint16_t sh16[8] = {}, oh16[8] = {};
-    std::memcpy(sh16, sn + g0, groups * sizeof(uint16_t));
-    std::memcpy(oh16, on + g0, groups * sizeof(uint16_t));
-    const __m256 sw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(sh16)));
-    const __m256 ow = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(oh16)));
+    const __m256 sw = _mm256_loadu_ps(sf.data() + g0);
+    const __m256 ow = _mm256_and_ps(_mm256_loadu_ps(of.data() + g0), keep);
     for (int m = 0; m < M; ++m) {
       const int8_t* q = xr[m].q.data() + c * CHUNK * (BITS == 4 ? 2 : 1);
       const __m256 f = _mm256_mul_ps(sw, _mm256_loadu_ps(xr[m].s.data() + g0));
