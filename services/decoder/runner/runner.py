@@ -26,6 +26,7 @@ from services.decoder.model.glue import choose as choose_glue
 from services.decoder.model.linear import (
     choose_bf16_row,
     choose_gemv,
+    choose_grouped_matmul,
     choose_int8_gemm,
     pack_linears,
     quantize_linears,
@@ -54,7 +55,8 @@ class Runner:
         self.model = model
         declined = model.refused_features()
         for feature, asked, key in (("bf16", model.lm_head.weight.dtype == torch.bfloat16, "dtype"),
-                                    ("int8", quantization == "int8", "quantization")):
+                                    ("int8", quantization == "int8", "quantization"),
+                                    ("int4", quantization == "int4", "quantization")):
             if asked and feature in declined:
                 raise Unsupported(f"--{key} {feature}: {declined[feature]}", param=key)
         # Every load-time choice of a fast path, made under the pins and reported by GetModelInfo.
@@ -69,9 +71,10 @@ class Runner:
         # The matmul path per weight shape, chosen by timing at load (model/linear.py) unless pinned
         # (linear=packed or plain).
         pack_linears(model, plan)
-        # int8 weights: their matmul above the few-row kernel's rows, per shape by timing at many rows;
-        # before choose_gemv, which times the kernel against it.
+        # int8 and grouped (4-bit) weights: their matmul above the few-row kernel's rows, per shape by
+        # timing at many rows; before choose_gemv, which times the kernel against it.
         choose_int8_gemm(model, plan)
+        choose_grouped_matmul(model, plan)
         # Then the few-row kernel where it beats that path (decode at batch 1 to 4), by timing.
         choose_gemv(model, plan)
         # And its loop for bf16 activations over bf16 weights, by timing both at this model's weights.
