@@ -19,6 +19,9 @@ from services.common.errors import InvalidArgument, TesseraError, Unsupported
 from services.decoder.model.config import ModelConfig
 from services.decoder.model.decoder import CausalLM, StoredPart
 from services.decoder.model.families import model_class
+from services.decoder.model.gguf_blocks import GroupCodes
+from services.decoder.model.gguf_file import GGUFModel, is_gguf
+from services.decoder.model.linear import Linear
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -62,8 +65,16 @@ def check_folder(folder: str | Path) -> ModelConfig:
     return cfg
 
 
+def model_config(model: str | Path) -> ModelConfig:
+    """--model's ModelConfig: a folder's config.json, or a GGUF file's metadata (model/gguf_file.py)."""
+    return GGUFModel(model).config if is_gguf(model) else ModelConfig.from_folder(model)
+
+
 def load_model(folder: str | Path, dtype: str | torch.dtype = "fp32",
                device: str | torch.device = "cpu") -> CausalLM:
+    """The model of an HF folder, or of a GGUF file (a path ending in .gguf), on device in dtype."""
+    if is_gguf(folder):
+        return load_gguf(folder, dtype, device)
     folder, device = Path(folder), torch.device(device)
     dtype = resolve_dtype(dtype, device)
     cfg = ModelConfig.from_folder(folder)
@@ -100,6 +111,61 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "fp32",
         model.lm_head.weight = model.model.embed_tokens.weight
     model.setup_rotary(device)
     return model.eval()
+
+
+def check_gguf(path: str | Path) -> ModelConfig:
+    """What load_gguf refuses before it reads a weight: not a GGUF file, an architecture or a metadata value we
+    do not implement, a tensor type we do not load (each in one line naming the key, type or tensor)."""
+    gguf = GGUFModel(path)
+    gguf.check_types()
+    return gguf.config
+
+
+def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu") -> CausalLM:
+    """A GGUF file's model: float tensors in dtype as a folder's; quantized matrices of a Linear as grouped codes
+    (place_codes); a quantized embedding table as the rows its codes give, in dtype (a lookup reads a few rows,
+    not the table, so its bytes do not bound a step)."""
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, device)
+    gguf = GGUFModel(path)
+    gguf.check_types()
+    cfg = gguf.config
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    loaded: set[str] = set()
+    for stored in gguf.tensors():
+        name = stored.name
+        if name not in expected:
+            raise InvalidArgument(f"unexpected GGUF tensor {stored.stored!r} in {gguf.path.name} for a {cfg.family} "
+                                  "model")
+        if stored.shape != tuple(expected[name]):
+            raise InvalidArgument(f"GGUF tensor {stored.stored!r} has shape {stored.shape}, expected "
+                                  f"{tuple(expected[name])}")
+        owner = model.get_submodule(name.rpartition(".")[0])
+        if stored.quantized and isinstance(owner, Linear):
+            place_codes(owner, stored.codes(), dtype, device)
+        else:
+            tensor = stored.codes().dequantize() if stored.quantized else stored.dense()
+            _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
+        loaded.add(name)
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        raise InvalidArgument(f"{gguf.path.name} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.setup_rotary(device)
+    return model.eval()
+
+
+def place_codes(linear: Linear, codes: GroupCodes, dtype: torch.dtype, device: torch.device) -> None:
+    """Give a Linear the GGUF weight `codes` (model/gguf_blocks.py).
+
+    TEMPORARY: until the grouped Linear path exists, the weight is the dense matrix the grouped format computes
+    (scale and offset rounded to fp16, as it stores them), in dtype."""
+    linear.weight = nn.Parameter(codes.dequantize().to(device=device, dtype=dtype), requires_grad=False)
 
 
 # Qwen2-VL checkpoints: transformers 5 keeps the text model under model.language_model. in memory but
