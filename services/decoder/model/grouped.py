@@ -1,0 +1,152 @@
+"""Grouped weights (`--quantization int4`, and GGUF's 4- and 8-bit blocks): codes with a scale and an
+offset per group of inputs.
+
+A weight [N, K] is stored as unsigned `bits`-bit codes (4 or 8) and, per output row and group of
+`group` consecutive inputs (16 or 32; it divides K), an fp16 scale and offset:
+
+    w[n, k] = scale[n, k // group] * code[n, k] + offset[n, k // group],   0 <= code < 2**bits.
+
+At batch 1 a decode step reads every weight once, so its time is the bytes read: 4-bit codes with two
+fp16 numbers per 32 inputs are 5 bits a weight (llama.cpp's Q4_0 is 4.5, bf16 is 16). The kernel
+(kernels/gemv_grouped.h) computes per group scale * (x . code) + offset * sum(x), with sum(x) per group
+once per row of x.
+
+Storage (`GroupedWeight`):
+- bits 4: `codes` uint8 [N, K // 2]. Each group takes group / 2 bytes; byte j of a group holds the
+  group's code j in its low nibble and code j + group / 2 in its high nibble (llama.cpp's Q4_0 order),
+  so one AND and one shift of a vector of bytes give two runs of whole groups' codes.
+- bits 8: `codes` uint8 [N, K], one code a byte.
+- `scale`, `offset`: fp16 [N, K // group]. `pack` rounds what it is given to fp16. GGUF's K-quants give
+  each group a scale d * sc (a 6-bit sc times an fp16 super-block d) and an offset -dmin * m: rounded to
+  fp16, those are off by at most 2**-11 of themselves, far below a 4-bit step (1/15 of the group's
+  range), so one storage serves every format the GGUF loader maps here.
+
+`quantize` is what `--quantization int4` does to a checkpoint's float weights: asymmetric min/max per
+group. `dequantize` is the torch reference the kernels are tested against; `grouped_linear` is the
+matmul by whichever path the caller names (model/linear.py chooses one per shape at load).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+BITS = (4, 8)
+GROUPS = (16, 32)
+
+
+@dataclass(frozen=True)
+class GroupedWeight:
+    """codes uint8 [N, K * bits // 8] (layout in the module docstring); scale, offset fp16 [N, K // group]."""
+    bits: int
+    group: int
+    out_features: int
+    in_features: int
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+
+    def __post_init__(self) -> None:
+        n, k, g = self.out_features, self.in_features, self.group
+        if self.bits not in BITS:
+            raise ValueError(f"grouped weight: bits {self.bits}: expected one of {BITS}")
+        if g not in GROUPS or k % g:
+            raise ValueError(f"grouped weight: group {g} must be one of {GROUPS} and divide in_features {k}")
+        if self.codes.dtype != torch.uint8 or tuple(self.codes.shape) != (n, k * self.bits // 8):
+            raise ValueError(f"grouped weight: codes must be uint8 [{n}, {k * self.bits // 8}], "
+                             f"got {self.codes.dtype} {list(self.codes.shape)}")
+        for name in ("scale", "offset"):
+            t = getattr(self, name)
+            if t.dtype != torch.float16 or tuple(t.shape) != (n, k // g):
+                raise ValueError(f"grouped weight: {name} must be float16 [{n}, {k // g}], "
+                                 f"got {t.dtype} {list(t.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
+
+    def describe(self) -> str:
+        return f"int{self.bits}/g{self.group}"
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, group: int) -> GroupedWeight:
+    """codes [N, K] (one unsigned code a byte, < 2**bits), scale and offset [N, K // group] (any float
+    dtype; rounded to fp16 here) -> the GroupedWeight they describe."""
+    if codes.dim() != 2:
+        raise ValueError(f"grouped weight: codes must be [N, K], got {list(codes.shape)}")
+    n, k = codes.shape
+    if bits not in BITS:
+        raise ValueError(f"grouped weight: bits {bits}: expected one of {BITS}")
+    if group not in GROUPS or k % group:
+        raise ValueError(f"grouped weight: group {group} must be one of {GROUPS} and divide in_features {k}")
+    c = codes.to(torch.int32)
+    if c.numel() and (int(c.min()) < 0 or int(c.max()) >= 1 << bits):
+        raise ValueError(f"grouped weight: codes must lie in [0, {1 << bits})")
+    s16, o16 = scale.to(torch.float16).contiguous(), offset.to(torch.float16).contiguous()
+    if not (torch.isfinite(s16).all() and torch.isfinite(o16).all()):
+        raise ValueError("grouped weight: a scale or offset is not finite in fp16")
+    if bits == 4:
+        halves = c.view(n, k // group, 2, group // 2)
+        packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
+    else:
+        packed = c
+    return GroupedWeight(bits, group, n, k, packed.to(torch.uint8).contiguous(), s16, o16)
+
+
+def unpack_codes(gw: GroupedWeight) -> torch.Tensor:
+    """The codes as given to pack: uint8 [N, K]."""
+    n, k, g = gw.out_features, gw.in_features, gw.group
+    if gw.bits == 8:
+        return gw.codes.clone()
+    b = gw.codes.view(n, k // g, 1, g // 2)
+    return torch.cat([b & 0x0F, b >> 4], dim=2).reshape(n, k)
+
+
+def dequantize(gw: GroupedWeight) -> torch.Tensor:
+    """fp32 [N, K]: scale * code + offset per group, in fp32 from the fp16 scale and offset."""
+    n, k, g = gw.out_features, gw.in_features, gw.group
+    c = unpack_codes(gw).float().view(n, k // g, g)
+    return (c * gw.scale.float()[:, :, None] + gw.offset.float()[:, :, None]).view(n, k)
+
+
+@torch.no_grad()
+def quantize(weight: torch.Tensor, bits: int = 4, group: int = 32) -> GroupedWeight:
+    """weight [N, K] float -> GroupedWeight: per group, offset = min, scale = (max - min) / (2**bits - 1),
+    both rounded to fp16 first; code = round((w - offset) / scale) clamped to [0, 2**bits). A constant
+    group (scale 0 in fp16) gets codes 0."""
+    if weight.dim() != 2 or weight.shape[1] % group:
+        raise ValueError(f"grouped weight: group {group} must divide in_features {weight.shape[-1]}")
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // group, group)
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    top = (1 << bits) - 1
+    offset = lo.to(torch.float16).float()
+    scale = ((hi - offset) / top).to(torch.float16).float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((w - offset[:, :, None]) / safe[:, :, None]).clamp_(0, top)
+    codes = torch.where(scale[:, :, None] > 0, codes, torch.zeros_like(codes))
+    return pack(codes.to(torch.uint8).view(n, k), scale, offset, bits, group)
+
+
+def round_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] -> fp32 [M, K], each group of `group` inputs rounded to int8 steps of max|group| / 127 (1 for
+    an all-zero group), ties to even: what the few-row kernel multiplies the codes with."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // group, group)
+    amax = blocks.abs().amax(dim=2, keepdim=True)
+    step = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return (torch.round(blocks / step).clamp(-127, 127) * step).view(m, k)
+
+
+def grouped_linear_ref(x: torch.Tensor, gw: GroupedWeight, bias: torch.Tensor | None = None,
+                       rounded: bool = False) -> torch.Tensor:
+    """The torch reference, fp32 [M, N]: F.linear over the dequantized weight; rounded: of x rounded as
+    the few-row kernel does (round_groups)."""
+    xf = round_groups(x, gw.group) if rounded else x.float()
+    return F.linear(xf, dequantize(gw), None if bias is None else bias.float())
+
+
+def dequantized_linear(x: torch.Tensor, gw: GroupedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Many rows: the weight dequantized to x's dtype, then the library matmul. x [M, K] -> [M, N]."""
+    return F.linear(x, dequantize(gw).to(x.dtype), None if bias is None else bias.to(x.dtype))
