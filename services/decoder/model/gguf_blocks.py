@@ -1,5 +1,8 @@
 """llama.cpp's quantized blocks -> (codes, scale, offset) of the grouped weight format (model/grouped.py).
 
+Decoding is numpy over whole tensors (no loop over blocks): each type's block layout is split into its byte
+fields, the codes unpacked by shifts and masks, the scales read as fp16 and multiplied out in fp32.
+
 A GGUF weight [N, K] is stored row by row, each row as K / block_size blocks of type_size bytes. Every type
 decoded here computes w = scale * code + offset with one (scale, offset) per group of G consecutive weights
 of a row, which is exactly the grouped format's `w = scale[n, k // G] * code + offset[n, k // G]`:
@@ -29,34 +32,15 @@ refuses the rest before reading a weight.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from services.decoder.model import grouped
+from services.decoder.model.grouped import GroupedWeight
+
 T = GGMLQuantizationType
 QK_K = 256
-
-
-@dataclass(frozen=True)
-class GroupCodes:
-    """One weight [N, K] as grouped codes: w[n, k] = scale[n, k // group] * codes[n, k] + offset[n, k // group].
-
-    codes: uint8 [N, K] in [0, 2**bits); scale, offset: fp32 [N, K // group] (their fp16 rounding is the
-    grouped format's, see the module docstring)."""
-
-    codes: torch.Tensor
-    scale: torch.Tensor
-    offset: torch.Tensor
-    bits: int
-    group: int
-
-    def dequantize(self) -> torch.Tensor:
-        """The fp32 weight [N, K] the grouped format computes with (scale and offset rounded to fp16)."""
-        scale = self.scale.half().float().repeat_interleave(self.group, dim=1)
-        offset = self.offset.half().float().repeat_interleave(self.group, dim=1)
-        return scale * self.codes.float() + offset
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -159,14 +143,14 @@ def block_size(qtype: GGMLQuantizationType) -> int:
     return GGML_QUANT_SIZES[qtype][0]
 
 
-def decode(raw: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int) -> GroupCodes:
-    """A quantized weight's bytes (uint8, rows * cols / block * type_size of them, any shape) -> GroupCodes
-    of the weight [rows, cols]. qtype must be in SUPPORTED."""
+def decode(raw: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int) -> GroupedWeight:
+    """A quantized weight's bytes (uint8, rows * cols / block * type_size of them, any shape) -> the grouped
+    weight [rows, cols] (grouped.pack: scale and offset rounded to fp16 there). qtype must be in SUPPORTED."""
     fn, bits, group = _DECODERS[qtype]
     size, type_size = GGML_QUANT_SIZES[qtype]
     blocks = np.asarray(raw, dtype=np.uint8).reshape(rows * cols // size, type_size)
     codes, scale, offset = fn(blocks)
-    return GroupCodes(codes=torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8).reshape(rows, cols)),
-                      scale=torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, -1)),
-                      offset=torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32).reshape(rows, -1)),
-                      bits=bits, group=group)
+    return grouped.pack(torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8).reshape(rows, cols)),
+                        torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, -1)),
+                        torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32).reshape(rows, -1)),
+                        bits, group)

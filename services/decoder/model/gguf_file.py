@@ -5,6 +5,8 @@ What loads: architectures `llama` (Llama, Mistral and the other Llama-layer mode
 `qwen2`. Their metadata keys become config.json's (`{arch}.embedding_length` -> hidden_size, ...) and
 ModelConfig.from_dict validates them as it validates a folder's config, so a GGUF model is refused for the same
 reasons a folder is. Tied embeddings: the file has no `output.weight` (llama.cpp's rule, and transformers').
+Llama 3's RoPE: the converter stores no llama3 parameters but a `rope_freqs.weight` tensor of per-frequency
+divisors, which becomes the config's RoPE as llama.cpp applies it (model/rope.py FREQ_FACTORS).
 
 Tensor names map one to one (`blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`, TENSOR_NAMES).
 llama.cpp's converter permutes the rows of a llama's Q and K projections (its rotary pairs (i, i + d/2) of a
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,10 +30,13 @@ from gguf import GGMLQuantizationType, GGUFReader
 
 from services.common.errors import InvalidArgument, Unsupported
 from services.decoder.model import gguf_blocks
+from services.decoder.model import rope as rope_recipes
 from services.decoder.model.config import ModelConfig
-from services.decoder.model.gguf_blocks import GroupCodes
+from services.decoder.model.grouped import GroupedWeight
+from services.decoder.model.rope import RopeScaling
 
 ARCHITECTURES = ("llama", "qwen2")
+FREQS = "rope_freqs.weight"
 SUFFIX = ".gguf"
 
 # GGUF tensor name (blk.N. prefix dropped) -> ours (model.layers.N. prefix dropped); the rest are whole-model.
@@ -96,14 +101,14 @@ class StoredTensor:
     def dense(self) -> torch.Tensor:
         """The tensor [shape] in its stored float type (fp32, fp16 or bf16), copied out of the map."""
         if self.quantized:
-            raise ValueError(f"{self.stored} is {self.qtype.name}: read it with codes()")
+            raise ValueError(f"{self.stored} is {self.qtype.name}: read it with grouped()")
         rows = np.ascontiguousarray(self._rows())
         if self.qtype == GGMLQuantizationType.BF16:
             return torch.from_numpy(rows.view(np.int16).copy()).view(torch.bfloat16).reshape(self.shape)
         return torch.from_numpy(rows.copy()).reshape(self.shape)
 
-    def codes(self) -> GroupCodes:
-        """The quantized matrix [out, in] as grouped codes (model/gguf_blocks.py)."""
+    def grouped(self) -> GroupedWeight:
+        """The quantized matrix [out, in] as a grouped weight (model/gguf_blocks.py)."""
         out, cols = self.shape
         return gguf_blocks.decode(self._rows(), self.qtype, out, cols)
 
@@ -128,7 +133,7 @@ class GGUFModel:
             raise Unsupported(f"{self.path.name}: GGUF architecture {self.arch!r} is not supported "
                               f"(supported: {', '.join(ARCHITECTURES)})")
         self._stored = {t.name: t for t in self.reader.tensors}
-        self.config = ModelConfig.from_dict(self._config_json(), {})
+        self.config = self._with_freq_factors(ModelConfig.from_dict(self._config_json(), {}))
 
     @property
     def chat_template(self) -> str | None:
@@ -173,11 +178,24 @@ class GGUFModel:
         eos = [self.metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         raw["eos_token_id"] = list(dict.fromkeys(int(e) for e in eos if e is not None)) or None
         raw["bos_token_id"] = self.metadata.get("tokenizer.ggml.bos_token_id")
-        if "rope_freqs.weight" in self._stored:
-            # Llama 3's RoPE bands, which the converter stores as per-frequency divisors, not as parameters.
-            raise Unsupported(f"{self.path.name}: GGUF tensor rope_freqs.weight (RoPE frequency factors) is not "
-                              "supported")
         return raw
+
+    def _with_freq_factors(self, cfg: ModelConfig) -> ModelConfig:
+        """cfg with the file's rope_freqs tensor as its RoPE: how llama.cpp's converter stores Llama 3's bands
+        (per-frequency divisors, computed from the checkpoint's llama3 parameters, not the parameters)."""
+        stored = self._stored.get(FREQS)
+        if stored is None:
+            return cfg
+        if cfg.rope is not None and cfg.rope.kind != "default":
+            raise Unsupported(f"{self.path.name}: GGUF tensor {FREQS} with rope.scaling.type {cfg.rope.kind!r} is "
+                              "not supported")
+        if stored.tensor_type != GGMLQuantizationType.F32:
+            raise Unsupported(f"{self.path.name}: GGUF tensor {FREQS} has type {stored.tensor_type.name}, "
+                              "expected F32")
+        rope = replace(cfg.rope or RopeScaling(theta=cfg.rope_theta), kind=rope_recipes.FREQ_FACTORS,
+                       freq_factors=tuple(float(f) for f in np.asarray(stored.data, dtype=np.float32).ravel()))
+        rope_recipes.check_dims(rope, cfg.head_dim)
+        return replace(cfg, rope=rope)
 
     def _rope_scaling(self) -> dict | None:
         kind = self._key("rope.scaling.type", "none")
@@ -208,6 +226,8 @@ class GGUFModel:
         module of ours is refused (serving without it would compute another model)."""
         cfg = self.config
         for t in self.reader.tensors:
+            if t.name == FREQS:
+                continue     # the config's RoPE (_with_freq_factors)
             name = our_name(t.name)
             if name is None:
                 raise InvalidArgument(f"{self.path.name}: unexpected GGUF tensor {t.name!r} for a {self.arch} model")

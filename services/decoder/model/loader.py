@@ -16,11 +16,12 @@ from torch import nn
 
 from services.common import dtypes
 from services.common.errors import InvalidArgument, TesseraError, Unsupported
+from services.decoder.model import grouped
 from services.decoder.model.config import ModelConfig
 from services.decoder.model.decoder import CausalLM, StoredPart
 from services.decoder.model.families import model_class
-from services.decoder.model.gguf_blocks import GroupCodes
 from services.decoder.model.gguf_file import GGUFModel, is_gguf
+from services.decoder.model.grouped import GroupedWeight
 from services.decoder.model.linear import Linear
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
@@ -123,7 +124,7 @@ def check_gguf(path: str | Path) -> ModelConfig:
 
 def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu") -> CausalLM:
     """A GGUF file's model: float tensors in dtype as a folder's; quantized matrices of a Linear as grouped codes
-    (place_codes); a quantized embedding table as the rows its codes give, in dtype (a lookup reads a few rows,
+    (place_grouped); a quantized embedding table as the rows its codes give, in dtype (a lookup reads a few rows,
     not the table, so its bytes do not bound a step)."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
@@ -146,9 +147,9 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32", device: str |
                                   f"{tuple(expected[name])}")
         owner = model.get_submodule(name.rpartition(".")[0])
         if stored.quantized and isinstance(owner, Linear):
-            place_codes(owner, stored.codes(), dtype, device)
+            place_grouped(owner, stored.grouped(), dtype, device)
         else:
-            tensor = stored.codes().dequantize() if stored.quantized else stored.dense()
+            tensor = grouped.dequantize(stored.grouped()) if stored.quantized else stored.dense()
             _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
         loaded.add(name)
     missing = sorted(set(expected) - loaded)
@@ -160,12 +161,12 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32", device: str |
     return model.eval()
 
 
-def place_codes(linear: Linear, codes: GroupCodes, dtype: torch.dtype, device: torch.device) -> None:
-    """Give a Linear the GGUF weight `codes` (model/gguf_blocks.py).
+def place_grouped(linear: Linear, weight: GroupedWeight, dtype: torch.dtype, device: torch.device) -> None:
+    """Give a Linear the GGUF weight as a grouped weight (model/gguf_blocks.py).
 
     TEMPORARY: until the grouped Linear path exists, the weight is the dense matrix the grouped format computes
     (scale and offset rounded to fp16, as it stores them), in dtype."""
-    linear.weight = nn.Parameter(codes.dequantize().to(device=device, dtype=dtype), requires_grad=False)
+    linear.weight = nn.Parameter(grouped.dequantize(weight).to(device=device, dtype=dtype), requires_grad=False)
 
 
 # Qwen2-VL checkpoints: transformers 5 keeps the text model under model.language_model. in memory but

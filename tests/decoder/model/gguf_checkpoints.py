@@ -14,6 +14,7 @@ every code, scale and min drawn at random, the super-block scales finite.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,31 @@ def permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarr
     return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
             .swapaxes(1, 2)
             .reshape(weights.shape))
+
+
+def llama3_rope_factors(cfg: dict) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors for rope_type llama3: rope_freqs.weight."""
+    rope_params = cfg["rope_parameters"]
+    base = rope_params.get("rope_theta", 10000.0)
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = rope_params.get("factor", 8.0)
+    low_freq_factor = rope_params.get("low_freq_factor", 1.0)
+    high_freq_factor = rope_params.get("high_freq_factor", 4.0)
+    old_context_len = rope_params.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    rope_factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            rope_factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            rope_factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(rope_factors, dtype=np.float32)
 
 
 def gguf_name(name: str) -> str:
@@ -83,6 +109,9 @@ def from_checkpoint(folder: Path, out: Path, qtype: T = T.F32) -> Path:
     state = load_file(folder / "model.safetensors")
     w = GGUFWriter(out, arch)
     _metadata(w, arch, cfg)
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
     for name, t in state.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
@@ -103,8 +132,9 @@ def random_blocks(rows: int, cols: int, qtype: T, rng: np.random.Generator) -> n
     size, type_size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows * cols // size, type_size), dtype=np.uint8)
     # Q6_K: d * sc * (q - 32) with |sc| < 128, |q - 32| <= 32; Q4_K/Q5_K: d * sc * q - dmin * m with sc, m < 64
-    # and q < 16 (32): dmin = d * 7.5 (15) centres the weights about 0.
-    d = rng.uniform(5e-6, 2e-5, raw.shape[0]) if qtype == T.Q6_K else rng.uniform(5e-5, 2e-4, raw.shape[0])
+    # and q < 16 (32): dmin = d * 7.5 (15.5) centres the weights about 0. d is sized for a weight std near 0.15.
+    top = {T.Q4_K: 9e-4, T.Q5_K: 4e-4, T.Q6_K: 1.6e-4}[qtype]
+    d = rng.uniform(top / 4, top, raw.shape[0])
     halves = [(0, d)] if qtype != T.Q6_K else [(208, d)]
     if qtype != T.Q6_K:
         halves.append((2, d * (7.5 if qtype == T.Q4_K else 15.5)))

@@ -14,7 +14,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, dequantize, quantize
 from gguf import GGMLQuantizationType as T
 
-from services.decoder.model import gguf_blocks
+from services.decoder.model import gguf_blocks, grouped
 
 ROWS, COLS = 6, 512
 EXACT = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
@@ -51,20 +51,19 @@ def test_codes_reproduce_gguf_dequantize(qtype):
     raw = _bytes(qtype, seed=int(qtype))
     expected = torch.from_numpy(dequantize(raw, qtype))
     got = gguf_blocks.decode(raw, qtype, ROWS, COLS)
-    assert got.codes.dtype == torch.uint8 and got.codes.shape == (ROWS, COLS)
-    assert int(got.codes.max()) < 2 ** got.bits
-    assert got.scale.shape == got.offset.shape == (ROWS, COLS // got.group)
-    ours = got.dequantize()
+    codes = grouped.unpack_codes(got)
+    assert (got.out_features, got.in_features) == (ROWS, COLS) and int(codes.max()) < 2 ** got.bits
+    ours = grouped.dequantize(got)
     if qtype in EXACT:
         assert torch.equal(ours, expected), qtype.name
         return
-    # Each of scale and offset is rounded once to fp16 (relative 2^-11); gguf's own fp32 products and
-    # difference add at most 2 fp32 roundings (2^-24 each) of the same magnitudes.
-    scale = got.scale.repeat_interleave(got.group, dim=1)
-    offset = got.offset.repeat_interleave(got.group, dim=1)
-    bound = (2.0 ** -11 + 2.0 ** -23) * ((scale * got.codes.float()).abs() + offset.abs())
+    # Each of scale and offset was rounded once to fp16 (relative 2^-11, so within (1 + 2^-10) 2^-11 of the
+    # stored values); gguf's own fp32 products and difference add at most 2 fp32 roundings (2^-24 each).
+    scale = got.scale.float().repeat_interleave(got.group, dim=1)
+    offset = got.offset.float().repeat_interleave(got.group, dim=1)
+    bound = (2.0 ** -11 * (1 + 2.0 ** -10) + 2.0 ** -23) * ((scale * codes.float()).abs() + offset.abs())
     assert bool(((ours - expected).abs() <= bound).all()), qtype.name
-    # The bound is not vacuous: the rounding is real for most groups but small against the weights.
+    # The rounding is real but small against the weights.
     assert float((ours - expected).abs().max()) < 1e-2 * float(expected.abs().max())
 
 
@@ -72,7 +71,7 @@ def test_q8_codes_are_offset_int8():
     raw = _bytes(T.Q8_0, seed=1)
     got = gguf_blocks.decode(raw, T.Q8_0, ROWS, COLS)
     q = torch.from_numpy(np.ascontiguousarray(raw.reshape(-1, 34)[:, 2:]).view(np.int8).astype(np.int16))
-    assert torch.equal(got.codes.reshape(-1, 32).to(torch.int16) - 128, q)
+    assert torch.equal(grouped.unpack_codes(got).reshape(-1, 32).to(torch.int16) - 128, q)
 
 
 def test_unsupported_types_are_not_decoded():
