@@ -45,6 +45,9 @@ PATHS: dict[str, tuple[str, ...]] = {
     "gemv": ("off", "on"),
     # decoder: the few-row kernel's loop for bf16 x over bf16 weights (services/decoder/model/linear.py)
     "gemv_bf16_row": ("rowwise", "interleave4"),
+    # decoder: many rows over grouped 4-bit weights: dequantized for the library matmul, or torch's 4-bit
+    # kernel (services/decoder/model/linear.py, choose_grouped_matmul)
+    "grouped_matmul": ("dequant", "int4pack"),
     # decoder: RMSNorm and SiLU(gate) * up by torch's ops or the C++ row ops (services/decoder/model/glue.py)
     "glue": ("torch", "cpp"),
     # decoder: decode attention (services/decoder/runner/attention.py)
@@ -64,8 +67,8 @@ PATHS: dict[str, tuple[str, ...]] = {
 }
 
 # The paths each service runs.
-DECODER = ("linear", "gemv", "gemv_bf16_row", "glue", "attention", "decode_stack", "screen", "grammar_mask",
-           "huge_pages", "malloc")
+DECODER = ("linear", "gemv", "gemv_bf16_row", "grouped_matmul", "glue", "attention", "decode_stack", "screen",
+           "grammar_mask", "huge_pages", "malloc")
 POOLING = ("linear", "encoder_attention", "malloc")
 
 

@@ -10,6 +10,7 @@ fast paths that do not compute its math (`unsupported`).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +23,10 @@ from services.decoder.model.linear import Linear
 from services.decoder.model.rotary import Rotary
 
 # Engine features a family may decline in refused_features(), each refused at load with the family's
-# reason: the bf16 dtype and int8 weights (runner/runner.py) and LoRA adapters (lora/bank.py). The rest
+# reason: the bf16 dtype and int8 or int4 weights (runner/runner.py) and LoRA adapters (lora/bank.py). The rest
 # (chunked prefill, prefix caching, preemption, n > 1, sampling, logprobs, structured outputs, speculative
 # decoding) act on tokens, KV blocks and logits only, so every family whose forward the runner runs serves them.
-DECLINABLE = ("bf16", "int8", "lora")
+DECLINABLE = ("bf16", "int8", "int4", "lora")
 
 
 @dataclass(frozen=True)
@@ -80,13 +81,18 @@ class CausalLM(nn.Module):
         summary for the log."""
         params = [p for p in self.parameters() if p.numel()]
         quantized = [m for m in self.modules() if isinstance(m, Linear) and m.qweight is not None]
-        tensors = [p.data for p in params] + [t for m in quantized for t in (m.qweight, m.qscale)]
+        grouped = [m for m in self.modules() if isinstance(m, Linear) and m.grouped is not None]
+        tensors = [p.data for p in params] + [t for m in quantized for t in (m.qweight, m.qscale)] + \
+            [t for m in grouped for t in (m.grouped.codes, m.grouped.scale, m.grouped.offset)]
         self.arena, views, summary = arena.place(tensors, huge_pages)
-        n = len(params)
+        n, q = len(params), len(params) + 2 * len(quantized)
         for p, v in zip(params, views[:n], strict=True):
             p.data = v
-        for m, q, s in zip(quantized, views[n::2], views[n + 1::2], strict=True):
-            m.qweight, m.qscale = q, s
+        for m, qw, s in zip(quantized, views[n:q:2], views[n + 1:q:2], strict=True):
+            m.qweight, m.qscale = qw, s
+        for i, m in enumerate(grouped):
+            codes, scale, offset = views[q + 3 * i:q + 3 * i + 3]
+            m.grouped = dataclasses.replace(m.grouped, codes=codes, scale=scale, offset=offset)
         return summary
 
     def use_native_glue(self, norm: bool, act: bool) -> None:

@@ -24,6 +24,10 @@ Storage (`GroupedWeight`):
 `quantize` is what `--quantization int4` does to a checkpoint's float weights: asymmetric min/max per
 group. `dequantize` is the torch reference the kernels are tested against; `grouped_linear` is the
 matmul by whichever path the caller names (model/linear.py chooses one per shape at load).
+
+torch's 4-bit kernel computes w = (code - 8) * scale + zero with scale and zero in x's dtype: zero is
+offset + 8 * scale here. For fp32 x that is the same weight; for bf16 x, scale and zero are rounded to
+bf16 (relative 2**-9, still well below a 4-bit step).
 """
 from __future__ import annotations
 
@@ -32,8 +36,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.decoder.kernels import gemv_grouped_cpu
+
 BITS = (4, 8)
 GROUPS = (16, 32)
+# The matmul paths over a grouped weight: the few-row kernel (kernels/gemv_grouped_cpu, up to its MAX_ROWS),
+# and for more rows the weight dequantized to x's dtype and the library matmul, or torch's own 4-bit kernel
+# (aten._weight_int4pack_mm_for_cpu) over its packing of the weight (`Int4Pack`), where the weight fits it.
+PATHS = ("gemv", "dequant", "int4pack")
+# What torch's 4-bit kernel takes: groups of 32 (or more), out_features a multiple of 16.
+INT4PACK_GROUP, INT4PACK_N = 32, 16
 
 
 @dataclass(frozen=True)
@@ -150,3 +162,44 @@ def grouped_linear_ref(x: torch.Tensor, gw: GroupedWeight, bias: torch.Tensor | 
 def dequantized_linear(x: torch.Tensor, gw: GroupedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Many rows: the weight dequantized to x's dtype, then the library matmul. x [M, K] -> [M, N]."""
     return F.linear(x, dequantize(gw).to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+@dataclass(frozen=True)
+class Int4Pack:
+    """torch's packing of a 4-bit, group-32 GroupedWeight for aten._weight_int4pack_mm_for_cpu: weight (opaque
+    uint8) and scales_and_zeros [K // 32, N, 2] in the activations' dtype."""
+    weight: torch.Tensor
+    scales_and_zeros: torch.Tensor
+
+
+def int4pack_fits(gw: GroupedWeight) -> bool:
+    """Whether torch's 4-bit kernel takes gw: 4-bit codes, groups of INT4PACK_GROUP, N a multiple of INT4PACK_N."""
+    return gw.bits == 4 and gw.group == INT4PACK_GROUP and gw.out_features % INT4PACK_N == 0
+
+
+def int4pack(gw: GroupedWeight, dtype: torch.dtype) -> Int4Pack:
+    """gw (int4pack_fits) in torch's packing, for activations of `dtype`."""
+    if not int4pack_fits(gw):
+        raise ValueError(f"int4pack: {gw.describe()} {gw.out_features}x{gw.in_features} does not fit torch's "
+                         f"4-bit kernel (4-bit, groups of {INT4PACK_GROUP}, out_features a multiple of {INT4PACK_N})")
+    weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_codes(gw).to(torch.int32), 1)
+    s, o = gw.scale.float(), gw.offset.float()
+    sz = torch.stack([s, o + 8 * s], dim=2).transpose(0, 1).contiguous().to(dtype)
+    return Int4Pack(weight, sz)
+
+
+def grouped_linear(x: torch.Tensor, gw: GroupedWeight, bias: torch.Tensor | None = None, path: str = "dequant",
+                   packed: Int4Pack | None = None) -> torch.Tensor:
+    """x [M, K] (fp32 or bf16) -> [M, N] in x's dtype = x @ w^T + bias, by `path` (PATHS): gemv (M <= 4 rows; x
+    rounded to int8 per group, kernels/gemv_grouped_cpu), dequant, or int4pack (packed = int4pack(gw, x.dtype))."""
+    if path == "gemv":
+        return gemv_grouped_cpu.gemv_grouped(x, gw.codes, gw.scale, gw.offset, gw.bits, gw.group, bias)
+    if path == "dequant":
+        return dequantized_linear(x, gw, bias)
+    if path == "int4pack":
+        if packed is None:
+            raise ValueError("grouped_linear: the int4pack path needs the weight's Int4Pack")
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed.weight, INT4PACK_GROUP,
+                                                       packed.scales_and_zeros.to(x.dtype))
+        return y if bias is None else y.add_(bias.to(y.dtype))
+    raise ValueError(f"grouped_linear: path {path!r}: expected one of {', '.join(PATHS)}")

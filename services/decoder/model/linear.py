@@ -19,6 +19,11 @@ module of a shape (as a forward would stream them, not one weight hot in cache) 
 and each Linear keeps `gemv_rows`: up to how many rows the kernel runs. For bf16 activations over bf16
 weights the kernel has two loops (gemv_cpu.BF16_ROWS) whose speed depends on the CPU; `choose_bf16_row`
 times both over the model's weights and each Linear keeps `bf16_row`.
+
+A Linear may instead hold a grouped 4/8-bit weight (model/grouped.py: `--quantization int4`, or a GGUF
+file's blocks through `set_grouped`): few rows run kernels/gemv_grouped_cpu (choose_gemv times it as it
+times gemv_cpu), more rows the weight dequantized for the library matmul or torch's own 4-bit kernel,
+whichever `choose_grouped_matmul` measured faster at load for the shape (`grouped_path`).
 """
 from __future__ import annotations
 
@@ -33,8 +38,9 @@ from torch import nn
 
 from services.common import linear_path, native
 from services.common import plan as execution
-from services.decoder.kernels import gemv_cpu
-from services.decoder.model import moe, quantization
+from services.decoder.kernels import gemv_cpu, gemv_grouped_cpu
+from services.decoder.model import grouped, moe, quantization
+from services.decoder.model.grouped import GroupedWeight, Int4Pack
 from services.decoder.model.moe import Experts
 
 log = logging.getLogger("tessera.linear")
@@ -51,7 +57,10 @@ class Linear(nn.Linear):
     rule: linear_path.Rule | None = None
     qweight: torch.Tensor | None = None     # [out, in] int8 (quantization.quantize)
     qscale: torch.Tensor | None = None      # [out]
-    gemv_rows: int = 0                       # rows up to which gemv_cpu runs (choose_gemv)
+    grouped: GroupedWeight | None = None     # 4/8-bit groups (model/grouped.py) instead of a dense weight
+    grouped_path: str = "dequant"            # its matmul above gemv_rows (choose_grouped_matmul)
+    int4pack: Int4Pack | None = None         # torch's packing of `grouped`, where grouped_path is int4pack
+    gemv_rows: int = 0                       # rows up to which gemv_cpu (gemv_grouped_cpu) runs (choose_gemv)
     bf16_row: str = gemv_cpu.BF16_ROWS[0]    # its loop for bf16 x over a bf16 weight (choose_bf16_row)
     lora: RowCorrection | None = None        # each row's adapter correction, once an adapter bank installs it
 
@@ -71,6 +80,8 @@ class Linear(nn.Linear):
         packed = self.packed
         if 0 < x.shape[0] <= self.gemv_rows:
             y = self.gemv(x)
+        elif self.grouped is not None:
+            y = grouped.grouped_linear(x, self.grouped, self.bias, self.grouped_path, self.int4pack)
         elif self.qweight is not None:
             y = quantization.int8_linear(x, self.qweight, self.qscale, self.bias)
         elif packed is not None and self.rule.use_packed(x.shape[0]):
@@ -86,7 +97,9 @@ class Linear(nn.Linear):
         self.packed = plan.pack(self.weight, self.bias) if self.rule.ever_packed else None
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """The few-row kernel over whichever weight this Linear holds (int8 with its scales)."""
+        """The few-row kernel over whichever weight this Linear holds (int8 with its scales, or grouped)."""
+        if self.grouped is not None:
+            return grouped.grouped_linear(x, self.grouped, self.bias, "gemv")
         if self.qweight is not None:
             return gemv_cpu.gemv(x, self.qweight, self.qscale, self.bias)
         return gemv_cpu.gemv(x, self.weight, None, self.bias, self.bf16_row)
@@ -95,6 +108,17 @@ class Linear(nn.Linear):
     def quantize(self, release: bool) -> None:
         """Switch to the int8 path; release: drop the dense weight (nothing else reads it)."""
         self.qweight, self.qscale = quantization.quantize(self.weight)
+        if release:
+            self.release()
+
+    @torch.no_grad()
+    def set_grouped(self, gw: GroupedWeight, release: bool = True) -> None:
+        """Hold gw (out_features x in_features) as the weight: the grouped paths run from now on; release: drop
+        the dense weight (its dtype stays the activations' dtype)."""
+        if (gw.out_features, gw.in_features) != (self.out_features, self.in_features):
+            raise ValueError(f"grouped weight {gw.out_features}x{gw.in_features} for a "
+                             f"{self.out_features}x{self.in_features} linear")
+        self.grouped, self.grouped_path, self.int4pack = gw, "dequant", None
         if release:
             self.release()
 
@@ -133,12 +157,21 @@ def quantize_linears(model: nn.Module, mode: str) -> str:
         raise ValueError(f"--quantization {mode} runs on CPU only (the weights are on {', '.join(sorted(devices))})")
     # A weight that some other module also holds (a tied LM head's embedding table) stays.
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
-    chosen = [m for m in linears if quantization.eligible(m.weight)]
-    for m in chosen:
-        m.quantize(release=id(m.weight) not in shared)
-    left = f"; {len(linears) - len(chosen)} dense (in_features not a multiple of {quantization.K_MULTIPLE})" \
+    if mode == "int4":
+        chosen = [m for m in linears if m.in_features % quantization.INT4_GROUP == 0]
+        for m in chosen:
+            m.set_grouped(grouped.quantize(m.weight, 4, quantization.INT4_GROUP), release=id(m.weight) not in shared)
+        multiple = quantization.INT4_GROUP
+        experts = sum(isinstance(m, Experts) for m in model.modules())
+        rest = f"; experts of {experts} layers dense (int4 covers the linears)" if experts else ""
+    else:
+        chosen = [m for m in linears if quantization.eligible(m.weight)]
+        for m in chosen:
+            m.quantize(release=id(m.weight) not in shared)
+        multiple, rest = quantization.K_MULTIPLE, _quantize_experts(model)
+    left = f"; {len(linears) - len(chosen)} dense (in_features not a multiple of {multiple})" \
         if len(chosen) < len(linears) else ""
-    return f"{mode}: {len(chosen)} of {len(linears)} linears{left}{_quantize_experts(model)}"
+    return f"{mode}: {len(chosen)} of {len(linears)} linears{left}{rest}"
 
 
 def _quantize_experts(model: nn.Module) -> str:
@@ -157,10 +190,11 @@ def _quantize_experts(model: nn.Module) -> str:
 def pack_linears(model: nn.Module, record: execution.ExecutionPlan) -> str:
     """Choose the matmul path per weight shape of every dense Linear of model (the `linear` path of
     record: auto times them; see linear_path.MODES) and pack where used. Returns the one-line summary."""
-    linears = [m for m in model.modules() if isinstance(m, Linear) and not m.released and m.qweight is None]
+    linears = [m for m in model.modules() if isinstance(m, Linear) and not m.released and m.qweight is None
+               and m.grouped is None]
     if not linears:
-        record.record("linear", "none", reason="every linear is int8")
-        return "none: every linear is int8"
+        record.record("linear", "none", reason="every linear is quantized")
+        return "none: every linear is quantized"
     plan = linear_path.plan(((m.weight, m.bias) for m in linears), record=record)
     for m in linears:
         m.adopt(plan)
@@ -221,14 +255,15 @@ def choose_gemv(model: nn.Module, record: execution.ExecutionPlan, timer: GemvTi
     count <= r, one choice per shape. A summary such as "gemv rows<=4 on 960x576,576x576; rows<=1 on
     49152x576", or why not."""
     pin = record.pinned("gemv")
-    linears = [m for m in model.modules() if isinstance(m, Linear) and (m.qweight is not None or not m.released)]
+    linears = [m for m in model.modules() if isinstance(m, Linear)
+               and (m.qweight is not None or m.grouped is not None or not m.released)]
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     for m in linears + experts:
         m.gemv_rows = 0
     experts = [m for m in experts if m.down_scale is not None or (m.down_proj.device.type == "cpu"
                                                                   and m.down_proj.dtype in gemv_cpu.WEIGHT_DTYPES)]
-    linears = [m for m in linears if m.weight.device.type == "cpu"
-               and (m.qweight is not None or m.weight.dtype in gemv_cpu.WEIGHT_DTYPES)]
+    linears = [m for m in linears if m.weight.device.type == "cpu" and (m.qweight is not None or m.grouped is not None
+                                                                         or m.weight.dtype in gemv_cpu.WEIGHT_DTYPES)]
     if pin == "off":
         record.record("gemv", "off")
         return "gemv: off (--fast-paths gemv=off)"
@@ -239,6 +274,8 @@ def choose_gemv(model: nn.Module, record: execution.ExecutionPlan, timer: GemvTi
         return "gemv: none (no CPU weights)"
     try:
         gemv_cpu.load()
+        if any(m.grouped is not None for m in linears):
+            gemv_grouped_cpu.load()
     except native.BuildError as e:
         if pin == "on":
             raise
@@ -253,13 +290,14 @@ def choose_gemv(model: nn.Module, record: execution.ExecutionPlan, timer: GemvTi
     timer = timer or time_gemv
     groups: dict[tuple, list[Linear]] = {}
     for m in linears:
-        key = (m.out_features, m.in_features, m.qweight is not None, m.weight.dtype, m.bias is not None)
+        kind = " int8" if m.qweight is not None else f" {m.grouped.describe()}" if m.grouped is not None else ""
+        key = (m.out_features, m.in_features, kind, m.weight.dtype, m.bias is not None)
         groups.setdefault(key, []).append(m)
     chosen: dict[int, list[str]] = {}
-    for (out, inp, int8, _, bias), group in groups.items():
+    for (out, inp, kind, _, bias), group in groups.items():
         rows = _timed_rows(group, timer, record,
                            # Named as linear_path names shapes, so that two groups of one size stay two choices.
-                           f"gemv {out}x{inp}{'+b' if bias else ''}{' int8' if int8 else ''}")
+                           f"gemv {out}x{inp}{'+b' if bias else ''}{kind}")
         chosen.setdefault(rows, []).append(f"{out}x{inp}")
     shapes: dict[tuple, list[Experts]] = {}
     for m in experts:
@@ -297,7 +335,7 @@ def choose_bf16_row(model: nn.Module, record: execution.ExecutionPlan, timer: Bf
     default, challenger = execution.PATHS["gemv_bf16_row"]
     pin = record.pinned("gemv_bf16_row")
     group = [m for m in model.modules() if isinstance(m, Linear) and m.gemv_rows and m.qweight is None
-             and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
+             and m.grouped is None and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
     chosen, timings, reason = default if pin == execution.AUTO else pin, [], ""
     if not group:
         reason = "no bf16 weight runs the few-row kernel"
@@ -320,3 +358,68 @@ def choose_bf16_row(model: nn.Module, record: execution.ExecutionPlan, timer: Bf
         m.bf16_row = chosen
     record.record("gemv_bf16_row", chosen, timings, reason)
     return f"gemv bf16 loop: {chosen} ({reason})"
+
+
+# (modules of one shape, each path's call over all of them) -> {path: seconds for one pass}.
+GroupedTimer = Callable[[list[Linear], dict[str, Callable[[], object]]], dict[str, float]]
+# Rows of x the many-row paths are timed at: a prefill chunk's order of magnitude, above the few-row kernel.
+GROUPED_ROWS = 64
+
+
+def _grouped_calls(group: list[Linear], paths: tuple[str, ...]) -> dict[str, Callable[[], object]]:
+    x = torch.randn(GROUPED_ROWS, group[0].in_features, dtype=group[0].weight.dtype)
+
+    def one_pass(path: str) -> None:
+        for m in group:
+            grouped.grouped_linear(x, m.grouped, m.bias, path, m.int4pack)
+    return {path: (lambda path=path: one_pass(path)) for path in paths}
+
+
+@torch.inference_mode()
+def time_grouped(group: list[Linear], calls: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Each path's pass over every module in group (as a prefill streams them), by the plan's timer."""
+    return execution.fastest(calls)
+
+
+def choose_grouped_matmul(model: nn.Module, record: execution.ExecutionPlan, timer: GroupedTimer | None = None) -> str:
+    """Set grouped_path (and int4pack) on every Linear holding a grouped weight, per shape (the `grouped_matmul`
+    path of record): pinned, that path where the weight fits it (int4pack: grouped.int4pack_fits; else dequant);
+    auto, int4pack where it fits and beats dequant (plan.beats) at GROUPED_ROWS rows. A summary."""
+    default, challenger = execution.PATHS["grouped_matmul"]
+    pin = record.pinned("grouped_matmul")
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.grouped is not None]
+    if not linears:
+        record.record("grouped_matmul", default, reason="no grouped weights")
+        return "grouped matmul: none (no grouped weights)"
+    shapes: dict[tuple, list[Linear]] = {}
+    for m in linears:
+        gw = m.grouped
+        shapes.setdefault((gw.out_features, gw.in_features, gw.describe(), m.weight.dtype, m.bias is not None),
+                          []).append(m)
+    fits = {key: grouped.int4pack_fits(group[0].grouped) for key, group in shapes.items()}
+    if pin == challenger and not any(fits.values()):
+        raise ValueError(f"--fast-paths grouped_matmul={challenger}: no grouped weight fits torch's 4-bit kernel "
+                         f"(4-bit, groups of {grouped.INT4PACK_GROUP}, "
+                         f"out_features a multiple of {grouped.INT4PACK_N})")
+    chosen: dict[str, list[str]] = {}
+    for (out, inp, kind, dtype, bias), group in shapes.items():
+        name = f"grouped_matmul {out}x{inp}{'+b' if bias else ''} {kind}"
+        timings, reason = [], ""
+        if not fits[(out, inp, kind, dtype, bias)]:
+            path, reason = default, "torch's 4-bit kernel does not take this weight"
+        else:
+            for m in group:
+                m.int4pack = grouped.int4pack(m.grouped, dtype)
+            if pin != execution.AUTO:
+                path, reason = pin, f"pinned by --fast-paths grouped_matmul={pin}"
+            else:
+                best = (timer or time_grouped)(group, _grouped_calls(group, (default, challenger)))
+                timings = [execution.Timing(p, best[p], GROUPED_ROWS) for p in (default, challenger)]
+                path = challenger if execution.beats(best[challenger], best[default]) else default
+        for m in group:
+            m.grouped_path = path
+            if path != challenger:
+                m.int4pack = None
+        record.record(name, path, timings, reason)
+        chosen.setdefault(path, []).append(f"{out}x{inp}")
+    return "grouped matmul " + "; ".join(f"{p} on {','.join(s)}" for p, s in chosen.items())

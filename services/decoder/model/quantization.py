@@ -1,4 +1,5 @@
-"""int8 weights (`--quantization int8`): per-output-channel symmetric int8 weights.
+"""int8 weights (`--quantization int8`): per-output-channel symmetric int8 weights. (`--quantization int4`
+holds grouped 4-bit weights instead: model/grouped.py, model/linear.py.)
 
 At batch 1 a decode step reads every weight once, so the bytes read decide its time
 (the projections and LM head are ~85% of a batch-1 step). int8 weights are a
@@ -20,7 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-MODES = ("none", "int8")      # the --quantization choices (server/config.py repeats them torch-free)
+MODES = ("none", "int8", "int4")      # the --quantization choices (server/config.py repeats them torch-free)
+# int4 (model/grouped.py): 4-bit codes with an fp16 scale and offset per group of this many inputs; a Linear
+# whose in_features it does not divide stays dense.
+INT4_GROUP = 32
 # The kernel's activation dtype (see the module docstring).
 ACT_DTYPE = torch.bfloat16
 # in_features must be a multiple of this for the kernel (see the module docstring).

@@ -127,8 +127,8 @@ def build(head: torch.nn.Module, head_fn, hidden_norm: float, record: execution.
         record.record("screen", "off", level=logging.WARNING if pinned else logging.INFO,
                       reason=refused + (" (pinned on: not applicable to this model)" if pinned else ""))
         return None, f"off ({refused})"
-    if getattr(head, "qweight", None) is not None or weight.dtype != torch.float32 or weight.device.type != "cpu" \
-            or head.bias is not None:
+    quantized = getattr(head, "qweight", None) is not None or getattr(head, "grouped", None) is not None
+    if quantized or weight.dtype != torch.float32 or weight.device.type != "cpu" or head.bias is not None:
         pinned = want == "on"
         record.record("screen", "off", reason="only for an fp32 head without bias on CPU" +
                       (" (pinned on: not applicable to this model)" if pinned else ""),

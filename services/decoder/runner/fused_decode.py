@@ -222,6 +222,8 @@ def _ineligible(model: CausalLM, cache: KVCache, attention_backend: str, record:
     for layer in model.model.layers:
         if layer.self_attn.qkv is None or layer.mlp.gate_up is None:
             return "projections not fused"
+    if any(m.grouped is not None for m in model.modules() if isinstance(m, Linear)):
+        return "the C++ decode stack reads dense or int8 projections; this model has grouped (4-bit) weights"
     return ""
 
 

@@ -21,7 +21,13 @@ from services.common.plan import ExecutionPlan, Pins
 from services.decoder.engine.step import ScheduledChunk, StepInput, StepOutput
 from services.decoder.model.decoder import CausalLM
 from services.decoder.model.glue import choose as choose_glue
-from services.decoder.model.linear import choose_bf16_row, choose_gemv, pack_linears, quantize_linears
+from services.decoder.model.linear import (
+    choose_bf16_row,
+    choose_gemv,
+    choose_grouped_matmul,
+    pack_linears,
+    quantize_linears,
+)
 from services.decoder.model.loader import load_model
 from services.decoder.model.screen import build as build_screen
 from services.decoder.runner.attention import PagedAttention, Workspace, choose_decode_backend
@@ -44,7 +50,8 @@ class Runner:
         self.model = model
         declined = model.refused_features()
         for feature, asked, key in (("bf16", model.lm_head.weight.dtype == torch.bfloat16, "dtype"),
-                                    ("int8", quantization == "int8", "quantization")):
+                                    ("int8", quantization == "int8", "quantization"),
+                                    ("int4", quantization == "int4", "quantization")):
             if asked and feature in declined:
                 raise Unsupported(f"--{key} {feature}: {declined[feature]}", param=key)
         # Every load-time choice of a fast path, made under the pins and reported by GetModelInfo.
@@ -59,6 +66,9 @@ class Runner:
         # The matmul path per weight shape, chosen by timing at load (model/linear.py) unless pinned
         # (linear=packed or plain).
         pack_linears(model, plan)
+        # Grouped (4-bit) weights' many-row matmul per shape, by timing, before the few-row kernel is timed
+        # against it.
+        choose_grouped_matmul(model, plan)
         # Then the few-row kernel where it beats that path (decode at batch 1 to 4), by timing.
         choose_gemv(model, plan)
         # And its loop for bf16 activations over bf16 weights, by timing both at this model's weights.

@@ -15,11 +15,13 @@ from services.decoder.engine.config import SpeculativeConfig
 ENV_PREFIX = "TESSERA_DECODER_"
 
 # services.decoder.model.quantization.MODES/HELP (not imported: it imports torch).
-QUANTIZATION_MODES = ("none", "int8")
+QUANTIZATION_MODES = ("none", "int8", "int4")
 QUANTIZATION_HELP = ("weight quantization of the projections and LM head: int8 keeps int8 weights with one "
                      "scale per output channel (a quarter of fp32's weight bytes, for batch-1 latency on CPU; the "
                      "matmul's activations are rounded to bf16, or to int8 in blocks of 32 in steps of up to 4 "
-                     "rows, as llama.cpp's Q8_0); none keeps the --dtype weights")
+                     "rows, as llama.cpp's Q8_0); int4 keeps 4-bit codes with an fp16 scale and offset per group of 32 "
+                     "inputs (5 bits a weight; few rows round the activations to int8 per group); none keeps the "
+                     "--dtype weights")
 
 # The projections an adapter may target (services.decoder.lora.weights.TARGETS; not
 # imported here so reading the config never imports torch).

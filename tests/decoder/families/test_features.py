@@ -7,10 +7,10 @@ transformers', fast paths pinned on and off), n > 1 and seeded sampling (reprodu
 preemption, logprobs equal transformers' log_softmax), LoRA adapters on the family's own projections in
 a mixed batch (equal peft's generate, with and without speculation), structured outputs (a JSON schema and
 a regex over a character tokenizer: the output parses and matches), n-gram speculative decoding (the
-greedy tokens without it), bf16 (tracks fp32) and int8 (the dequantized reference).
+greedy tokens without it), bf16 (tracks fp32), int8 and int4 (each its dequantized reference).
 
 A family declines a feature only by naming it with the reason in its `CausalLM.refused_features()`
-(model/decoder.py: bf16, int8 or LoRA, each refused at load); for a declined feature the feature's test
+(model/decoder.py: bf16, int8, int4 or LoRA, each refused at load); for a declined feature the feature's test
 checks that asking for it is refused with that reason instead of its parity.
 """
 from __future__ import annotations
@@ -41,6 +41,7 @@ from tests.decoder.families.routing import force_routing, reference_routing
 from tests.decoder.families.tokenizer import SPECIALS, STOP_IDS, char_tokenizer
 from tests.decoder.lora.adapters import Spec, lora_engine, peft_mixed, register, write_adapter
 from tests.decoder.model.checkpoints import CASES, TINY_SHAPE, VOCAB, build, greedy_reference, load_reference
+from tests.decoder.model.test_int4 import dequantized_reference as int4_reference
 from tests.decoder.model.test_quantization import dequantized_reference
 from tests.decoder.runner.driver import BlockAllocator, Seq
 from tests.tolerance import assert_close, rel_tol
@@ -116,7 +117,7 @@ def refuses(folder, declined: dict[str, str], feature: str) -> bool:
             lora_engine(folder)
         else:
             Runner.from_folder(folder, "bf16" if feature == "bf16" else "fp32", BLOCK, 16,
-                               quantization="int8" if feature == "int8" else "none")
+                               quantization=feature if feature in ("int8", "int4") else "none")
     return True
 
 
@@ -393,12 +394,28 @@ def test_int8_matches_the_dequantized_reference(folder, declined):
     drive(engine(runner, num_blocks=64, budget=5), PROMPTS, GREEDY)
 
 
+def test_int4_matches_the_dequantized_reference(folder, declined):
+    """Prefill on the many-row path, decode steps on the few-row kernel (x rounded to int8 per group: int8's
+    bound); then the engine runs every request to its length."""
+    if refuses(folder, declined, "int4"):
+        return
+    runner = Runner.from_folder(folder, "fp32", BLOCK, 64, quantization="int4")
+    assert runner.quantization.startswith("int4: ")
+    ref = int4_reference(folder)
+    rows, tokens = chunked_logits(runner, PROMPTS[4], 3)
+    with torch.no_grad():
+        want = ref(torch.tensor([tokens])).logits[0, len(PROMPTS[4]) - 1:]
+    for i, got in enumerate(rows):
+        assert_close(got, want[i], dtype=torch.int8, **TINY_SHAPE, what=f"row {i}")
+    drive(engine(runner, num_blocks=64, budget=5), PROMPTS[:2], GREEDY)
+
+
 # -- docs/models.md's table of features per family ---------------------------------------------------------
 
 # Its columns: each feature this file tests, in the table's order.
 COLUMNS = ("chunked prefill", "prefix caching", "preemption", "n > 1", "seeded sampling", "logprobs", "LoRA",
-           "structured outputs", "speculative decoding", "bf16", "int8")
-DECLINABLE_COLUMNS = {"LoRA": "lora", "bf16": "bf16", "int8": "int8"}
+           "structured outputs", "speculative decoding", "bf16", "int8", "int4")
+DECLINABLE_COLUMNS = {"LoRA": "lora", "bf16": "bf16", "int8": "int8", "int4": "int4"}
 
 
 def features_table() -> dict[str, list[str]]:
@@ -430,7 +447,7 @@ def test_a_declined_feature_is_refused_at_load(tmp_path):
     one-line refusal carries the family's reason."""
     from services.decoder.lora import AdapterBank
     folder = build(tmp_path, FAMILY_CASES["llama"])
-    reasons = {"bf16": "bf16 reason", "int8": "int8 reason", "lora": "lora reason"}
+    reasons = {"bf16": "bf16 reason", "int8": "int8 reason", "int4": "int4 reason", "lora": "lora reason"}
     assert set(reasons) == set(DECLINABLE)
 
     def declining(dtype="fp32"):
@@ -441,5 +458,7 @@ def test_a_declined_feature_is_refused_at_load(tmp_path):
         Runner(declining("bf16"), BLOCK, 16)
     with pytest.raises(Unsupported, match="--quantization int8: int8 reason"):
         Runner(declining(), BLOCK, 16, quantization="int8")
+    with pytest.raises(Unsupported, match="--quantization int4: int4 reason"):
+        Runner(declining(), BLOCK, 16, quantization="int4")
     with pytest.raises(Unsupported, match="LoRA adapters: lora reason"):
         AdapterBank(Runner(declining(), BLOCK, 16).model, TARGETS)

@@ -41,7 +41,7 @@ def test_model_info_and_the_gateway_report_it(quantized):
     # Every projection of the tiny model has a width that is a multiple of 16, the LM head too.
     assert info.quantization.startswith("int8: ") and info.quantization.split()[1] == info.quantization.split()[3]
     plan = {c.name: c for c in info.execution_plan.choices}
-    assert (plan["linear"].chosen, plan["linear"].reason) == ("none", "every linear is int8")
+    assert (plan["linear"].chosen, plan["linear"].reason) == ("none", "every linear is quantized")
     assert any(name.startswith("gemv ") for name in plan)
 
     async def card():
@@ -73,6 +73,6 @@ def test_greedy_streams_complete_and_repeat(quantized):
 
 def test_bad_quantization_is_a_usage_error_at_start(capsys):
     with pytest.raises(SystemExit) as info:
-        cfg_mod.load((DecoderServerConfig, DecoderConfig), ["--model", "/m", "--quantization", "int4"],
+        cfg_mod.load((DecoderServerConfig, DecoderConfig), ["--model", "/m", "--quantization", "int3"],
                      prog="decoder", description="", env_prefix=ENV_PREFIX)
-    assert info.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
+    assert info.value.code == 2 and "invalid choice: 'int3'" in capsys.readouterr().err

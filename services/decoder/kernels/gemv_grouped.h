@@ -1,0 +1,273 @@
+// Few-row matmul over grouped weights (services/decoder/model/grouped.py): y[m, n] = sum_k x[m, k] * w[n, k]
+// (+ bias[n]) with w[n, k] = scale[n, g] * code[n, k] + offset[n, g], g = k / G, codes of 4 or 8 bits.
+//
+// A decode step of a few rows reads every weight once, so its time is the bytes read: 4-bit codes are a
+// quarter of bf16's. Widening each code to fp32 for an FMA would cost more vector ops per byte than the
+// memory delivers (the int8 path measured that, gemv.h's dispatch_q8), so, as there, x is rounded to int8
+// per group of G inputs (step max|group| / 127, ties to even: grouped.round_groups) and the CPU's byte dot
+// product (AVX512-VNNI's vpdpbusd: unsigned codes times signed x, four products a 32-bit lane) sums the
+// codes against it exactly in int32. Per group:
+//     sum_k x_k w_k = s_x * (scale * (q . code) + offset * sum(q)),
+// with s_x * sum(q) computed once per row of x and group.
+//
+// Layout (grouped.py): a 4-bit group is G / 2 bytes, byte j holding code j (low nibble) and code j + G / 2
+// (high nibble). A 64-byte vector of codes is then 128 / G whole groups; its low nibbles are the first
+// halves of those groups, its high nibbles the second halves. x is rearranged once per row into that
+// order (XRow), so one AND, one shift and two dot products take 128 codes. Each 32-bit lane of the dot
+// product belongs to one group; the lanes are scaled by their group's scale * s_x in fp32 and summed.
+//
+// A row's sums are the same whatever the other rows of x in the call and wherever the threads split the
+// weight rows (every row of x runs the same loop over each weight row). Without AVX512-VNNI a portable
+// loop computes the same function (in another summation order).
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define TESSERA_GROUPED_VNNI 1
+#endif
+
+namespace tessera_grouped {
+
+constexpr int64_t MAX_ROWS = 4;   // rows of x per call (gemv_grouped_cpu.MAX_ROWS)
+constexpr int64_t CHUNK = 64;     // bytes of codes per vector step
+
+template <typename F>
+inline void with_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    default: TORCH_CHECK(false, "gemv_grouped: at most 4 rows, got ", M);
+  }
+}
+
+// The shape of one weight: N rows of K inputs, groups of G, `bits` per code.
+struct Shape {
+  int64_t N, K, G, bits;
+  int64_t row_bytes() const { return K * bits / 8; }
+  int64_t groups() const { return K / G; }
+  int64_t group_bytes() const { return G * bits / 8; }
+};
+
+// One row of x rounded per group: q int8 in the kernel's order (zero past the codes), step s[g] and
+// sums[g] = s[g] * (sum of the group's q).
+struct XRow {
+  std::vector<int8_t> q;
+  std::vector<float> s;
+  std::vector<float> sums;
+};
+
+// Where input k of a row lands in XRow::q. 8-bit: k itself. 4-bit: the byte b holding it (group g's
+// byte k % G for the first half, k % G - G / 2 for the second) sits in chunk b / CHUNK; low nibbles'
+// inputs fill the chunk's first CHUNK bytes of q, high nibbles' the next CHUNK.
+inline int64_t position(const Shape& sh, int64_t k) {
+  if (sh.bits == 8) return k;
+  const int64_t g = k / sh.G, j = k % sh.G, half = sh.G / 2;
+  const int64_t b = g * half + (j < half ? j : j - half);
+  return (b / CHUNK) * 2 * CHUNK + (j < half ? 0 : CHUNK) + b % CHUNK;
+}
+
+inline void round_row(const float* x, const Shape& sh, XRow& r) {
+  const int64_t chunks = (sh.row_bytes() + CHUNK - 1) / CHUNK;
+  r.q.assign(chunks * CHUNK * (sh.bits == 4 ? 2 : 1), 0);
+  r.s.assign(sh.groups(), 0.0f);
+  r.sums.assign(sh.groups(), 0.0f);
+  for (int64_t g = 0; g < sh.groups(); ++g) {
+    const float* xg = x + g * sh.G;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < sh.G; ++i) amax = std::max(amax, std::fabs(xg[i]));
+    const float step = amax > 0.0f ? amax / 127.0f : 1.0f;
+    int32_t total = 0;
+    for (int64_t i = 0; i < sh.G; ++i) {
+      const int8_t q = static_cast<int8_t>(std::nearbyint(std::clamp(xg[i] / step, -127.0f, 127.0f)));
+      r.q[position(sh, g * sh.G + i)] = q;
+      total += q;
+    }
+    r.s[g] = step;
+    r.sums[g] = step * static_cast<float>(total);
+  }
+}
+
+inline float half_to_float(const at::Half* p) { return static_cast<float>(*p); }
+
+#ifdef TESSERA_GROUPED_VNNI
+// Lane l (32 bits, bytes 4l .. 4l + 3 of a chunk) of the dot product belongs to group 4l / group_bytes of
+// the chunk: the index vector that spreads the chunk's per-group factors over its lanes.
+inline __m512i lane_groups(int64_t group_bytes) {
+  alignas(64) int32_t idx[16];
+  for (int l = 0; l < 16; ++l) idx[l] = static_cast<int32_t>(4 * l / group_bytes);
+  return _mm512_load_si512(idx);
+}
+
+// acc[m, n] for M rows of x against weight row n.
+template <int M, int BITS>
+inline void row_grouped(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
+                        __m512i spread, int64_t n, float* acc) {
+  const int64_t bytes = sh.row_bytes(), gb = sh.group_bytes();
+  const int64_t per_chunk = CHUNK / gb;  // groups a chunk holds (2, 4 or 8)
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 a[M];
+  __m256 off[M];
+  for (int m = 0; m < M; ++m) {
+    a[m] = _mm512_setzero_ps();
+    off[m] = _mm256_setzero_ps();
+  }
+  for (int64_t c = 0; c * CHUNK < bytes; ++c) {
+    const int64_t left = bytes - c * CHUNK;
+    const __mmask64 bmask = left >= CHUNK ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
+    const int64_t g0 = c * per_chunk;
+    const __mmask8 gmask = static_cast<__mmask8>((1u << std::min(per_chunk, left / gb)) - 1);
+    const __m512i raw = _mm512_maskz_loadu_epi8(bmask, wn + c * CHUNK);
+    const __m256 sw = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(gmask, sn + g0));
+    const __m256 ow = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(gmask, on + g0));
+    __m512i lo, hi;
+    if constexpr (BITS == 4) {
+      lo = _mm512_and_si512(raw, low);
+      hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    } else {
+      lo = raw;
+    }
+    for (int m = 0; m < M; ++m) {
+      const int8_t* q = xr[m].q.data() + c * CHUNK * (BITS == 4 ? 2 : 1);
+      __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
+      if constexpr (BITS == 4) d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(q + CHUNK));
+      const __m256 sx = _mm256_maskz_loadu_ps(gmask, xr[m].s.data() + g0);
+      const __m512 f = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_mul_ps(sw, sx)));
+      a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), f, a[m]);
+      off[m] = _mm256_fmadd_ps(ow, _mm256_maskz_loadu_ps(gmask, xr[m].sums.data() + g0), off[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    const __m128 o4 = _mm_add_ps(_mm256_castps256_ps128(off[m]), _mm256_extractf128_ps(off[m], 1));
+    __m128 o2 = _mm_add_ps(o4, _mm_movehl_ps(o4, o4));
+    o2 = _mm_add_ss(o2, _mm_movehdup_ps(o2));
+    acc[m * sh.N + n] = _mm512_reduce_add_ps(a[m]) + _mm_cvtss_f32(o2);
+  }
+}
+#endif
+
+// The portable loop: per group, s_w * s_x * (q . code) + o_w * sums, codes read in XRow's order.
+template <int M>
+inline void row_portable(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
+                         int64_t n, float* acc) {
+  const int64_t gb = sh.group_bytes();
+  for (int m = 0; m < M; ++m) {
+    float total = 0.0f;
+    for (int64_t g = 0; g < sh.groups(); ++g) {
+      int32_t d = 0;
+      for (int64_t b = g * gb; b < (g + 1) * gb; ++b) {
+        const int64_t base = sh.bits == 4 ? (b / CHUNK) * 2 * CHUNK + b % CHUNK : b;
+        if (sh.bits == 4) {
+          d += static_cast<int32_t>(wn[b] & 0x0F) * xr[m].q[base] + static_cast<int32_t>(wn[b] >> 4) * xr[m].q[base + CHUNK];
+        } else {
+          d += static_cast<int32_t>(wn[b]) * xr[m].q[base];
+        }
+      }
+      // Explicit FMAs: left to -ffp-contract, the compiler contracts differently per M, and a row's sum would
+      // depend on the rows beside it.
+      total = std::fma(half_to_float(sn + g) * xr[m].s[g], static_cast<float>(d), total);
+      total = std::fma(half_to_float(on + g), xr[m].sums[g], total);
+    }
+    acc[m * sh.N + n] = total;
+  }
+}
+
+template <int M>
+void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::Half* offset, const float* bias,
+         float* y, const Shape& sh, bool portable) {
+  // The caller's thread's buffers, kept between calls; the workers read them through this pointer.
+  static thread_local XRow mine[MAX_ROWS];
+  const XRow* xr = mine;
+  for (int m = 0; m < M; ++m) round_row(x + m * sh.K, sh, mine[m]);
+  const int64_t rb = sh.row_bytes(), ng = sh.groups();
+#ifdef TESSERA_GROUPED_VNNI
+  const __m512i spread = lane_groups(sh.group_bytes());
+#endif
+  at::parallel_for(0, sh.N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wn = codes + n * rb;
+      const at::Half* sn = scale + n * ng;
+      const at::Half* on = offset + n * ng;
+#ifdef TESSERA_GROUPED_VNNI
+      if (!portable) {
+        if (sh.bits == 4) row_grouped<M, 4>(xr, wn, sn, on, sh, spread, n, y);
+        else row_grouped<M, 8>(xr, wn, sn, on, sh, spread, n, y);
+        continue;
+      }
+#endif
+      row_portable<M>(xr, wn, sn, on, sh, n, y);
+    }
+    if (bias)
+      for (int m = 0; m < M; ++m)
+        for (int64_t n = n0; n < n1; ++n) y[m * sh.N + n] += bias[n];
+  });
+}
+
+// out [M, N] = x [M, K] @ w^T (+ bias [N] fp32), w given by codes uint8 [N, K * bits / 8] and scale, offset fp16
+// [N, K / group] (grouped.py's layout). x and out are both float32 or both bfloat16: bf16 x is widened once and
+// the fp32 result rounded once into out. portable: the portable loop even where the VNNI one runs (tests: it is
+// what a CPU without AVX512-VNNI runs).
+void gemv_grouped(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch::Tensor scale, torch::Tensor offset,
+                  int64_t bits, int64_t group, c10::optional<torch::Tensor> bias, bool portable) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && out.dim() == 2, "gemv_grouped: x, codes and out must be 2-D");
+  TORCH_CHECK(bits == 4 || bits == 8, "gemv_grouped: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(group == 16 || group == 32, "gemv_grouped: group must be 16 or 32, got ", group);
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % group == 0, "gemv_grouped: group ", group, " does not divide K ", K);
+  const Shape sh{N, K, group, bits};
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.size(1) == sh.row_bytes(),
+              "gemv_grouped: codes must be uint8 [N, ", sh.row_bytes(), "]");
+  for (const auto* t : {&scale, &offset})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 2 && t->size(0) == N && t->size(1) == sh.groups() &&
+                t->is_contiguous(), "gemv_grouped: scale and offset must be float16 [N, ", sh.groups(), "]");
+  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "gemv_grouped: out must be [", M, ", ", N, "]");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((x.scalar_type() == at::kFloat || bf16) && out.scalar_type() == x.scalar_type(),
+              "gemv_grouped: x and out must both be float32 or both bfloat16");
+  TORCH_CHECK(x.is_contiguous() && codes.is_contiguous() && out.is_contiguous(),
+              "gemv_grouped: tensors must be contiguous");
+  TORCH_CHECK(!x.is_cuda() && !codes.is_cuda(), "gemv_grouped: CPU tensors only");
+  TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "gemv_grouped: at most 4 rows, got ", M);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
+                "gemv_grouped: bias must be float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  std::vector<float> xs, ys;
+  const float* xp;
+  float* yp;
+  if (bf16) {
+    const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
+    xs.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xs[i] = static_cast<float>(xb[i]);
+    ys.resize(M * N);
+    xp = xs.data();
+    yp = ys.data();
+  } else {
+    xp = x.data_ptr<float>();
+    yp = out.data_ptr<float>();
+  }
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const at::Half* sp = scale.data_ptr<at::Half>();
+  const at::Half* op = offset.data_ptr<at::Half>();
+  with_rows(M, [&](auto R) { run<R.value>(xp, cp, sp, op, bp, yp, sh, portable); });
+  if (bf16) {
+    at::BFloat16* ob = out.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < M * N; ++i) ob[i] = at::BFloat16(ys[i]);
+  }
+}
+
+}  // namespace tessera_grouped

@@ -1,0 +1,163 @@
+"""`--quantization int4` (model/grouped.py through model/linear.py): each matmul path over a grouped weight
+against the dequantized torch reference, pinned on and off; the per-shape choice of the many-row path; the
+model and the runner against transformers running the same dequantized weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from services.common import plan as execution
+from services.common.plan import ExecutionPlan
+from services.decoder.engine.step import StepInput
+from services.decoder.model import grouped, load_model
+from services.decoder.model.grouped import dequantize, grouped_linear, grouped_linear_ref, int4pack, quantize
+from services.decoder.model.linear import Linear, choose_gemv, choose_grouped_matmul, quantize_linears
+from services.decoder.model.quantization import INT4_GROUP
+from services.decoder.runner import Runner
+from tests.decoder.model.checkpoints import TINY_SHAPE, build, load_reference
+from tests.decoder.model.test_model import causal_attention
+from tests.decoder.runner.driver import BlockAllocator, Seq
+from tests.tolerance import assert_close, is_close
+
+pytestmark = pytest.mark.numerics
+
+CASES = ["llama_gqa4_tied_sharded", "qwen3_odd3_gqa3_qknorm"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: build(root, name, seed=50 + i) for i, name in enumerate(CASES)}
+
+
+def dequantized_reference(folder):
+    """transformers' model with every Linear's weight replaced by what the int4 path computes with (those whose
+    in_features a group divides: the others stay dense in ours too)."""
+    ref = load_reference(folder)
+    with torch.no_grad():
+        for module in ref.modules():
+            if isinstance(module, nn.Linear) and module.in_features % INT4_GROUP == 0:
+                module.weight = nn.Parameter(dequantize(quantize(module.weight, 4, 32)))
+    return ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["dequant", "int4pack"])
+@pytest.mark.parametrize("rows,out,k,bias", [(5, 32, 64, False), (17, 96, 576, True), (64, 48, 32, True)])
+def test_many_row_paths_match_the_reference(dtype, path, rows, out, k, bias):
+    g = torch.Generator().manual_seed(rows * k)
+    gw = quantize(torch.randn(out, k, generator=g), 4, 32)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    b = torch.randn(out, generator=g).to(dtype) if bias else None
+    y = grouped_linear(x, gw, b, path, int4pack(gw, dtype) if path == "int4pack" else None)
+    assert y.dtype == dtype and y.shape == (rows, out)
+    assert_close(y, grouped_linear_ref(x, gw, b), dtype=dtype, k=k)
+
+
+def test_int4pack_takes_only_what_torch_does():
+    assert grouped.int4pack_fits(quantize(torch.randn(32, 64), 4, 32))
+    for gw in (quantize(torch.randn(33, 64), 4, 32), quantize(torch.randn(32, 64), 4, 16),
+               quantize(torch.randn(32, 64), 8, 32)):
+        assert not grouped.int4pack_fits(gw)
+        with pytest.raises(ValueError, match="does not fit torch's 4-bit kernel"):
+            int4pack(gw, torch.float32)
+
+
+def grouped_model() -> nn.Sequential:
+    """Two 4-bit weights torch's kernel takes (one shape, one with bias), one it does not (out 40), one dense."""
+    model = nn.Sequential(Linear(64, 96), Linear(96, 64, bias=False), Linear(64, 96), Linear(96, 40), Linear(40, 8))
+    quantize_linears(model[:4], "int4")
+    return model
+
+
+@pytest.mark.parametrize("ms,expected", [((4.0, 2.0), "int4pack"), ((2.0, 4.0), "dequant"), ((2.0, 1.95), "dequant")])
+def test_the_many_row_path_follows_the_timings(ms, expected):
+    model, record, calls = grouped_model(), ExecutionPlan(), []
+
+    def timer(group, paths):
+        calls.append((len(group), tuple(paths)))
+        return {p: t * 1e-3 for p, t in zip(paths, ms, strict=True)}
+    summary = choose_grouped_matmul(model, record, timer)
+    assert [m.grouped_path for m in model[:4]] == [expected, expected, expected, "dequant"]
+    assert [m.int4pack is not None for m in model[:4]] == [expected == "int4pack"] * 3 + [False]
+    assert calls == [(2, ("dequant", "int4pack")), (1, ("dequant", "int4pack"))]
+    assert record.chosen("grouped_matmul 96x64+b int4/g32") == expected
+    assert record.get("grouped_matmul 40x96+b int4/g32").reason == "torch's 4-bit kernel does not take this weight"
+    assert summary.startswith("grouped matmul ") and "40x96" in summary
+
+
+@pytest.mark.parametrize("pin", execution.PATHS["grouped_matmul"])
+@pytest.mark.parametrize("gemv", execution.PATHS["gemv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_pinned_path_matches_the_reference(pin, gemv, dtype):
+    """Every row count from 1 to past the few-row kernel, with each path pinned: the forward equals the path's
+    own function, and that is the dequantized reference (x rounded per group on the few-row kernel)."""
+    model = grouped_model().to(dtype)
+    record = ExecutionPlan(f"grouped_matmul={pin},gemv={gemv}", execution.DECODER)
+    choose_grouped_matmul(model, record, lambda *a: pytest.fail("nothing is timed when pinned"))
+    choose_gemv(model, record, lambda *a: pytest.fail("nothing is timed when pinned"))
+    m = model[1]                                          # 64 x 96 at 4 bits: torch's kernel takes it
+    assert m.grouped_path == pin and m.gemv_rows == (4 if gemv == "on" else 0)
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 3, 4, 5, 33):
+        x = torch.randn(rows, 96, generator=g).to(dtype)
+        few = gemv == "on" and rows <= 4
+        with torch.no_grad():
+            y = m(x)
+        assert torch.equal(y, grouped_linear(x, m.grouped, None, "gemv" if few else pin, m.int4pack))
+        assert_close(y, grouped_linear_ref(x, m.grouped, rounded=few), dtype=dtype, k=96)
+
+
+def test_pinning_int4pack_needs_a_weight_it_takes():
+    model = nn.Sequential(Linear(64, 40))
+    quantize_linears(model, "int4")
+    with pytest.raises(ValueError, match="grouped_matmul=int4pack: no grouped weight fits"):
+        choose_grouped_matmul(model, ExecutionPlan("grouped_matmul=int4pack", execution.DECODER))
+
+
+def test_quantize_linears_int4():
+    model = nn.Sequential(Linear(64, 8), Linear(48, 8))
+    assert quantize_linears(model, "int4") == "int4: 1 of 2 linears; 1 dense (in_features not a multiple of 32)"
+    assert model[0].grouped.describe() == "int4/g32" and model[0].released
+    assert model[1].grouped is None and model[1].weight.shape == (8, 48)
+    with pytest.raises(ValueError, match="grouped weight 8x32 for a 8x64 linear"):
+        model[0].set_grouped(quantize(torch.randn(8, 32)))
+
+
+def test_model_matches_transformers_on_dequantized_weights(folders):
+    """Many rows on the dequantized path in fp32: only the summation order differs from the reference."""
+    name = "qwen3_odd3_gqa3_qknorm"
+    ours, ref, dense = load_model(folders[name], "fp32"), dequantized_reference(folders[name]), \
+        load_model(folders[name], "fp32")
+    summary = quantize_linears(ours, "int4")
+    assert summary.startswith("int4: ")
+    ids = torch.randint(0, ours.config.vocab_size, (21,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = ours.logits(ours(ours.embed(ids), torch.arange(21), causal_attention))
+        expected = ref(ids[None]).logits[0]
+        unquantized = dense.logits(dense(dense.embed(ids), torch.arange(21), causal_attention))
+    assert_close(logits, expected, **TINY_SHAPE)
+    assert not is_close(logits, unquantized, **TINY_SHAPE)     # the 4-bit weights really run
+
+
+@pytest.mark.parametrize("pins", ["grouped_matmul=dequant,gemv=on", "grouped_matmul=int4pack,gemv=off", ""])
+def test_runner_decodes_with_int4_weights(folders, pins):
+    """The runner's real paths (prefill on the many-row path, decode steps on the few-row kernel, whose x is
+    rounded to int8 per group: the int8 bound of tests/tolerance.py) against the dequantized model; greedy
+    tokens follow the runner's own argmax."""
+    name = "llama_gqa4_tied_sharded"
+    runner = Runner.from_folder(folders[name], "fp32", block_size=4, num_blocks=32, quantization="int4",
+                                fast_paths=pins)
+    assert runner.quantization.startswith("int4: ")
+    assert runner.plan.chosen("decode_stack") == "off"
+    assert any(c.name.startswith("grouped_matmul ") for c in runner.plan.choices)
+    ref = dequantized_reference(folders[name])
+    alloc, seq = BlockAllocator(32), Seq("a", [7, 9, 11, 13, 40, 41, 42, 100, 101, 150, 5])
+    runner.logits(StepInput([seq.chunk(6, alloc, 4)]))
+    for _ in range(3):
+        logits, _ = runner.logits(StepInput([seq.chunk(len(seq.tokens) - seq.computed, alloc, 4)]))
+        with torch.no_grad():
+            expected = ref(torch.tensor([seq.tokens])).logits[0, -1]
+        assert_close(logits[0], expected, dtype=torch.int8, **TINY_SHAPE)
+        seq.tokens.append(int(logits[0].argmax()))
