@@ -123,20 +123,24 @@ def check_gguf(path: str | Path) -> ModelConfig:
 
 
 def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu") -> CausalLM:
-    """A GGUF file's model: float tensors in dtype as a folder's; quantized matrices of a Linear as grouped codes
-    (place_grouped); a quantized embedding table as the rows its codes give, in dtype (a lookup reads a few rows,
-    not the table, so its bytes do not bound a step)."""
+    """A GGUF file's model: float tensors in dtype as a folder's; each quantized matrix of a Linear as its grouped
+    weight (model/grouped.py), never through floats; a quantized embedding table as the rows its codes give, in
+    dtype (a lookup reads a few rows, not the table, so its bytes do not bound a step), and when the head is tied
+    to it, the head as the table's grouped weight."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     gguf = GGUFModel(path)
     gguf.check_types()
     cfg = gguf.config
+    if device.type != "cpu" and any(t.quantized for t in gguf.tensors()):
+        raise Unsupported(f"{gguf.path.name}: quantized GGUF tensors run on CPU only (--device cpu)")
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
     expected = {name: p.shape for name, p in model.named_parameters()}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight")
     loaded: set[str] = set()
+    tied_head: GroupedWeight | None = None
     for stored in gguf.tensors():
         name = stored.name
         if name not in expected:
@@ -148,25 +152,29 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32", device: str |
         owner = model.get_submodule(name.rpartition(".")[0])
         if stored.quantized and isinstance(owner, Linear):
             place_grouped(owner, stored.grouped(), dtype, device)
+        elif stored.quantized:      # the embedding table
+            gw = stored.grouped()
+            _set_parameter(model, name, grouped.dequantize(gw).to(device=device, dtype=dtype))
+            tied_head = gw if cfg.tie_word_embeddings else None
         else:
-            tensor = grouped.dequantize(stored.grouped()) if stored.quantized else stored.dense()
-            _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
+            _set_parameter(model, name, stored.dense().to(device=device, dtype=dtype))
         loaded.add(name)
     missing = sorted(set(expected) - loaded)
     if missing:
         raise InvalidArgument(f"{gguf.path.name} lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    if cfg.tie_word_embeddings:
+    if tied_head is not None:
+        place_grouped(model.lm_head, tied_head, dtype, device)
+    elif cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.setup_rotary(device)
     return model.eval()
 
 
 def place_grouped(linear: Linear, weight: GroupedWeight, dtype: torch.dtype, device: torch.device) -> None:
-    """Give a Linear the GGUF weight as a grouped weight (model/gguf_blocks.py).
-
-    TEMPORARY: until the grouped Linear path exists, the weight is the dense matrix the grouped format computes
-    (scale and offset rounded to fp16, as it stores them), in dtype."""
-    linear.weight = nn.Parameter(grouped.dequantize(weight).to(device=device, dtype=dtype), requires_grad=False)
+    """Give a Linear (still on meta) a GGUF weight as its grouped weight; its dense weight stays empty, in dtype
+    (the dtype of its activations)."""
+    linear.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=False)
+    linear.set_grouped(weight, release=False)
 
 
 # Qwen2-VL checkpoints: transformers 5 keeps the text model under model.language_model. in memory but

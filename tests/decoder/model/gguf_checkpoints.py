@@ -126,6 +126,9 @@ def from_checkpoint(folder: Path, out: Path, qtype: T = T.F32) -> Path:
     return _finish(w, out)
 
 
+_K_SCALES = {T.Q4_K: 9e-4, T.Q5_K: 4e-4, T.Q6_K: 1.6e-4}     # the largest d drawn (random_blocks)
+
+
 def random_blocks(rows: int, cols: int, qtype: T, rng: np.random.Generator) -> np.ndarray:
     """[rows, cols / block * type_size] random K-quant bytes whose fp16 super-block scales are finite and sized
     so the weights are of the tiny checkpoints' magnitude."""
@@ -133,7 +136,7 @@ def random_blocks(rows: int, cols: int, qtype: T, rng: np.random.Generator) -> n
     raw = rng.integers(0, 256, (rows * cols // size, type_size), dtype=np.uint8)
     # Q6_K: d * sc * (q - 32) with |sc| < 128, |q - 32| <= 32; Q4_K/Q5_K: d * sc * q - dmin * m with sc, m < 64
     # and q < 16 (32): dmin = d * 7.5 (15.5) centres the weights about 0. d is sized for a weight std near 0.15.
-    top = {T.Q4_K: 9e-4, T.Q5_K: 4e-4, T.Q6_K: 1.6e-4}[qtype]
+    top = _K_SCALES[qtype]
     d = rng.uniform(top / 4, top, raw.shape[0])
     halves = [(0, d)] if qtype != T.Q6_K else [(208, d)]
     if qtype != T.Q6_K:
@@ -147,7 +150,8 @@ def with_random_blocks(out: Path, arch: str, types: dict[str, T], hidden: int = 
                        heads: int = 4, kv_heads: int = 2, layers: int = 2, vocab: int = 160, seed: int = 0,
                        tied: bool = False) -> Path:
     """A random model of arch as a GGUF file: each matrix in types[its GGUF kind] ("attn_q", "ffn_down", "output",
-    "token_embd", ...; default Q4_K) as random blocks, norms near 1 and biases (qwen2) in F32."""
+    "token_embd", ...; default Q4_K) as random blocks (other types: random weights quantized by gguf), norms near 1
+    and biases (qwen2) in F32."""
     rng = np.random.default_rng(seed)
     cfg = dict(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=hidden,
                intermediate_size=intermediate, num_hidden_layers=layers, vocab_size=vocab,
@@ -163,7 +167,9 @@ def with_random_blocks(out: Path, arch: str, types: dict[str, T], hidden: int = 
                  f"blk.{i}.ffn_down": (hidden, intermediate)}
     for name, (rows, cols) in mats.items():
         qtype = types.get(name.rpartition(".")[2] if name.startswith("blk.") else name, T.Q4_K)
-        w.add_tensor(f"{name}.weight", random_blocks(rows, cols, qtype, rng), raw_dtype=qtype)
+        raw = random_blocks(rows, cols, qtype, rng) if qtype in _K_SCALES else \
+            quantize((0.15 * rng.standard_normal((rows, cols))).astype(np.float32), qtype)
+        w.add_tensor(f"{name}.weight", raw, raw_dtype=qtype)
     norms = ["output_norm"] + [f"blk.{i}.{n}" for i in range(layers) for n in ("attn_norm", "ffn_norm")]
     for name in norms:
         w.add_tensor(f"{name}.weight", (1 + 0.2 * rng.standard_normal(hidden)).astype(np.float32))

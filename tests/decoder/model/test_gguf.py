@@ -19,6 +19,7 @@ from services.common.errors import InvalidArgument, Unsupported
 from services.common.process import main
 from services.decoder.model import ModelConfig, grouped, load_model
 from services.decoder.model.gguf_file import GGUFModel, unpermute_rows
+from services.decoder.model.linear import Linear
 from services.decoder.model.loader import model_config
 from services.decoder.model.rope import RopeScaling, inverse_frequencies
 from tests.decoder.model.gguf_checkpoints import from_checkpoint, permute, with_random_blocks
@@ -128,8 +129,37 @@ def test_k_quant_file_matches_transformers_on_it(root, family, tied):
     assert checked == 2 + 7 * 2 - tied
     # With the grouped format's weights (what we compute with) transformers' forward gives our logits.
     ours = load_model(path, "fp32")
-    ref.load_state_dict({name: t for name, t in ours.state_dict().items() if name in expected_weights}, strict=False)
+    ref.load_state_dict(effective_weights(ours))
     compare(path, K_TINY, reference_model=ref)
+
+
+def effective_weights(model) -> dict[str, torch.Tensor]:
+    """model's state under transformers' names, each grouped Linear's weight as the format computes it."""
+    state = {name: t for name, t in model.state_dict().items() if t.numel()}
+    for name, m in model.named_modules():
+        if isinstance(m, Linear) and m.grouped is not None:
+            state[f"{name}.weight"] = grouped.dequantize(m.grouped)
+    return state
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantized_weights_stay_grouped(root, tied):
+    """No quantized matrix goes through floats: every Linear holds its grouped weight and no dense one (the tied
+    head the embedding table's grouped weight); only the embedding table is expanded."""
+    path = with_random_blocks(root / f"grouped-{tied}.gguf", "llama", {"attn_v": T.Q6_K, "token_embd": T.Q8_0},
+                              tied=tied, seed=5)
+    model = load_model(path, "fp32")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 7 * 2 + 1
+    for m in linears:
+        assert m.grouped is not None and m.weight.numel() == 0 and m.weight.dtype == torch.float32
+    bits = {(m.grouped.bits, m.grouped.group) for m in linears}
+    assert bits == {(4, 32), (8, 16)} | ({(8, 32)} if tied else set())    # Q4_K, Q6_K; Q8_0 the tied head
+    assert model.model.embed_tokens.weight.shape == (160, 256)
+    # fuse_projections joins what shares a format: gate|up (both Q4_K), not Q4_K q, k with Q6_K v.
+    model.fuse_projections()
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv is None and layer.mlp.gate_up.grouped.out_features == 2 * 512
 
 
 def test_greedy_tokens_equal_transformers(root):
