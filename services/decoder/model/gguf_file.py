@@ -19,6 +19,7 @@ naming the type and the tensor, before a weight is read.
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -114,7 +115,20 @@ class StoredTensor:
 
 
 class GGUFModel:
-    """An opened GGUF file: `config` (our ModelConfig), `metadata` (key -> value), `tensors()` under our names."""
+    """An opened GGUF file: `config` (our ModelConfig), `metadata` (key -> value), `tensors()` under our names.
+
+    `GGUFModel.open` keeps the last files opened: gguf's reader parses every metadata value up front, the
+    vocabulary's strings too (seconds for a 128k vocabulary), and a start reads the file's metadata three
+    times (the pre-start check, the KV cache's sizing, the load)."""
+
+    @staticmethod
+    def open(path: str | Path) -> GGUFModel:
+        """The GGUFModel of path, shared while the file is unchanged (same size and modification time)."""
+        path = Path(path)
+        if not path.is_file():
+            raise InvalidArgument(f"{path} is not a file")
+        stat = path.stat()
+        return _opened(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -136,8 +150,9 @@ class GGUFModel:
         self.config = self._with_freq_factors(ModelConfig.from_dict(self._config_json(), {}))
 
     @property
-    def chat_template(self) -> str | None:
-        return self.metadata.get("tokenizer.chat_template")
+    def has_vocabulary(self) -> bool:
+        """Whether the file has a tokenizer in its metadata (a tokenizer model and its tokens)."""
+        return "tokenizer.ggml.model" in self.metadata and "tokenizer.ggml.tokens" in self.reader.fields
 
     def _key(self, name: str, default=None):
         return self.metadata.get(f"{self.arch}.{name}", default)
@@ -237,3 +252,8 @@ class GGUFModel:
                 heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
                 order = unpermute_rows(shape[0], heads)
             yield StoredTensor(name, t.name, t.tensor_type, shape, t.data, order)
+
+
+@functools.lru_cache(maxsize=2)
+def _opened(path: str, size: int, mtime_ns: int) -> GGUFModel:
+    return GGUFModel(path)

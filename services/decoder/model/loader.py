@@ -68,7 +68,7 @@ def check_folder(folder: str | Path) -> ModelConfig:
 
 def model_config(model: str | Path) -> ModelConfig:
     """--model's ModelConfig: a folder's config.json, or a GGUF file's metadata (model/gguf_file.py)."""
-    return GGUFModel(model).config if is_gguf(model) else ModelConfig.from_folder(model)
+    return GGUFModel.open(model).config if is_gguf(model) else ModelConfig.from_folder(model)
 
 
 def load_model(folder: str | Path, dtype: str | torch.dtype = "fp32",
@@ -117,7 +117,7 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "fp32",
 def check_gguf(path: str | Path) -> ModelConfig:
     """What load_gguf refuses before it reads a weight: not a GGUF file, an architecture or a metadata value we
     do not implement, a tensor type we do not load (each in one line naming the key, type or tensor)."""
-    gguf = GGUFModel(path)
+    gguf = GGUFModel.open(path)
     gguf.check_types()
     return gguf.config
 
@@ -129,7 +129,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32", device: str |
     to it, the head as the table's grouped weight."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
-    gguf = GGUFModel(path)
+    gguf = GGUFModel.open(path)
     gguf.check_types()
     cfg = gguf.config
     if device.type != "cpu" and any(t.quantized for t in gguf.tensors()):

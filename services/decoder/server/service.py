@@ -41,7 +41,7 @@ from services.decoder.grammar.compiler import GrammarCompiler
 from services.decoder.grammar.spec import GrammarSpec
 from services.decoder.lora.registry import check_name
 from services.decoder.model.config import ModelConfig
-from services.decoder.model.gguf_file import is_gguf
+from services.decoder.model.gguf_file import GGUFModel, is_gguf
 from services.decoder.model.loader import check_folder, check_gguf, model_config
 from services.decoder.multimodal.request import place_images, request_images
 from services.decoder.runner.runner import Runner
@@ -134,7 +134,7 @@ def check(cfg: DecoderConfig) -> None:
             flag = "--tokenizer" if cfg.tokenizer else "--model"
             raise FileNotFoundError(f"{flag} {folder} has no tokenizer.json (the decoder reads a tokenizers-format "
                                     "file)")
-    elif not gguf_tokenizer.has_vocabulary(cfg.model):
+    elif not GGUFModel.open(cfg.model).has_vocabulary:
         raise FileNotFoundError(f"{cfg.model} has no tokenizer in its metadata: name a tokenizer folder with "
                                 "--tokenizer DIR")
 

@@ -11,14 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gguf import GGUFReader
-
-
-def has_vocabulary(path: str | Path) -> bool:
-    """Whether the GGUF file has a tokenizer in its metadata (a tokenizer model and its tokens)."""
-    fields = GGUFReader(str(path)).fields
-    return "tokenizer.ggml.model" in fields and "tokenizer.ggml.tokens" in fields
-
 
 def write_folder(path: str | Path, folder: Path) -> Path:
     """Save the GGUF file's tokenizer and chat template as a tokenizer folder in `folder`; returns it."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFWriter, quantize
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter, quantize
 from gguf import GGMLQuantizationType as T
 from safetensors.torch import load_file
 
@@ -89,8 +89,9 @@ def _metadata(w: GGUFWriter, arch: str, cfg: dict) -> None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    if "tokenizer.ggml.bos_token_id" not in w.kv_data[0]:     # else copy_vocabulary wrote the file's
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
 
 
 def _stored(arch: str, cfg: dict, name: str, t: torch.Tensor) -> np.ndarray:
@@ -146,17 +147,31 @@ def random_blocks(rows: int, cols: int, qtype: T, rng: np.random.Generator) -> n
     return raw.reshape(rows, -1)
 
 
+def copy_vocabulary(w: GGUFWriter, source: Path) -> int:
+    """Write the tokenizer.* metadata of the GGUF file `source` (its vocabulary, merges, special ids, chat template)
+    into w; returns the vocabulary's size."""
+    reader = GGUFReader(str(source))
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            kind = field.types[0]
+            w.add_key_value(name, field.contents(), kind, sub_type=field.types[-1] if kind == GGUFValueType.ARRAY
+                            else None)
+    return len(reader.fields["tokenizer.ggml.tokens"].data)
+
+
 def with_random_blocks(out: Path, arch: str, types: dict[str, T], hidden: int = 256, intermediate: int = 512,
                        heads: int = 4, kv_heads: int = 2, layers: int = 2, vocab: int = 160, seed: int = 0,
-                       tied: bool = False) -> Path:
+                       tied: bool = False, vocabulary: Path | None = None) -> Path:
     """A random model of arch as a GGUF file: each matrix in types[its GGUF kind] ("attn_q", "ffn_down", "output",
     "token_embd", ...; default Q4_K) as random blocks (other types: random weights quantized by gguf), norms near 1
-    and biases (qwen2) in F32."""
+    and biases (qwen2) in F32; vocabulary: a GGUF file whose tokenizer (and vocabulary size) it takes."""
     rng = np.random.default_rng(seed)
+    w = GGUFWriter(out, arch)
+    if vocabulary is not None:
+        vocab = copy_vocabulary(w, vocabulary)
     cfg = dict(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=hidden,
                intermediate_size=intermediate, num_hidden_layers=layers, vocab_size=vocab,
                max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0)
-    w = GGUFWriter(out, arch)
     _metadata(w, arch, cfg)
     head_dim = hidden // heads
     mats = {"token_embd": (vocab, hidden)} | ({} if tied else {"output": (vocab, hidden)})
