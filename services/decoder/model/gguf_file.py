@@ -142,6 +142,10 @@ class GGUFModel:
         # The vocabulary's arrays (tokens, merges, scores, types) stay in the map: the tokenizer reads them.
         self.metadata = {name: field.contents() for name, field in self.reader.fields.items()
                          if name not in _VOCABULARY}
+        parts = self.metadata.get("split.count", 1)
+        if parts != 1:
+            raise Unsupported(f"{self.path.name} is one of {parts} parts of a split GGUF model, which is not "
+                              "supported (merge the parts with llama-gguf-split --merge)")
         self.arch = self.metadata.get("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise Unsupported(f"{self.path.name}: GGUF architecture {self.arch!r} is not supported "

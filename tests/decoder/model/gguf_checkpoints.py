@@ -127,7 +127,9 @@ def from_checkpoint(folder: Path, out: Path, qtype: T = T.F32) -> Path:
     return _finish(w, out)
 
 
-_K_SCALES = {T.Q4_K: 9e-4, T.Q5_K: 4e-4, T.Q6_K: 1.6e-4}     # the largest d drawn (random_blocks)
+# The largest d drawn (random_blocks): weights of std near 0.075, about 1.2 / sqrt(hidden 256), so that each
+# layer keeps its activations' scale (a larger spread makes a random network chaotic: rounding grows by layer).
+_K_SCALES = {T.Q4_K: 4.5e-4, T.Q5_K: 2e-4, T.Q6_K: 0.8e-4}
 
 
 def random_blocks(rows: int, cols: int, qtype: T, rng: np.random.Generator) -> np.ndarray:
@@ -136,7 +138,7 @@ def random_blocks(rows: int, cols: int, qtype: T, rng: np.random.Generator) -> n
     size, type_size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows * cols // size, type_size), dtype=np.uint8)
     # Q6_K: d * sc * (q - 32) with |sc| < 128, |q - 32| <= 32; Q4_K/Q5_K: d * sc * q - dmin * m with sc, m < 64
-    # and q < 16 (32): dmin = d * 7.5 (15.5) centres the weights about 0. d is sized for a weight std near 0.15.
+    # and q < 16 (32): dmin = d * 7.5 (15.5) centres the weights about 0.
     top = _K_SCALES[qtype]
     d = rng.uniform(top / 4, top, raw.shape[0])
     halves = [(0, d)] if qtype != T.Q6_K else [(208, d)]
@@ -183,7 +185,7 @@ def with_random_blocks(out: Path, arch: str, types: dict[str, T], hidden: int = 
     for name, (rows, cols) in mats.items():
         qtype = types.get(name.rpartition(".")[2] if name.startswith("blk.") else name, T.Q4_K)
         raw = random_blocks(rows, cols, qtype, rng) if qtype in _K_SCALES else \
-            quantize((0.15 * rng.standard_normal((rows, cols))).astype(np.float32), qtype)
+            quantize((0.075 * rng.standard_normal((rows, cols))).astype(np.float32), qtype)
         w.add_tensor(f"{name}.weight", raw, raw_dtype=qtype)
     norms = ["output_norm"] + [f"blk.{i}.{n}" for i in range(layers) for n in ("attn_norm", "ffn_norm")]
     for name in norms:

