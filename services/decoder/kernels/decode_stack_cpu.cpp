@@ -18,6 +18,7 @@
 // the corrections added there (bf16: rnd(rnd(base) + rnd(delta))), and the layer goes on from that buffer;
 // rounding is idempotent, so a row without adapters comes out bit for bit as in a step without them.
 #include "gemv.h"
+#include "gemv_grouped.h"
 #include "glue.h"
 #include "lora_rows.h"
 #include "paged_attention.h"
@@ -46,32 +47,47 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
 // model's Linear runs it: the few-row kernel up to gemv_rows rows (its load-time choice, at most
 // MAX_ROWS), above that its oneDNN-packed copy for the row counts its rule gives (rows in
 // [starts[i], starts[i+1]) packed iff flags[i]; a bf16 weight's copy may be fp32), else plain. int8
-// weights always take the kernel.
+// weights always take the kernel. Or grouped (gemv_grouped.h): weight uint8 codes [N, K * bits / 8], scale and
+// offset fp16 [N, K / group]; they always take gemv_grouped.h's kernel.
 struct Proj {
   // undefined when absent; bias: fp32, bias_model: the model's; tiles: tessera_tiles::pack(w)
-  at::Tensor w, scale, bias, bias_model, packed, tiles;
+  at::Tensor w, scale, bias, bias_model, packed, tiles, offset;
   std::vector<int64_t> starts;
   std::vector<bool> flags;
-  int64_t N = 0, K = 0, gemv_rows = 0;
+  int64_t N = 0, K = 0, gemv_rows = 0, bits = 0, group = 0;
   tessera_gemv::Bf16Row bf16_row = tessera_gemv::Bf16Row::rowwise;  // the Linear's loop (gemv_bf16.h)
 
   Proj() = default;
   Proj(at::Tensor w_, c10::optional<at::Tensor> s, c10::optional<at::Tensor> b, c10::optional<at::Tensor> packed_,
        std::vector<int64_t> starts_, std::vector<bool> flags_, int64_t gemv_rows_,
-       c10::optional<at::Tensor> tiles_, int64_t bf16_row_)
+       c10::optional<at::Tensor> tiles_, int64_t bf16_row_, c10::optional<at::Tensor> offset_, int64_t bits_,
+       int64_t group_)
       : w(std::move(w_)), starts(std::move(starts_)), flags(std::move(flags_)), gemv_rows(gemv_rows_),
-        bf16_row(tessera_gemv::bf16_row(bf16_row_)) {
+        bits(bits_), group(group_), bf16_row(tessera_gemv::bf16_row(bf16_row_)) {
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
                 "decode_stack: a projection weight must be a contiguous 2-D CPU tensor");
     N = w.size(0);
     K = w.size(1);
     const auto t = w.scalar_type();
-    TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kChar,
-                "decode_stack: projection weights must be float32, bfloat16 or int8, got ", t);
-    TORCH_CHECK(s.has_value() == (t == at::kChar), "decode_stack: int8 weights and only they need a scale");
+    TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kChar || t == at::kByte,
+                "decode_stack: projection weights must be float32, bfloat16, int8 or grouped uint8 codes, got ", t);
+    TORCH_CHECK(s.has_value() == (t == at::kChar || t == at::kByte),
+                "decode_stack: int8 and grouped weights and only they need a scale");
+    TORCH_CHECK(offset_.has_value() == (t == at::kByte), "decode_stack: grouped weights and only they need an offset");
+    if (t == at::kByte) {
+      TORCH_CHECK((bits == 4 || bits == 8) && (group == 16 || group == 32),
+                  "decode_stack: grouped weights need bits 4 or 8 and group 16 or 32");
+      K = w.size(1) * 8 / bits;
+      TORCH_CHECK(s->scalar_type() == at::kHalf && offset_->scalar_type() == at::kHalf && s->is_contiguous() &&
+                      offset_->is_contiguous() && s->numel() == N * (K / group) && offset_->numel() == N * (K / group),
+                  "decode_stack: a grouped weight's scale and offset must be float16 [N, K / group]");
+      scale = *s;
+      offset = *offset_;
+      gemv_rows = tessera_gemv::MAX_ROWS;
+    }
     TORCH_CHECK(starts.size() == flags.size() && (starts.empty() || starts[0] == 1),
                 "decode_stack: a row rule is starts (from 1) and one flag per start");
-    if (s.has_value()) scale = s->to(at::kFloat).contiguous();
+    if (s.has_value() && t == at::kChar) scale = s->to(at::kFloat).contiguous();
     if (b.has_value()) {
       bias_model = b->contiguous();
       bias = b->to(at::kFloat).contiguous();
@@ -86,7 +102,7 @@ struct Proj {
     if (t == at::kChar) gemv_rows = tessera_gemv::MAX_ROWS;
     TORCH_CHECK(gemv_rows >= 0 && gemv_rows <= tessera_gemv::MAX_ROWS, "decode_stack: gemv_rows must be 0 to ",
                 tessera_gemv::MAX_ROWS);
-    TORCH_CHECK(!scale.defined() || scale.numel() == N, "decode_stack: scale must be [", N, "]");
+    TORCH_CHECK(!scale.defined() || t == at::kByte || scale.numel() == N, "decode_stack: scale must be [", N, "]");
     TORCH_CHECK(!bias.defined() || bias.numel() == N, "decode_stack: bias must be [", N, "]");
   }
 
@@ -107,8 +123,8 @@ struct Proj {
       return {y, nullptr};
     }
     if (M > gemv_rows) {
-      TORCH_CHECK(w.scalar_type() != at::kChar, "decode_stack: int8 weights run at most ", tessera_gemv::MAX_ROWS,
-                  " rows here");
+      TORCH_CHECK(w.scalar_type() != at::kChar && w.scalar_type() != at::kByte,
+                  "decode_stack: int8 and grouped weights run at most ", tessera_gemv::MAX_ROWS, " rows here");
       at::Tensor xt = at::from_blob(const_cast<T*>(x), {M, K}, at::CppTypeToScalarType<T>::value);
       const bool pk = use_packed(M);
       if (pk && packed.scalar_type() != w.scalar_type()) {
@@ -121,7 +137,7 @@ struct Proj {
       TORCH_CHECK(hold.scalar_type() == xt.scalar_type(), "decode_stack: weights and activations differ in dtype");
       return {nullptr, hold.data_ptr<T>()};
     }
-    const float* sp = scale.defined() ? scale.data_ptr<float>() : nullptr;
+    const float* sp = scale.defined() && w.scalar_type() == at::kChar ? scale.data_ptr<float>() : nullptr;
     const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (w.scalar_type() == at::kBFloat16) {
@@ -143,6 +159,15 @@ struct Proj {
       case at::kBFloat16:
         dispatch_rows(M, xf, w.data_ptr<at::BFloat16>(), bp, y, N, K);
         break;
+      case at::kByte: {
+        const tessera_grouped::Shape sh{N, K, group, bits};
+        tessera_grouped::with_rows(M, [&](auto R) {
+          tessera_grouped::run<R.value>(xf, w.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
+                                        offset.data_ptr<at::Half>(), bp, y, sh,
+                                        tessera_grouped::Loop::widest);
+        });
+        break;
+      }
       default:
         tessera_gemv::dispatch_q8(M, xf, w.data_ptr<int8_t>(), sp, bp, y, N, K);
     }
@@ -419,10 +444,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using tessera_stack::Proj;
   pybind11::class_<Proj>(m, "Projection")
       .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                          std::vector<int64_t>, std::vector<bool>, int64_t, c10::optional<at::Tensor>, int64_t>(),
+                          std::vector<int64_t>, std::vector<bool>, int64_t, c10::optional<at::Tensor>, int64_t,
+                          c10::optional<at::Tensor>, int64_t, int64_t>(),
            pybind11::arg("weight"), pybind11::arg("scale"), pybind11::arg("bias"), pybind11::arg("packed"),
            pybind11::arg("starts"), pybind11::arg("flags"), pybind11::arg("gemv_rows"), pybind11::arg("tiles"),
-           pybind11::arg("bf16_row"));
+           pybind11::arg("bf16_row"), pybind11::arg("offset") = pybind11::none(), pybind11::arg("bits") = 0,
+           pybind11::arg("group") = 0);
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor>(),
            pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("hidden"),

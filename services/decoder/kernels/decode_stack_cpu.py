@@ -23,6 +23,7 @@ from services.common import native
 
 from . import gemv_cpu
 from .gemv_cpu import gemv_ref
+from .gemv_grouped_cpu import gemv_grouped_ref
 from .lora_cpu import lora_rows_ref
 from .paged_attention_cpu import paged_decode_ref
 
@@ -36,8 +37,8 @@ load = OPERATOR.load      # the compiled module; native.BuildError with the reas
 
 @dataclass
 class Projection:
-    weight: torch.Tensor                 # [out, in] float32, bfloat16, or int8 with scale
-    scale: torch.Tensor | None = None    # [out] per-row scale of an int8 weight
+    weight: torch.Tensor                 # [out, in] float32, bfloat16, or int8 with scale; or grouped codes
+    scale: torch.Tensor | None = None    # [out] per-row scale of an int8 weight; fp16 [out, in // group] if grouped
     bias: torch.Tensor | None = None     # [out]
     # Up to gemv_rows rows (<= KERNEL_ROWS) gemv_cpu runs it (int8: always); above, for dense weights,
     # linear_path.pack(weight) at the row counts that `rule` gives as (starts, flags), linear_path.Rule's
@@ -50,6 +51,11 @@ class Projection:
     tiles: torch.Tensor | None = None
     # bf16 x over a bf16 weight: which of gemv_cpu.BF16_ROWS the few-row kernel runs (its Linear's choice).
     bf16_row: str = gemv_cpu.BF16_ROWS[0]
+    # A grouped weight (model/grouped.py's layout): weight its uint8 codes [out, in * bits // 8], scale and offset
+    # fp16 [out, in // group]; gemv_grouped_cpu runs it (always: refused above KERNEL_ROWS, as int8).
+    offset: torch.Tensor | None = None
+    bits: int = 0
+    group: int = 0
 
 
 @dataclass
@@ -112,7 +118,7 @@ def make_stack(shape: Shape, layers: list[LayerWeights], final_norm: torch.Tenso
 
 def _projection(p: Projection):
     return load().Projection(p.weight, p.scale, p.bias, p.packed, list(p.rule[0]), list(p.rule[1]), p.gemv_rows,
-                             p.tiles, gemv_cpu.BF16_ROWS.index(p.bf16_row))
+                             p.tiles, gemv_cpu.BF16_ROWS.index(p.bf16_row), p.offset, p.bits, p.group)
 
 
 def decode_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -125,7 +131,7 @@ def decode_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s
     first half negated). Every layer writes the rows' K/V into its cache at `slots`, as the model's
     own layers do; see decode_stack_ref for the computation. Each projection runs gemv_cpu up to its
     gemv_rows rows, else tile_gemm_cpu above KERNEL_ROWS (if it has tiles), else its packed or plain
-    library matmul (int8 weights: refused above KERNEL_ROWS).
+    library matmul (int8 and grouped weights: refused above KERNEL_ROWS).
     lora_offsets, lora_ranks [NUM_TARGETS, M] int32 (or None: no adapters): each row's span per target in the
     arenas set on the stack (set_arenas); a row of rank 0 for every target comes out bit for bit as without them.
     """
@@ -149,7 +155,10 @@ def decode_stack_ref(shape: Shape, layers: list[LayerWeights], final_norm: torch
 
     def linear(t: torch.Tensor, p: Projection, layer: int, targets: tuple[tuple[int, int, int], ...]) -> torch.Tensor:
         """targets: (target index, first column, columns) of each LoRA target on this projection's output."""
-        out = gemv_ref(t, p.weight, p.scale, p.bias).to(dtype)     # fp32 sums, one rounding
+        if p.offset is not None:
+            out = gemv_grouped_ref(t, p.weight, p.scale, p.offset, p.bits, p.group, p.bias).to(dtype)
+        else:
+            out = gemv_ref(t, p.weight, p.scale, p.bias).to(dtype)     # fp32 sums, one rounding
         for target, col, n in targets if lora is not None else ():
             if target in lora.arenas[layer]:
                 a, bt = lora.arenas[layer][target]

@@ -17,8 +17,10 @@
 // product belongs to one group; the lanes are scaled by their group's scale * s_x in fp32 and summed.
 //
 // A row's sums are the same whatever the other rows of x in the call and wherever the threads split the
-// weight rows (every row of x runs the same loop over each weight row). Without AVX512-VNNI a portable
-// loop computes the same function (in another summation order).
+// weight rows (every row of x runs the same loop over each weight row). Without AVX512-VNNI, on AVX2 CPUs
+// (Zen 3, older Xeons), a 256-bit loop does the same with vpmaddubsw (pairs of byte products summed in 16
+// bits) and vpmaddwd (to 32-bit lanes); elsewhere a portable loop. Each sums in its own order; which one runs
+// is `Loop` (tests run every one the CPU has).
 #pragma once
 
 #include <torch/extension.h>
@@ -33,14 +35,38 @@
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
 #define TESSERA_GROUPED_VNNI 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TESSERA_GROUPED_AVX2 1
+#endif
+#if defined(TESSERA_GROUPED_VNNI) || defined(TESSERA_GROUPED_AVX2)
+#include <immintrin.h>
 #endif
 
 namespace tessera_grouped {
 
 constexpr int64_t MAX_ROWS = 4;   // rows of x per call (gemv_grouped_cpu.MAX_ROWS)
 constexpr int64_t CHUNK = 64;     // bytes of codes per vector step
+constexpr int64_t PAD = 8;        // zeros past XRow::s and sums, so a chunk's 8 groups can be read whole
+
+// The loops (gemv_grouped_cpu.LOOPS' indices): the widest this CPU runs, the AVX2 one, the portable one.
+enum class Loop : int64_t { widest = 0, avx2 = 1, portable = 2 };
+
+inline bool runs(Loop loop) {
+  switch (loop) {
+    case Loop::widest:
+    case Loop::portable:
+      return true;
+    case Loop::avx2:
+#ifdef TESSERA_GROUPED_AVX2
+      return true;
+#else
+      return false;
+#endif
+  }
+  return false;
+}
 
 template <typename F>
 inline void with_rows(int64_t M, F&& f) {
@@ -69,31 +95,52 @@ struct XRow {
   std::vector<float> sums;
 };
 
-// Where input k of a row lands in XRow::q. 8-bit: k itself. 4-bit: the byte b holding it (group g's
-// byte k % G for the first half, k % G - G / 2 for the second) sits in chunk b / CHUNK; low nibbles'
-// inputs fill the chunk's first CHUNK bytes of q, high nibbles' the next CHUNK.
-inline int64_t position(const Shape& sh, int64_t k) {
-  if (sh.bits == 8) return k;
-  const int64_t g = k / sh.G, j = k % sh.G, half = sh.G / 2;
-  const int64_t b = g * half + (j < half ? j : j - half);
-  return (b / CHUNK) * 2 * CHUNK + (j < half ? 0 : CHUNK) + b % CHUNK;
+// One group of x rounded: q[i] for its G inputs; returns the sum of the q. Vectorised where the VNNI loop runs
+// (the same division and rounding, nearest with ties to even, as the scalar loop): K scalar divisions per
+// call on the caller's thread while the others wait were a tenth of a 2048 x 2048 call.
+inline int32_t round_group(const float* xg, int64_t G, float step, int8_t* q) {
+#ifdef TESSERA_GROUPED_VNNI
+  const __m512 sv = _mm512_set1_ps(step), lim = _mm512_set1_ps(127.0f), nlim = _mm512_set1_ps(-127.0f);
+  __m512i total = _mm512_setzero_si512();
+  for (int64_t i = 0; i < G; i += 16) {
+    const __m512i qi = _mm512_cvtps_epi32(
+        _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_loadu_ps(xg + i), sv), nlim), lim));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(qi));
+    total = _mm512_add_epi32(total, qi);
+  }
+  return _mm512_reduce_add_epi32(total);
+#else
+  int32_t total = 0;
+  for (int64_t i = 0; i < G; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(std::clamp(xg[i] / step, -127.0f, 127.0f)));
+    total += q[i];
+  }
+  return total;
+#endif
 }
 
+// XRow::q's order. 8-bit: input k at k. 4-bit: group g's bytes are b = g * G / 2 .. + G / 2 - 1 (a run within
+// one CHUNK, since G / 2 divides it); the inputs of their low nibbles (the group's first half) go to the
+// chunk's first CHUNK bytes of q, at b % CHUNK, those of their high nibbles (second half) to the next CHUNK.
 inline void round_row(const float* x, const Shape& sh, XRow& r) {
   const int64_t chunks = (sh.row_bytes() + CHUNK - 1) / CHUNK;
   r.q.assign(chunks * CHUNK * (sh.bits == 4 ? 2 : 1), 0);
-  r.s.assign(sh.groups(), 0.0f);
-  r.sums.assign(sh.groups(), 0.0f);
+  r.s.assign(sh.groups() + PAD, 0.0f);
+  r.sums.assign(sh.groups() + PAD, 0.0f);
+  const int64_t G = sh.G, half = G / 2;
+  int8_t q[32];
   for (int64_t g = 0; g < sh.groups(); ++g) {
-    const float* xg = x + g * sh.G;
+    const float* xg = x + g * G;
     float amax = 0.0f;
-    for (int64_t i = 0; i < sh.G; ++i) amax = std::max(amax, std::fabs(xg[i]));
+    for (int64_t i = 0; i < G; ++i) amax = std::max(amax, std::fabs(xg[i]));
     const float step = amax > 0.0f ? amax / 127.0f : 1.0f;
-    int32_t total = 0;
-    for (int64_t i = 0; i < sh.G; ++i) {
-      const int8_t q = static_cast<int8_t>(std::nearbyint(std::clamp(xg[i] / step, -127.0f, 127.0f)));
-      r.q[position(sh, g * sh.G + i)] = q;
-      total += q;
+    const int32_t total = round_group(xg, G, step, q);
+    if (sh.bits == 8) {
+      std::memcpy(r.q.data() + g * G, q, G);
+    } else {
+      const int64_t b = g * half, base = (b / CHUNK) * 2 * CHUNK + b % CHUNK;
+      std::memcpy(r.q.data() + base, q, half);
+      std::memcpy(r.q.data() + base + CHUNK, q + half, half);
     }
     r.s[g] = step;
     r.sums[g] = step * static_cast<float>(total);
@@ -112,48 +159,128 @@ inline __m512i lane_groups(int64_t group_bytes) {
 }
 
 // acc[m, n] for M rows of x against weight row n.
+// One chunk c of codes into the accumulators a (lanes) and off (groups' offset terms) of every row of x.
+template <int M, int BITS>
+inline void chunk_grouped(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
+                          __m512i spread, int64_t c, __m512 (&a)[M], __m256 (&off)[M]) {
+  const int64_t gb = sh.group_bytes(), per_chunk = CHUNK / gb;  // groups a chunk holds (2, 4 or 8)
+  const int64_t left = sh.row_bytes() - c * CHUNK;
+  const __mmask64 bmask = left >= CHUNK ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
+  const int64_t g0 = c * per_chunk;
+  const __mmask8 gmask = static_cast<__mmask8>((1u << std::min(per_chunk, left / gb)) - 1);
+  const __m512i raw = _mm512_maskz_loadu_epi8(bmask, wn + c * CHUNK);
+  const __m256 sw = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(gmask, sn + g0));
+  const __m256 ow = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(gmask, on + g0));
+  __m512i lo, hi;
+  if constexpr (BITS == 4) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    lo = _mm512_and_si512(raw, low);
+    hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+  } else {
+    lo = raw;
+  }
+  for (int m = 0; m < M; ++m) {
+    const int8_t* q = xr[m].q.data() + c * CHUNK * (BITS == 4 ? 2 : 1);
+    __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
+    if constexpr (BITS == 4) d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(q + CHUNK));
+    const __m256 sx = _mm256_maskz_loadu_ps(gmask, xr[m].s.data() + g0);
+    const __m512 f = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_mul_ps(sw, sx)));
+    a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), f, a[m]);
+    off[m] = _mm256_fmadd_ps(ow, _mm256_maskz_loadu_ps(gmask, xr[m].sums.data() + g0), off[m]);
+  }
+}
+
+// acc[m, n] for M rows of x against weight row n: two sets of accumulators (even and odd chunks), so one
+// chunk's FMAs need not wait for the last's.
 template <int M, int BITS>
 inline void row_grouped(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
                         __m512i spread, int64_t n, float* acc) {
-  const int64_t bytes = sh.row_bytes(), gb = sh.group_bytes();
-  const int64_t per_chunk = CHUNK / gb;  // groups a chunk holds (2, 4 or 8)
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 a[M];
-  __m256 off[M];
+  const int64_t chunks = (sh.row_bytes() + CHUNK - 1) / CHUNK;
+  __m512 a0[M], a1[M];
+  __m256 o0[M], o1[M];
   for (int m = 0; m < M; ++m) {
-    a[m] = _mm512_setzero_ps();
-    off[m] = _mm256_setzero_ps();
+    a0[m] = a1[m] = _mm512_setzero_ps();
+    o0[m] = o1[m] = _mm256_setzero_ps();
   }
-  for (int64_t c = 0; c * CHUNK < bytes; ++c) {
-    const int64_t left = bytes - c * CHUNK;
-    const __mmask64 bmask = left >= CHUNK ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
-    const int64_t g0 = c * per_chunk;
-    const __mmask8 gmask = static_cast<__mmask8>((1u << std::min(per_chunk, left / gb)) - 1);
-    const __m512i raw = _mm512_maskz_loadu_epi8(bmask, wn + c * CHUNK);
-    const __m256 sw = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(gmask, sn + g0));
-    const __m256 ow = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(gmask, on + g0));
-    __m512i lo, hi;
-    if constexpr (BITS == 4) {
-      lo = _mm512_and_si512(raw, low);
-      hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-    } else {
-      lo = raw;
-    }
-    for (int m = 0; m < M; ++m) {
-      const int8_t* q = xr[m].q.data() + c * CHUNK * (BITS == 4 ? 2 : 1);
-      __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
-      if constexpr (BITS == 4) d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(q + CHUNK));
-      const __m256 sx = _mm256_maskz_loadu_ps(gmask, xr[m].s.data() + g0);
-      const __m512 f = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_mul_ps(sw, sx)));
-      a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), f, a[m]);
-      off[m] = _mm256_fmadd_ps(ow, _mm256_maskz_loadu_ps(gmask, xr[m].sums.data() + g0), off[m]);
-    }
+  int64_t c = 0;
+  for (; c + 2 <= chunks; c += 2) {
+    chunk_grouped<M, BITS>(xr, wn, sn, on, sh, spread, c, a0, o0);
+    chunk_grouped<M, BITS>(xr, wn, sn, on, sh, spread, c + 1, a1, o1);
   }
+  if (c < chunks) chunk_grouped<M, BITS>(xr, wn, sn, on, sh, spread, c, a0, o0);
   for (int m = 0; m < M; ++m) {
-    const __m128 o4 = _mm_add_ps(_mm256_castps256_ps128(off[m]), _mm256_extractf128_ps(off[m], 1));
+    const __m256 off = _mm256_add_ps(o0[m], o1[m]);
+    const __m128 o4 = _mm_add_ps(_mm256_castps256_ps128(off), _mm256_extractf128_ps(off, 1));
     __m128 o2 = _mm_add_ps(o4, _mm_movehl_ps(o4, o4));
     o2 = _mm_add_ss(o2, _mm_movehdup_ps(o2));
-    acc[m * sh.N + n] = _mm512_reduce_add_ps(a[m]) + _mm_cvtss_f32(o2);
+    acc[m * sh.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m])) + _mm_cvtss_f32(o2);
+  }
+}
+#endif
+
+#ifdef TESSERA_GROUPED_AVX2
+// One 32-byte half h of chunk c in 8 lanes (lane l: bytes 32 h + 4 l .. + 3, as the VNNI loop's lanes).
+// vpmaddubsw sums two products in 16 bits with saturation: 4-bit codes (<= 15) times |q| <= 127 keep four
+// products (lo and hi nibbles' pairs added) exact; an 8-bit code is taken as 16 * high nibble + low nibble.
+template <int BITS>
+inline __m256i dot_half(const uint8_t* w, const int8_t* q) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+  if constexpr (BITS == 4) {
+    const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + CHUNK));
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), ones);
+  } else {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i l = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xv), ones);
+    const __m256i h = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xv), ones);
+    return _mm256_add_epi32(l, _mm256_slli_epi32(h, 4));
+  }
+}
+
+template <int M, int BITS>
+inline void row_avx2(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
+                     int64_t n, float* acc) {
+  const int64_t bytes = sh.row_bytes(), gb = sh.group_bytes(), per_chunk = CHUNK / gb;
+  // Lane l of half h belongs to the chunk's group (32 h + 4 l) / gb.
+  __m256i spread[2];
+  for (int h = 0; h < 2; ++h) {
+    alignas(32) int32_t idx[8];
+    for (int l = 0; l < 8; ++l) idx[l] = static_cast<int32_t>((32 * h + 4 * l) / gb);
+    spread[h] = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
+  }
+  __m256 a[M][2], off[M];
+  for (int m = 0; m < M; ++m) a[m][0] = a[m][1] = off[m] = _mm256_setzero_ps();
+  alignas(32) uint8_t tail[CHUNK];
+  for (int64_t c = 0; c * CHUNK < bytes; ++c) {
+    const int64_t left = std::min(CHUNK, bytes - c * CHUNK), groups = left / gb, g0 = c * per_chunk;
+    const uint8_t* w = wn + c * CHUNK;
+    if (left < CHUNK) {  // the row's last, short chunk: zeros past it (x is zero there too)
+      std::memset(tail, 0, CHUNK);
+      std::memcpy(tail, w, left);
+      w = tail;
+    }
+    alignas(16) uint16_t sh16[8] = {}, oh16[8] = {};
+    std::memcpy(sh16, sn + g0, groups * sizeof(uint16_t));
+    std::memcpy(oh16, on + g0, groups * sizeof(uint16_t));
+    const __m256 sw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(sh16)));
+    const __m256 ow = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(oh16)));
+    for (int m = 0; m < M; ++m) {
+      const int8_t* q = xr[m].q.data() + c * CHUNK * (BITS == 4 ? 2 : 1);
+      const __m256 f = _mm256_mul_ps(sw, _mm256_loadu_ps(xr[m].s.data() + g0));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i d = dot_half<BITS>(w + 32 * h, q + 32 * h);
+        a[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(f, spread[h]), a[m][h]);
+      }
+      off[m] = _mm256_fmadd_ps(ow, _mm256_loadu_ps(xr[m].sums.data() + g0), off[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    const __m256 v = _mm256_add_ps(_mm256_add_ps(a[m][0], a[m][1]), off[m]);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    acc[m * sh.N + n] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
   }
 }
 #endif
@@ -186,7 +313,7 @@ inline void row_portable(const XRow* xr, const uint8_t* wn, const at::Half* sn, 
 
 template <int M>
 void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::Half* offset, const float* bias,
-         float* y, const Shape& sh, bool portable) {
+         float* y, const Shape& sh, Loop loop) {
   // The caller's thread's buffers, kept between calls; the workers read them through this pointer.
   static thread_local XRow mine[MAX_ROWS];
   const XRow* xr = mine;
@@ -201,9 +328,16 @@ void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::
       const at::Half* sn = scale + n * ng;
       const at::Half* on = offset + n * ng;
 #ifdef TESSERA_GROUPED_VNNI
-      if (!portable) {
+      if (loop == Loop::widest) {
         if (sh.bits == 4) row_grouped<M, 4>(xr, wn, sn, on, sh, spread, n, y);
         else row_grouped<M, 8>(xr, wn, sn, on, sh, spread, n, y);
+        continue;
+      }
+#endif
+#ifdef TESSERA_GROUPED_AVX2
+      if (loop != Loop::portable) {
+        if (sh.bits == 4) row_avx2<M, 4>(xr, wn, sn, on, sh, n, y);
+        else row_avx2<M, 8>(xr, wn, sn, on, sh, n, y);
         continue;
       }
 #endif
@@ -217,10 +351,13 @@ void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::
 
 // out [M, N] = x [M, K] @ w^T (+ bias [N] fp32), w given by codes uint8 [N, K * bits / 8] and scale, offset fp16
 // [N, K / group] (grouped.py's layout). x and out are both float32 or both bfloat16: bf16 x is widened once and
-// the fp32 result rounded once into out. portable: the portable loop even where the VNNI one runs (tests: it is
-// what a CPU without AVX512-VNNI runs).
+// the fp32 result rounded once into out. loop: a Loop's value; tests run the narrower loops where a wider one
+// runs (they are what CPUs without it run).
 void gemv_grouped(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch::Tensor scale, torch::Tensor offset,
-                  int64_t bits, int64_t group, c10::optional<torch::Tensor> bias, bool portable) {
+                  int64_t bits, int64_t group, c10::optional<torch::Tensor> bias, int64_t loop_index) {
+  TORCH_CHECK(loop_index >= 0 && loop_index <= 2, "gemv_grouped: loop must be 0, 1 or 2, got ", loop_index);
+  const Loop loop = static_cast<Loop>(loop_index);
+  TORCH_CHECK(runs(loop), "gemv_grouped: this CPU does not run the AVX2 loop");
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && out.dim() == 2, "gemv_grouped: x, codes and out must be 2-D");
   TORCH_CHECK(bits == 4 || bits == 8, "gemv_grouped: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(group == 16 || group == 32, "gemv_grouped: group must be 16 or 32, got ", group);
@@ -263,7 +400,7 @@ void gemv_grouped(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::Half* sp = scale.data_ptr<at::Half>();
   const at::Half* op = offset.data_ptr<at::Half>();
-  with_rows(M, [&](auto R) { run<R.value>(xp, cp, sp, op, bp, yp, sh, portable); });
+  with_rows(M, [&](auto R) { run<R.value>(xp, cp, sp, op, bp, yp, sh, loop); });
   if (bf16) {
     at::BFloat16* ob = out.data_ptr<at::BFloat16>();
     for (int64_t i = 0; i < M * N; ++i) ob[i] = at::BFloat16(ys[i]);

@@ -108,18 +108,12 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: i
 
 def unpack_codes(gw: GroupedWeight) -> torch.Tensor:
     """The codes as given to pack: uint8 [N, K]."""
-    n, k, g = gw.out_features, gw.in_features, gw.group
-    if gw.bits == 8:
-        return gw.codes.clone()
-    b = gw.codes.view(n, k // g, 1, g // 2)
-    return torch.cat([b & 0x0F, b >> 4], dim=2).reshape(n, k)
+    return gemv_grouped_cpu.unpack_codes(gw.codes, gw.bits, gw.group)
 
 
 def dequantize(gw: GroupedWeight) -> torch.Tensor:
     """fp32 [N, K]: scale * code + offset per group, in fp32 from the fp16 scale and offset."""
-    n, k, g = gw.out_features, gw.in_features, gw.group
-    c = unpack_codes(gw).float().view(n, k // g, g)
-    return (c * gw.scale.float()[:, :, None] + gw.offset.float()[:, :, None]).view(n, k)
+    return gemv_grouped_cpu.dequantize(gw.codes, gw.scale, gw.offset, gw.bits, gw.group)
 
 
 @torch.no_grad()
@@ -141,14 +135,7 @@ def quantize(weight: torch.Tensor, bits: int = 4, group: int = 32) -> GroupedWei
     return pack(codes.to(torch.uint8).view(n, k), scale, offset, bits, group)
 
 
-def round_groups(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x [M, K] -> fp32 [M, K], each group of `group` inputs rounded to int8 steps of max|group| / 127 (1 for
-    an all-zero group), ties to even: what the few-row kernel multiplies the codes with."""
-    m, k = x.shape
-    blocks = x.float().view(m, k // group, group)
-    amax = blocks.abs().amax(dim=2, keepdim=True)
-    step = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    return (torch.round(blocks / step).clamp(-127, 127) * step).view(m, k)
+round_groups = gemv_grouped_cpu.round_groups    # x as the few-row kernel rounds it (per group, to int8 steps)
 
 
 def grouped_linear_ref(x: torch.Tensor, gw: GroupedWeight, bias: torch.Tensor | None = None,

@@ -112,15 +112,16 @@ class Linear(nn.Linear):
             self.release()
 
     @torch.no_grad()
-    def set_grouped(self, gw: GroupedWeight, release: bool = True) -> None:
-        """Hold gw (out_features x in_features) as the weight: the grouped paths run from now on; release: drop
-        the dense weight (its dtype stays the activations' dtype)."""
+    def set_grouped(self, gw: GroupedWeight, release: bool = True, dtype: torch.dtype | None = None) -> None:
+        """Hold gw (out_features x in_features, on CPU) as the weight: the grouped paths run from now on. release:
+        replace the dense weight by an empty CPU tensor of `dtype` (default: the weight's), which stays the
+        activations' dtype (a loader may call this on a Linear built on the meta device)."""
         if (gw.out_features, gw.in_features) != (self.out_features, self.in_features):
             raise ValueError(f"grouped weight {gw.out_features}x{gw.in_features} for a "
                              f"{self.out_features}x{self.in_features} linear")
         self.grouped, self.grouped_path, self.int4pack = gw, "dequant", None
         if release:
-            self.release()
+            self.weight = nn.Parameter(torch.empty(0, dtype=dtype or self.weight.dtype), requires_grad=False)
 
     def release(self) -> None:
         """Drop the dense weight (in/out_features, dtype and device stay readable)."""

@@ -13,7 +13,7 @@ Linear chose at load for that row count (gemv_cpu, packed or plain). A step take
 - the model has no sliding-window layer and no attention soft-cap (the stack's attention has neither).
 Any other step runs the model's own layers, which stay the reference (tests compare the two).
 
-`FusedDecode.build` makes it at load, when the model is on CPU in float32 or bfloat16 (int8 weights
+`FusedDecode.build` makes it at load, when the model is on CPU in float32 or bfloat16 (int8 and grouped weights
 included, up to 4 rows), the decode attention is the C++ operator, the matmul path is chosen by
 timing, and the operator builds. It then times one step both ways at each of TIMING_ROWS and keeps
 the largest count up to which the stack beat the layers (plan.beats) at every one (`max_rows`, 0: never).
@@ -65,9 +65,9 @@ class FusedDecode:
         self.max_rows = 0
         self.pool: AdapterPool | None = None    # the adapter store whose arenas the stack holds
         self.pool_version = -1                  # the pool's version when the stack last took its arenas
-        # int8 projections run in gemv_cpu only (the library path above it takes bf16 activations).
-        int8 = any(m.qweight is not None for m in model.modules() if isinstance(m, Linear))
-        self.timing_rows = tuple(r for r in TIMING_ROWS if not int8 or r <= decode_stack_cpu.KERNEL_ROWS)
+        # int8 and grouped projections run in the few-row kernels only (the library paths above them differ).
+        few = any(m.qweight is not None or m.grouped is not None for m in model.modules() if isinstance(m, Linear))
+        self.timing_rows = tuple(r for r in TIMING_ROWS if not few or r <= decode_stack_cpu.KERNEL_ROWS)
 
     @classmethod
     def build(cls, model: CausalLM, cache: KVCache, attention_backend: str, record: execution.ExecutionPlan,
@@ -222,8 +222,6 @@ def _ineligible(model: CausalLM, cache: KVCache, attention_backend: str, record:
     for layer in model.model.layers:
         if layer.self_attn.qkv is None or layer.mlp.gate_up is None:
             return "projections not fused"
-    if any(m.grouped is not None for m in model.modules() if isinstance(m, Linear)):
-        return "the C++ decode stack reads dense or int8 projections; this model has grouped (4-bit) weights"
     return ""
 
 
@@ -238,6 +236,10 @@ def _projection(linear: Linear, tiles: bool) -> decode_stack_cpu.Projection:
     every row count above the few-row kernel's."""
     if linear.qweight is not None:
         return decode_stack_cpu.Projection(linear.qweight, linear.qscale, linear.bias)
+    if linear.grouped is not None:
+        gw = linear.grouped
+        return decode_stack_cpu.Projection(gw.codes, gw.scale, linear.bias, offset=gw.offset, bits=gw.bits,
+                                           group=gw.group)
     rule = linear.rule
     panels = tile_gemm_cpu.pack(linear.weight) if tiles and tile_gemm_cpu.fits(linear.weight) else None
     return decode_stack_cpu.Projection(linear.weight, None, linear.bias, linear.gemv_rows, linear.packed,

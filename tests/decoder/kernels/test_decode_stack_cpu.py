@@ -18,12 +18,16 @@ from services.decoder.kernels.decode_stack_cpu import (
     set_arenas,
 )
 from services.decoder.kernels.gemv_cpu import BF16_ROWS
+from services.decoder.model import grouped
 from services.decoder.model.quantization import quantize
 from tests.tolerance import assert_close
 
 pytestmark = pytest.mark.numerics
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32, "int4": torch.float32,
+          "int4_bf16": torch.bfloat16, "q8g16": torch.float32}
+# Grouped weights (model/grouped.py): kind -> (bits, group).
+GROUPED = {"int4": (4, 32), "int4_bf16": (4, 16), "q8g16": (8, 16)}
 LAYERS = 2
 
 
@@ -36,6 +40,9 @@ def projection(kind: str, out: int, inp: int, bias: bool, g: torch.Generator, li
     if kind == "int8":
         q, scale = quantize(w)
         return Projection(q, scale, b)
+    if kind in GROUPED:
+        gw = grouped.quantize(w, *GROUPED[kind])
+        return Projection(gw.codes, gw.scale, b, offset=gw.offset, bits=gw.bits, group=gw.group)
     w = w.to(DTYPES[kind])
     if library == "plain":
         return Projection(w, None, b, gemv_rows)
@@ -107,10 +114,15 @@ def check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias, libr
     got = decode_stack(make_stack(shape, layers, final), x.clone(), cos, sin, slots, tables, lens)
     # Each layer: two norms, four matmuls (k up to the intermediate width) and a softmax over <= 40 keys.
     depth = 6 * LAYERS + 1
-    assert_close(got, expected, dtype=DTYPES[kind], k=shape.intermediate, depth=depth)
+    # Grouped weights round each projection's input to int8 steps per group, in the stack and in the reference
+    # alike; but an input the two compute an ulp apart can round to neighbouring steps where it sits on a tie
+    # (seen here once in ~50 cases), so their bound is int8's (tests/tolerance.py). The kernel alone is held to
+    # fp32's bound against the same rounding in tests/decoder/kernels/test_gemv_grouped_cpu.py.
+    bound = torch.int8 if kind in GROUPED else DTYPES[kind]
+    assert_close(got, expected, dtype=bound, k=shape.intermediate, depth=depth)
     for mine, ref in zip(layers, ref_layers, strict=True):   # the same K/V written at the same slots
-        assert_close(mine.k_cache, ref.k_cache, dtype=DTYPES[kind], k=shape.intermediate, depth=depth)
-        assert_close(mine.v_cache, ref.v_cache, dtype=DTYPES[kind], k=shape.intermediate, depth=depth)
+        assert_close(mine.k_cache, ref.k_cache, dtype=bound, k=shape.intermediate, depth=depth)
+        assert_close(mine.v_cache, ref.v_cache, dtype=bound, k=shape.intermediate, depth=depth)
 
 
 SHAPES = [
@@ -120,7 +132,7 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", *GROUPED])
 @pytest.mark.parametrize("rows", range(1, KERNEL_ROWS + 1))
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,qk_norm,bias", SHAPES)
 def test_few_rows_match_reference(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias):
@@ -145,7 +157,8 @@ def test_rows_past_gemv_rows_run_the_library_matmuls(kind, rows, gemv_rows, libr
     check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias, library, gemv_rows)
 
 
-@pytest.mark.parametrize("kind,loop", [("fp32", BF16_ROWS[0])] + [("bf16", loop) for loop in BF16_ROWS])
+@pytest.mark.parametrize("kind,loop", [("fp32", BF16_ROWS[0])] + [("bf16", loop) for loop in BF16_ROWS]
+                         + [(k, BF16_ROWS[0]) for k in GROUPED])
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_row_is_independent_of_the_others_and_the_thread_count_bit_for_bit(kind, loop, lora):
     g = torch.Generator().manual_seed(7)
@@ -184,9 +197,12 @@ def test_refusals():
     with pytest.raises(RuntimeError, match="no rows"):
         decode_stack(stack, x[:0], cos[:0], sin[:0], slots[:0], tables[:0], lens[:0])
     int8_layers, int8_final = model("int8", shape, False, False, 8, 4, g)
-    with pytest.raises(RuntimeError, match="int8 weights run at most 4 rows"):
-        five = step(5, [1] * 5, 4, 8, shape, torch.float32, g)
+    five = step(5, [1] * 5, 4, 8, shape, torch.float32, g)
+    with pytest.raises(RuntimeError, match="int8 and grouped weights run at most 4 rows"):
         decode_stack(make_stack(shape, int8_layers, int8_final), *five)
+    grouped_layers, grouped_final = model("q8g16", shape, False, False, 8, 4, g)
+    with pytest.raises(RuntimeError, match="int8 and grouped weights run at most 4 rows"):
+        decode_stack(make_stack(shape, grouped_layers, grouped_final), *five)
     with pytest.raises(RuntimeError, match="slot 32 out of range"):
         decode_stack(stack, x, cos, sin, torch.tensor([32]), tables, lens)
     with pytest.raises(RuntimeError, match="x must be contiguous"):
@@ -195,7 +211,7 @@ def test_refusals():
         bad = clone(layers)[0]
         bad.qkv = Projection(torch.randn(10, 32))
         make_stack(shape, [bad], final)
-    with pytest.raises(RuntimeError, match="int8 weights and only they need a scale"):
+    with pytest.raises(RuntimeError, match="int8 and grouped weights and only they need a scale"):
         bad = clone(layers)[0]
         bad.o = Projection(torch.zeros(32, 64, dtype=torch.int8))
         make_stack(shape, [bad], final)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.decoder.kernels.gemv_grouped_cpu import MAX_ROWS, gemv_grouped
+from services.decoder.kernels import gemv_grouped_cpu
+from services.decoder.kernels.gemv_grouped_cpu import LOOPS, MAX_ROWS, gemv_grouped
 from services.decoder.model import grouped
 from services.decoder.model.grouped import grouped_linear_ref, quantize
 from tests.tolerance import assert_close, is_close
@@ -17,25 +18,27 @@ pytestmark = pytest.mark.numerics
 SHAPES = [(7, 96, True), (130, 1536, False), (33, 160, True), (64, 32, False)]
 
 
-def call(x, gw, bias=None, portable=False):
-    return gemv_grouped(x, gw.codes, gw.scale, gw.offset, gw.bits, gw.group, bias, portable)
+def call(x, gw, bias=None, loop=LOOPS[0]):
+    return gemv_grouped(x, gw.codes, gw.scale, gw.offset, gw.bits, gw.group, bias, loop)
 
 
-# The VNNI loop (where the CPU has it) and the portable one every other CPU runs.
-LOOPS = [False, True]
+# Every loop, each on the CPUs that run it: the narrower ones are what CPUs without the wider run.
+each_loop = pytest.mark.parametrize("loop", [
+    pytest.param(loop, marks=pytest.mark.skipif(not gemv_grouped_cpu.runs(loop), reason=f"this CPU has no {loop}"))
+    for loop in LOOPS])
 
 
-@pytest.mark.parametrize("portable", LOOPS)
+@each_loop
 @pytest.mark.parametrize("bits", grouped.BITS)
 @pytest.mark.parametrize("group", grouped.GROUPS)
 @pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
 @pytest.mark.parametrize("n,k,bias", SHAPES)
-def test_matches_reference(portable, bits, group, rows, n, k, bias):
+def test_matches_reference(loop, bits, group, rows, n, k, bias):
     g = torch.Generator().manual_seed(rows * 1000 + n + k + bits + group)
     gw = quantize(torch.randn(n, k, generator=g), bits, group)
     x = torch.randn(rows, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    y = call(x, gw, b, portable)
+    y = call(x, gw, b, loop)
     assert y.dtype == torch.float32 and y.shape == (rows, n)
     assert_close(y, grouped_linear_ref(x, gw, b, rounded=True), dtype=torch.float32, k=k)
 
@@ -51,10 +54,10 @@ def test_bf16_activations_round_once_at_the_end(bits, group):
     assert_close(y, grouped_linear_ref(x, gw, rounded=True), dtype=torch.bfloat16, k=576)
 
 
-@pytest.mark.parametrize("portable", LOOPS)
+@each_loop
 @pytest.mark.parametrize("bits", grouped.BITS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_row_is_its_own_one_row_result_bit_for_bit(portable, bits, dtype):
+def test_each_row_is_its_own_one_row_result_bit_for_bit(loop, bits, dtype):
     """1,002 weight rows (two threads split them): every row of x, in a call of 1 to 4 rows on 1 or 2 threads,
     equals that row alone on one thread."""
     g = torch.Generator().manual_seed(bits)
@@ -63,10 +66,10 @@ def test_each_row_is_its_own_one_row_result_bit_for_bit(portable, bits, dtype):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = torch.cat([call(x[i:i + 1], gw, None, portable) for i in range(MAX_ROWS)])
+        alone = torch.cat([call(x[i:i + 1], gw, None, loop) for i in range(MAX_ROWS)])
         torch.set_num_threads(max(2, threads))
         for rows in range(1, MAX_ROWS + 1):
-            assert torch.equal(call(x[:rows], gw, None, portable), alone[:rows])
+            assert torch.equal(call(x[:rows], gw, None, loop), alone[:rows])
     finally:
         torch.set_num_threads(threads)
 

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.numerics
 
 BLOCK, BLOCKS = 4, 320
 CASES = ["llama_gqa4_tied_sharded", "qwen2_gqa2_odd_tied", "qwen3_odd3_gqa3_qknorm"]
-VARIANTS = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "int8": ("fp32", "int8")}
+VARIANTS = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "int8": ("fp32", "int8"), "int4": ("fp32", "int4")}
+QUANTIZED = ("int8", "int4")     # their weights run in the few-row kernels only
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +56,9 @@ def runners(folder, variant: str) -> tuple[Runner, Runner]:
     # that rounding failed this test every time), not the stack against the layers.
     for runner in (fused, layers):
         runner.model.use_native_glue(norm=True, act=True)
-        if quantization == "int8":
+        if quantization in QUANTIZED:
             for m in runner.model.modules():
-                if isinstance(m, Linear) and m.qweight is not None:
+                if isinstance(m, Linear) and (m.qweight is not None or m.grouped is not None):
                     m.gemv_rows = decode_stack_cpu.KERNEL_ROWS
     return fused, layers
 
@@ -66,13 +67,13 @@ def runners(folder, variant: str) -> tuple[Runner, Runner]:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decode_steps_match_the_layers(folders, name, variant):
     fused, layers = runners(folders[name], variant)
-    widest = 4 if variant == "int8" else 64        # int8 weights run in gemv_cpu only
+    widest = 4 if variant in QUANTIZED else 64
     assert fused.decode_stack.startswith(f"cpp rows<={widest}; timed 1 row 1000.0 vs 2000.0 ms")
     # Steps above 4 rows run the panels wherever the CPU runs them for the dtype and a projection fits
     # (every case has one: a 64-wide hidden or a 192-wide gate_up), so the comparison below covers them;
-    # int8 weights never take them.
+    # int8 and grouped weights never take them.
     dtype = fused.cache.k[0].dtype
-    tiles = variant != "int8" and tile_gemm_cpu.available(dtype)
+    tiles = variant not in QUANTIZED and tile_gemm_cpu.available(dtype)
     assert fused.fused_decode.tiles == tiles
     assert fused.decode_stack.endswith(f"tiles {'on' if tiles else 'n/a'})")
     g = random.Random(5)
@@ -82,7 +83,7 @@ def test_decode_steps_match_the_layers(folders, name, variant):
     calls = []                    # what applies() said per step of the fused runner
     applies = fused.fused_decode.applies
     fused.fused_decode.applies = lambda batch: calls.append(applies(batch)) or calls[-1]
-    for rows in (4, 1, 3, 2, 16, 4) if variant != "int8" else (4, 1, 3, 2, 4):
+    for rows in (4, 1, 3, 2, 16, 4) if variant not in QUANTIZED else (4, 1, 3, 2, 4):
         for _ in range(3):
             out = {}
             # The whole rest of each sequence: a whole prompt (start 0, at most 33 tokens, so it runs as
