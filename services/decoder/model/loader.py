@@ -151,7 +151,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32", device: str |
                                   f"{tuple(expected[name])}")
         owner = model.get_submodule(name.rpartition(".")[0])
         if stored.quantized and isinstance(owner, Linear):
-            place_grouped(owner, stored.grouped(), dtype, device)
+            place_grouped(owner, stored.grouped(), dtype)
         elif stored.quantized:      # the embedding table
             gw = stored.grouped()
             _set_parameter(model, name, grouped.dequantize(gw).to(device=device, dtype=dtype))
@@ -163,18 +163,17 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32", device: str |
     if missing:
         raise InvalidArgument(f"{gguf.path.name} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     if tied_head is not None:
-        place_grouped(model.lm_head, tied_head, dtype, device)
+        place_grouped(model.lm_head, tied_head, dtype)
     elif cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.setup_rotary(device)
     return model.eval()
 
 
-def place_grouped(linear: Linear, weight: GroupedWeight, dtype: torch.dtype, device: torch.device) -> None:
-    """Give a Linear (still on meta) a GGUF weight as its grouped weight; its dense weight stays empty, in dtype
-    (the dtype of its activations)."""
-    linear.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=False)
-    linear.set_grouped(weight, release=False)
+def place_grouped(linear: Linear, weight: GroupedWeight, dtype: torch.dtype) -> None:
+    """Give a Linear (still on meta) a GGUF weight as its grouped weight; its dense weight is empty, in dtype (the
+    dtype of its activations). Grouped weights live on CPU (load_gguf refuses another device for them)."""
+    linear.set_grouped(weight, release=True, dtype=dtype)
 
 
 # Qwen2-VL checkpoints: transformers 5 keeps the text model under model.language_model. in memory but
