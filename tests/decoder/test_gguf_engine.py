@@ -18,27 +18,34 @@ from tests.tolerance import assert_close
 
 pytestmark = pytest.mark.numerics
 
-MIX = {"attn_q": T.Q4_K, "attn_k": T.Q8_0, "attn_v": T.Q6_K, "attn_output": T.Q5_K, "ffn_gate": T.Q4_K,
-       "ffn_up": T.Q4_K, "ffn_down": T.Q6_K, "output": T.Q6_K, "token_embd": T.Q8_0}
-PINS = {"fast": "gemv=on,grouped_matmul=int4pack,glue=cpp,attention=cpp,screen=on",
+# Every format a GGUF file maps to: 4-bit g32 (Q4_K), 8-bit g32 (Q8_0, Q5_K), 8-bit g16 (Q6_K). Q, K and V in three
+# formats stay three matmuls, which the C++ decode stack does not take; "stack" keeps them one format (Q4_K_M
+# itself stores V in Q6_K).
+MIXES = {"mixed": {"attn_q": T.Q4_K, "attn_k": T.Q8_0, "attn_v": T.Q6_K, "attn_output": T.Q5_K, "ffn_gate": T.Q4_K,
+                   "ffn_up": T.Q4_K, "ffn_down": T.Q6_K, "output": T.Q6_K, "token_embd": T.Q8_0},
+         "stack": {"attn_output": T.Q5_K, "ffn_down": T.Q6_K, "output": T.Q6_K, "token_embd": T.Q8_0}}
+FAST = "gemv=on,grouped_matmul=int4pack,glue=cpp,attention=cpp,screen=on"
+PINS = {"fast": FAST, "stack": FAST + ",decode_stack=on",
         "reference": "linear=plain,gemv=off,grouped_matmul=dequant,glue=torch,attention=torch,decode_stack=off,"
                      "screen=off,huge_pages=off"}
 
 
 @pytest.fixture(scope="module")
-def model_file(tmp_path_factory):
-    return with_random_blocks(tmp_path_factory.mktemp("gguf-engine") / "mix.gguf", "qwen2", MIX, seed=17)
+def model_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-engine")
+    return {name: with_random_blocks(root / f"{name}.gguf", "qwen2", mix, seed=17) for name, mix in MIXES.items()}
 
 
 @pytest.mark.parametrize("plan", list(PINS))
-def test_grouped_paths_match_transformers(model_file, plan):
+def test_grouped_paths_match_transformers(model_files, plan):
+    model_file = model_files["stack" if plan == "stack" else "mixed"]
     runner = Runner.from_folder(model_file, "fp32", BLOCK, 64, fast_paths=PINS[plan])
     ref = reference(model_file)
     ref.load_state_dict(effective_weights(load_model(model_file, "fp32")))   # unfused: transformers' names
     rows, tokens = chunked_logits(runner, PROMPTS[4], 3)
     with torch.no_grad():
         want = ref(torch.tensor([tokens])).logits[0, len(PROMPTS[4]) - 1:]
-    dtype = torch.int8 if plan == "fast" else torch.float32
+    dtype = torch.float32 if plan == "reference" else torch.int8
     for i, got in enumerate(rows):
         assert_close(got, want[i], dtype=dtype, **K_TINY, what=f"{plan} row {i}")
     drive(engine(runner, num_blocks=64, budget=5), PROMPTS[:2], GREEDY)
