@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFWriter
+from gguf import GGUFWriter, RopeScalingType
 
 from services.common.errors import InvalidArgument, Unsupported
 from services.common.process import main
@@ -192,6 +192,17 @@ def test_llama3_rope_freqs_compute_the_llama3_recipe(root):
     compare(path, TINY, reference_model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
 
 
+def test_bf16_tracks_fp32(root):
+    """--dtype bf16: dense tensors and the expanded embedding table in bf16, grouped weights as they are (bf16
+    activations): the logits track the fp32 load within bf16's bound."""
+    path = with_random_blocks(root / "bf16.gguf", "llama", {"token_embd": T.Q8_0, "ffn_down": T.Q6_K}, seed=9)
+    fp32, bf16 = load_model(path, "fp32"), load_model(path, "bf16")
+    assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert bf16.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, 160, (PROMPT,), generator=torch.Generator().manual_seed(4))
+    assert_close(ours_logits(bf16, ids), ours_logits(fp32, ids), dtype=torch.bfloat16, **K_TINY)
+
+
 @pytest.mark.slow
 def test_smollm2_file_written_by_llama_cpp_matches_transformers_on_it():
     """A real file: SmolLM2-135M-Instruct in Q4_1 (a Q8_0 tied embedding), converted and quantized by llama.cpp
@@ -240,6 +251,27 @@ def _metadata_only(path, arch: str, **keys):
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+REQUIRED = dict(embedding_length=64, block_count=2, feed_forward_length=96, head_count=4, vocab_size=160)
+
+
+@pytest.mark.parametrize("scaling, want", [
+    (dict(rope_scaling_type=RopeScalingType.LINEAR, rope_scaling_factor=4.0), ("linear", 4.0, None)),
+    (dict(rope_scaling_type=RopeScalingType.YARN, rope_scaling_factor=4.0, rope_scaling_orig_ctx_len=1024),
+     ("yarn", 4.0, 1024)),
+    (dict(), ("default", None, None)),
+])
+def test_rope_scaling_from_metadata(root, scaling, want):
+    path = _metadata_only(root / f"rope-{want[0]}.gguf", "llama", **REQUIRED, context_length=4096, **scaling)
+    rope = GGUFModel(path).config.rope
+    assert (rope.kind, rope.factor, rope.original_max_position_embeddings if want[0] == "yarn" else None) == want
+
+
+def test_unknown_rope_scaling_is_refused(root):
+    path = _metadata_only(root / "rope-longrope.gguf", "llama", **REQUIRED, rope_scaling_type=RopeScalingType.LONGROPE)
+    with pytest.raises(Unsupported, match="llama.rope.scaling.type 'longrope' is not supported"):
+        GGUFModel(path)
 
 
 def test_unknown_architecture_is_refused(root):
