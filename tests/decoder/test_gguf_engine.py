@@ -40,6 +40,10 @@ def model_files(tmp_path_factory):
 def test_grouped_paths_match_transformers(model_files, plan):
     model_file = model_files["stack" if plan == "stack" else "mixed"]
     runner = Runner.from_folder(model_file, "fp32", BLOCK, 64, fast_paths=PINS[plan])
+    # What GetModelInfo reports: the file's formats, after q|k|v and gate|up were fused where they share one.
+    want = {"mixed": "gguf: 13 linears grouped (4 int4/g32, 5 int8/g16, 4 int8/g32)",
+            "stack": "gguf: 9 linears grouped (4 int4/g32, 3 int8/g16, 2 int8/g32)"}
+    assert runner.quantization == want["stack" if plan == "stack" else "mixed"]
     ref = reference(model_file)
     ref.load_state_dict(effective_weights(load_model(model_file, "fp32")))   # unfused: transformers' names
     rows, tokens = chunked_logits(runner, PROMPTS[4], 3)

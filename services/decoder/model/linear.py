@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
 
@@ -169,8 +170,9 @@ def quantize_linears(model: nn.Module, mode: str) -> str:
     for the log and GetModelInfo, e.g. "int8: 121 of 121 linears" or "none"."""
     if mode not in quantization.MODES:
         raise ValueError(f"quantization {mode!r}: choose from {', '.join(quantization.MODES)}")
+    held = _held_grouped(model)
     if mode == "none":
-        return "none"
+        return held or "none"
     linears = [m for m in model.modules() if isinstance(m, Linear) and not m.released]
     devices = {m.weight.device.type for m in linears} - {"cpu"}
     if devices:
@@ -191,7 +193,17 @@ def quantize_linears(model: nn.Module, mode: str) -> str:
         multiple, rest = quantization.K_MULTIPLE, _quantize_experts(model)
     left = f"; {len(linears) - len(chosen)} dense (in_features not a multiple of {multiple})" \
         if len(chosen) < len(linears) else ""
-    return f"{mode}: {len(chosen)} of {len(linears)} linears{left}{rest}"
+    return f"{mode}: {len(chosen)} of {len(linears)} linears{left}{rest}" + (f"; {held}" if held else "")
+
+
+def _held_grouped(model: nn.Module) -> str:
+    """The grouped weights a model was loaded with (a GGUF file's quantized matrices, model/gguf_file.py), for the
+    summary: e.g. "gguf: 45 linears grouped (30 int4/g32, 15 int8/g16)"; "" when none."""
+    kinds = Counter(m.grouped.describe() for m in model.modules() if isinstance(m, Linear) and m.grouped is not None)
+    if not kinds:
+        return ""
+    return (f"gguf: {sum(kinds.values())} linears grouped "
+            f"({', '.join(f'{n} {kind}' for kind, n in sorted(kinds.items()))})")
 
 
 def _quantize_experts(model: nn.Module) -> str:
