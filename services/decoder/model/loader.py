@@ -16,12 +16,12 @@ from torch import nn
 
 from services.common import dtypes
 from services.common.errors import InvalidArgument, TesseraError, Unsupported
-from services.decoder.model import grouped
 from services.decoder.model.config import ModelConfig
 from services.decoder.model.decoder import CausalLM, StoredPart
 from services.decoder.model.families import model_class
 from services.decoder.model.gguf_file import GGUFModel, is_gguf
 from services.decoder.model.grouped import GroupedWeight
+from services.decoder.model.grouped_embedding import GroupedEmbedding
 from services.decoder.model.linear import Linear
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
@@ -124,9 +124,9 @@ def check_gguf(path: str | Path) -> ModelConfig:
 
 def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu") -> CausalLM:
     """A GGUF file's model: float tensors in dtype as a folder's; each quantized matrix of a Linear as its grouped
-    weight (model/grouped.py), never through floats; a quantized embedding table as the rows its codes give, in
-    dtype (a lookup reads a few rows, not the table, so its bytes do not bound a step), and when the head is tied
-    to it, the head as the table's grouped weight."""
+    weight (model/grouped.py), never through floats; a quantized embedding table grouped too, each lookup's rows
+    dequantized (model/grouped_embedding.py), and when the head is tied to it, the head as the same grouped
+    weight."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     gguf = GGUFModel.open(path)
@@ -152,9 +152,9 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32", device: str |
         owner = model.get_submodule(name.rpartition(".")[0])
         if stored.quantized and isinstance(owner, Linear):
             place_grouped(owner, stored.grouped(), dtype)
-        elif stored.quantized:      # the embedding table
+        elif stored.quantized:      # the embedding table: rows dequantized as a step looks them up
             gw = stored.grouped()
-            _set_parameter(model, name, grouped.dequantize(gw).to(device=device, dtype=dtype))
+            model.model.embed_tokens = GroupedEmbedding(gw, dtype)
             tied_head = gw if cfg.tie_word_embeddings else None
         else:
             _set_parameter(model, name, stored.dense().to(device=device, dtype=dtype))

@@ -19,6 +19,7 @@ from services.common.errors import InvalidArgument, Unsupported
 from services.common.process import main
 from services.decoder.model import ModelConfig, grouped, load_model
 from services.decoder.model.gguf_file import GGUFModel, unpermute_rows
+from services.decoder.model.grouped_embedding import GroupedEmbedding
 from services.decoder.model.linear import Linear
 from services.decoder.model.loader import model_config
 from services.decoder.model.rope import RopeScaling, inverse_frequencies
@@ -139,13 +140,15 @@ def effective_weights(model) -> dict[str, torch.Tensor]:
     for name, m in model.named_modules():
         if isinstance(m, Linear) and m.grouped is not None:
             state[f"{name}.weight"] = grouped.dequantize(m.grouped)
+        elif isinstance(m, GroupedEmbedding):
+            state[f"{name}.weight"] = grouped.dequantize(m.table)
     return state
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_quantized_weights_stay_grouped(root, tied):
     """No quantized matrix goes through floats: every Linear holds its grouped weight and no dense one (the tied
-    head the embedding table's grouped weight); only the embedding table is expanded."""
+    head the embedding table's grouped weight), and the table stays grouped: a lookup dequantizes its rows."""
     path = with_random_blocks(root / f"grouped-{tied}.gguf", "llama", {"attn_v": T.Q6_K, "token_embd": T.Q8_0},
                               tied=tied, seed=5)
     model = load_model(path, "fp32")
@@ -155,7 +158,12 @@ def test_quantized_weights_stay_grouped(root, tied):
         assert m.grouped is not None and m.weight.numel() == 0 and m.weight.dtype == torch.float32
     bits = {(m.grouped.bits, m.grouped.group) for m in linears}
     assert bits == {(4, 32), (8, 16)} | ({(8, 32)} if tied else set())    # Q4_K, Q6_K; Q8_0 the tied head
-    assert model.model.embed_tokens.weight.shape == (160, 256)
+    table = model.model.embed_tokens
+    assert isinstance(table, GroupedEmbedding) and table.weight.numel() == 0 and table.table.describe() == "int8/g32"
+    if tied:
+        assert model.lm_head.grouped is table.table
+    ids = torch.tensor([3, 159, 0, 3])
+    assert torch.equal(model.embed(ids), grouped.dequantize(table.table)[ids])
     # fuse_projections joins what shares a format: gate|up (both Q4_K), not Q4_K q, k with Q6_K v.
     model.fuse_projections()
     layer = model.model.layers[0]
