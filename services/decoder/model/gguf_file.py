@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
-from services.common.errors import InvalidArgument, Unsupported
+from services.common.errors import InvalidArgument, TesseraError, Unsupported
 from services.decoder.model import gguf_blocks
 from services.decoder.model import rope as rope_recipes
 from services.decoder.model.config import ModelConfig
@@ -151,7 +151,12 @@ class GGUFModel:
             raise Unsupported(f"{self.path.name}: GGUF architecture {self.arch!r} is not supported "
                               f"(supported: {', '.join(ARCHITECTURES)})")
         self._stored = {t.name: t for t in self.reader.tensors}
-        self.config = self._with_freq_factors(ModelConfig.from_dict(self._config_json(), {}))
+        raw = self._config_json()
+        try:
+            config = ModelConfig.from_dict(raw, {})
+        except TesseraError as exc:     # ModelConfig's refusal (in config.json's terms), named after this file
+            raise type(exc)(f"{self.path.name}: {exc.message}", param=exc.param) from None
+        self.config = self._with_freq_factors(config)
 
     @property
     def has_vocabulary(self) -> bool:
@@ -172,7 +177,10 @@ class GGUFModel:
                 raise InvalidArgument(f"{self.path.name}: GGUF metadata has no integer {self.arch}.{key}")
             raw[ours] = value
         heads = raw["num_attention_heads"]
-        raw["num_key_value_heads"] = self._key("attention.head_count_kv", heads)
+        kv_heads = self._key("attention.head_count_kv", heads)
+        if not isinstance(kv_heads, int):       # a list: per-layer KV heads (OpenELM-style), not these families'
+            raise Unsupported(f"{self.path.name}: GGUF {self.arch}.attention.head_count_kv per layer is not supported")
+        raw["num_key_value_heads"] = kv_heads
         head_dim = self._key("attention.key_length", raw["hidden_size"] // heads)
         if self._key("attention.value_length", head_dim) != head_dim:
             raise Unsupported(f"{self.path.name}: GGUF {self.arch}.attention.value_length unlike key_length "
