@@ -20,6 +20,7 @@ MAX_ROWS = 4          # as gemv_cpu: every row of x within registers' reach; mor
 # The kernel's loops (gemv_grouped.h's Loop): the widest the CPU runs (AVX512-VNNI, else AVX2, else portable),
 # the AVX2 one, the portable one. Models run the first; tests run each the CPU has (`runs`).
 LOOPS = ("widest", "avx2", "portable")
+ACT_DTYPES = (torch.float32, torch.bfloat16)    # the activations it takes
 OPERATOR = native.Operator("gemv_grouped_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
 

@@ -294,8 +294,10 @@ def choose_gemv(model: nn.Module, record: execution.ExecutionPlan, timer: GemvTi
         m.gemv_rows = 0
     experts = [m for m in experts if m.down_scale is not None or (m.down_proj.device.type == "cpu"
                                                                   and m.down_proj.dtype in gemv_cpu.WEIGHT_DTYPES)]
-    linears = [m for m in linears if m.weight.device.type == "cpu" and (m.qweight is not None or m.grouped is not None
-                                                                         or m.weight.dtype in gemv_cpu.WEIGHT_DTYPES)]
+    # A grouped weight's activations (the released weight's dtype) must be ones its kernel takes.
+    linears = [m for m in linears if m.weight.device.type == "cpu" and (
+        m.qweight is not None or m.weight.dtype in (gemv_grouped_cpu.ACT_DTYPES if m.grouped is not None
+                                                    else gemv_cpu.WEIGHT_DTYPES))]
     if pin == "off":
         record.record("gemv", "off")
         return "gemv: off (--fast-paths gemv=off)"

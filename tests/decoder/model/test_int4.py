@@ -125,6 +125,20 @@ def test_quantize_linears_int4():
         model[0].set_grouped(quantize(torch.randn(8, 32)))
 
 
+def test_fp16_activations_stay_off_the_few_row_kernel():
+    """The kernel takes fp32 and bf16 activations: an fp16 model's grouped weights run the many-row path."""
+    model = grouped_model().half()
+    record = ExecutionPlan("grouped_matmul=dequant", execution.DECODER)
+    choose_grouped_matmul(model, record, lambda *a: pytest.fail("nothing is timed when pinned"))
+    assert choose_gemv(model, record, lambda *a: pytest.fail("no weight to time")) == "gemv: none (no CPU weights)"
+    assert all(m.gemv_rows == 0 for m in model[:4])
+    with pytest.raises(ValueError, match="gemv=on: the model has no CPU weights the few-row kernel takes"):
+        choose_gemv(model, ExecutionPlan("gemv=on", execution.DECODER))
+    x = torch.randn(1, 96).half()
+    with torch.no_grad():
+        assert_close(model[1](x), grouped_linear_ref(x, model[1].grouped), dtype=torch.float16, k=96)
+
+
 def test_a_loader_sets_a_grouped_weight_on_a_meta_linear():
     """What a GGUF loader does: a Linear built on the meta device takes its grouped weight and runs on CPU."""
     m = Linear(64, 32, bias=False, device="meta", dtype=torch.bfloat16)
