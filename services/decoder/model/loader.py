@@ -1,9 +1,10 @@
-"""Build a CausalLM from an HF folder without materialising random weights first.
+"""Build a CausalLM from an HF folder or a GGUF file without materialising random weights first.
 
 Modules are created on the meta device (no storage), then each parameter is replaced by
 the tensor read from the safetensors files (memory-mapped by safe_open), cast to the
 serving dtype. A checkpoint with missing or unexpected tensors, or wrong shapes, is
-refused: loading it anyway would serve a different model.
+refused: loading it anyway would serve a different model. A GGUF file (model/gguf_file.py)
+loads the same way, its quantized matrices as grouped weights (load_gguf).
 """
 from __future__ import annotations
 
