@@ -139,6 +139,8 @@ class GGUFModel:
         except (ValueError, OSError) as exc:   # a bad magic or version, a truncated file
             raise InvalidArgument(f"{self.path.name} is not a readable GGUF file: {str(exc).splitlines()[0]}") \
                 from None
+        if self.reader.byte_order != "I":   # the blocks' fp16 numbers are decoded as this machine stores them
+            raise Unsupported(f"{self.path.name} is a GGUF file of the other byte order, which is not supported")
         # The vocabulary's arrays (tokens, merges, scores, types) stay in the map: the tokenizer reads them.
         self.metadata = {name: field.contents() for name, field in self.reader.fields.items()
                          if name not in _VOCABULARY}
