@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import moe_checkpoint  # noqa: E402
+from bench.accounting import gemm_flops  # noqa: E402
 from bench.peers import llamacpp  # noqa: E402
 from bench.workload import SMOLLM2, gsm8k_messages, run_vllm_peer  # noqa: E402
 from services.common.allocator import keep_freed_memory  # noqa: E402
@@ -136,17 +137,6 @@ def batch1_rate(engine: Tessera, prompt: list[int], max_tokens: int, tag: str) -
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
-
-
-def matmul_flops(threads: int) -> float:
-    """Measured fp32 GEMM FLOP/s on this machine at `threads` threads."""
-    x, w = torch.randn(256, 1024), torch.randn(1024, 4096)
-    for _ in range(3):
-        x @ w
-    reps, start = 50, time.perf_counter()
-    for _ in range(reps):
-        x @ w
-    return reps * 2 * 256 * 1024 * 4096 / (time.perf_counter() - start)
 
 
 def read_bandwidth() -> float:
@@ -359,7 +349,7 @@ def main() -> None:
             ratios.append(f"prefix_ttft={warm / cold:.3f}x")
         del ours
     if "d" in parts and "fp32" in best_tps:
-        flops = matmul_flops(args.threads)
+        flops = gemm_flops()
         params = sum(p.numel() for p in Runner.from_folder(SMOLLM2, "fp32", 16, 1).model.parameters())
         bound = flops / (2 * params)
         print(f"(d) fp32 GEMM {flops / 1e9:.1f} GFLOP/s -> bound {bound:.0f} tok/s for {params / 1e6:.0f}M params; "

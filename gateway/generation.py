@@ -97,6 +97,11 @@ class SamplingFields(StructuredFields):
                                                               " (nothing is stored): at most 16 pairs, keys"
                                                               " up to 64 and values up to 512 characters")
     service_tier: str | None = Field(None, description="only auto: tessera has one tier")
+    prompt_logprobs: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX,
+                                        description="vLLM's: every prompt token's logprob and this many top"
+                                                    " alternatives (one dict per prompt token, the first null),"
+                                                    " from one forward over the prompt; such a prompt is not"
+                                                    " served from the prefix cache")
 
     @model_validator(mode="before")
     @classmethod
@@ -144,8 +149,10 @@ class SamplingFields(StructuredFields):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling(self, max_tokens: int | None, logprobs: int | None) -> decoder_pb2.SamplingParams:
-        """The decoder's SamplingParams; None leaves a field unset (the decoder's default)."""
+    def sampling(self, max_tokens: int | None, logprobs: int | None,
+                 prompt_logprobs: int | None = None) -> decoder_pb2.SamplingParams:
+        """The decoder's SamplingParams; None leaves a field unset (the decoder's default). prompt_logprobs:
+        what the decoder scores the prompt with (the body's field, or more for completions' echo)."""
         params = decoder_pb2.SamplingParams(
             n=self.n, stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -154,7 +161,7 @@ class SamplingFields(StructuredFields):
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
         for name, value in (("temperature", self.temperature), ("top_p", self.top_p), ("seed", self.seed),
                             ("max_tokens", max_tokens), ("logprobs", logprobs), ("min_p", self.min_p),
-                            ("repetition_penalty", self.repetition_penalty)):
+                            ("repetition_penalty", self.repetition_penalty), ("prompt_logprobs", prompt_logprobs)):
             if value is not None:
                 setattr(params, name, value)
         constraint = self.structured_output()
@@ -233,6 +240,9 @@ class Generation:
         self._streams: list = []   # every stream opened, so aclose cancels each
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_PER_CALL * len(requests))
         self._tasks: list[asyncio.Task] = []
+        # Choice index -> what the decoder said of its prompt (PromptInfo: counts, prompt logprobs), from the
+        # choice's first message; every call's first choice has it once start() returns.
+        self.prompts: dict[int, decoder_pb2.PromptInfo] = {}
 
     @property
     def num_choices(self) -> int:
@@ -275,8 +285,14 @@ class Generation:
         if failed is not None:
             await self.aclose()
             raise failed
+        for i, (first, _) in enumerate(opened):
+            self._note_prompt(i, first)
         self._tasks = [asyncio.create_task(self._pump(i, first, stream))
                        for i, (first, stream) in enumerate(opened)]
+
+    def _note_prompt(self, prompt: int, message) -> None:
+        if message is not None and message.HasField("prompt"):
+            self.prompts.setdefault(prompt * self.n + message.index, message.prompt)
 
     async def _pump(self, prompt: int, first, stream) -> None:
         try:
@@ -290,7 +306,8 @@ class Generation:
             await self._queue.put((prompt, err))
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, decoder_pb2.GenerateResponse]]:
-        """(choice index, delta) for each delta; usage messages are summed into self.usage, not yielded."""
+        """(choice index, delta) for each delta; usage messages are summed into self.usage and prompt reports
+        kept in self.prompts, not yielded."""
         live = len(self._tasks)
         while live:
             prompt, item = await self._queue.get()
@@ -300,10 +317,11 @@ class Generation:
                 raise item
             else:
                 self.usage.streamed += len(item.token_ids)
+                self._note_prompt(prompt, item)
                 if item.HasField("usage"):
                     self.usage.add(item.usage)
-                    if not (item.token_ids or item.text or item.finish_reason):
-                        continue  # the call's closing message: usage only
+                if not (item.token_ids or item.text or item.finish_reason or item.logprobs):
+                    continue  # the call's closing message (usage only), or a choice's prompt report alone
                 yield prompt * self.n + item.index, item
 
     async def collect(self) -> list[Collected]:

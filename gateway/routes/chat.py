@@ -27,6 +27,7 @@ from services.common.pb import decoder_pb2
 from .. import images as image_inputs
 from .. import routing, sse
 from ..backends import GENERATION, Model
+from ..echo import vllm_prompt_logprobs
 from ..errors import request_id
 from ..generation import Generation, SamplingFields, finish_reason
 from ..limits import bill
@@ -188,7 +189,7 @@ async def start_chat(body: ChatRequest, request: Request, renamed: dict[str, str
         images, cached_images = await _images(request, _image_refs(body.messages), model, rid, salt)
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        sampling = body.sampling(max_tokens, logprobs)
+        sampling = body.sampling(max_tokens, logprobs, body.prompt_logprobs)
         sampling.include_stop_str_in_output = include_stop
         plan.apply(sampling)
         generate = decoder_pb2.GenerateRequest(**model.target(), chat=chat, images=images, sampling=sampling,
@@ -220,12 +221,23 @@ async def create_chat_completion(body: ChatRequest, request: Request):
     head = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
             "model": run.model.name}
     if body.stream:
-        return sse.stream(generation, _chunks(generation, head, body.logprobs, body.include_usage, plan), rid)
+        return sse.stream(generation, _chunks(generation, head, body.logprobs, body.include_usage, plan,
+                                              _scores(body, generation)), rid)
     choices = await sse.collect(request, generation)
     if not isinstance(choices, list):
         return choices
     return {**head, "choices": [{"index": i, **_answer(c, plan), "logprobs": _logprobs(c.logprobs) if body.logprobs
-                                 else None} for i, c in enumerate(choices)], "usage": generation.usage.to_json()}
+                                 else None} for i, c in enumerate(choices)], "usage": generation.usage.to_json(),
+            **_scores(body, generation)}
+
+
+def _scores(body: ChatRequest, generation: Generation) -> dict:
+    """vLLM's prompt_logprobs when asked: of the prompt every choice shares, from the first choice that reported
+    it (start() awaited one)."""
+    if body.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": vllm_prompt_logprobs(generation.prompts[min(generation.prompts)])
+            if generation.prompts else None}
 
 
 def _answer(choice, plan: ToolPlan) -> dict:
@@ -241,9 +253,11 @@ def _answer(choice, plan: ToolPlan) -> dict:
     return {"message": message, "finish_reason": calls.finish_reason(choice.finish_reason)}
 
 
-async def _chunks(generation: Generation, head: dict, want_logprobs: bool, include_usage: bool, plan: ToolPlan):
-    """chat.completion.chunk events: the role for every choice, content and tool-call deltas, a finish chunk per
-    choice, then (include_usage) a last chunk with usage and no choices."""
+async def _chunks(generation: Generation, head: dict, want_logprobs: bool, include_usage: bool, plan: ToolPlan,
+                  scores: dict):
+    """chat.completion.chunk events: the role for every choice (the first also with `scores`, the prompt's
+    logprobs when asked), content and tool-call deltas, a finish chunk per choice, then (include_usage) a last
+    chunk with usage and no choices."""
     head = {**head, "object": "chat.completion.chunk", **({"usage": None} if include_usage else {})}
     calls = [ChoiceToolCalls(plan.parser()) for _ in range(generation.num_choices)] if plan.parser else None
 
@@ -252,7 +266,7 @@ async def _chunks(generation: Generation, head: dict, want_logprobs: bool, inclu
                                      "finish_reason": reason}]}
 
     for index in range(generation.num_choices):
-        yield chunk(index, {"role": "assistant", "content": ""})
+        yield {**chunk(index, {"role": "assistant", "content": ""}), **(scores if index == 0 else {})}
     async for index, delta in generation:
         reason = finish_reason(delta)
         if calls is None:

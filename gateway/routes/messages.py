@@ -12,8 +12,9 @@ chat's response_format. `stop_sequences` are chat's stop strings,
 asked back from the decoder at the end of the text so `stop_reason` can say `stop_sequence` and name it.
 
 usage: `input_tokens` counts the prompt tokens not read from the prefix cache and `cache_read_input_tokens`
-those that were (Anthropic's split; their sum is count_tokens' `input_tokens`). A stream's message_start
-cannot know them yet (the decoder counts at the end): it says 0, and message_delta carries the counts.
+those that were (Anthropic's split; their sum is count_tokens' `input_tokens`). A stream's message_start has
+them already (the decoder reports its prompt on the first message, which the gateway awaits before answering);
+message_delta carries them again with output_tokens.
 """
 from __future__ import annotations
 
@@ -294,8 +295,13 @@ async def create_message(body: MessagesRequest, request: Request):
 
 
 async def _events(body: MessagesRequest, run, head: dict):
+    # The decoder's first message (awaited by start_chat) said how long the prompt was and what the cache held.
+    prompt = run.generation.prompts.get(0)
+    counts = {"input_tokens": prompt.prompt_tokens - prompt.cached_tokens, "output_tokens": 0,
+              "cache_read_input_tokens": prompt.cached_tokens, "cache_creation_input_tokens": 0} \
+        if prompt is not None else {"input_tokens": 0, "output_tokens": 0}
     yield {"type": "message_start", "message": {**head, "content": [], "stop_reason": None, "stop_sequence": None,
-                                                "usage": {"input_tokens": 0, "output_tokens": 0}}}
+                                                "usage": counts}}
     yield {"type": "ping"}
     blocks = MessageBlocks()
     calls = ChoiceToolCalls(run.plan.parser()) if run.plan.parser else None

@@ -62,13 +62,16 @@ PATHS: dict[str, tuple[str, ...]] = {
     "huge_pages": ("on", "off"),
     # decoder and pooling: glibc keeps freed pages for the next forward (services/common/allocator.py); not timed
     "malloc": ("keep", "default"),
+    # decoder: n-gram drafts gated per request on the measured cost of verifying them, or drafted wherever an
+    # n-gram repeats (services/decoder/runner/verify_cost.py); timed only with --speculative-config
+    "speculation": ("adaptive", "always"),
     # pooling: encoder attention by the C++ operator or grouped SDPA (services/pooling/packed.py)
     "encoder_attention": ("torch", "cpp"),
 }
 
 # The paths each service runs.
 DECODER = ("linear", "gemv", "gemv_bf16_row", "grouped_matmul", "glue", "attention", "decode_stack", "screen",
-           "grammar_mask", "huge_pages", "malloc")
+           "grammar_mask", "huge_pages", "malloc", "speculation")
 POOLING = ("linear", "encoder_attention", "malloc")
 
 

@@ -32,9 +32,10 @@ def expected(checkpoint):
     return greedy_reference(checkpoint, PROMPTS, GREEDY.max_tokens)
 
 
-def run_engine(folder, speculative, *, budget=512, num_blocks=256, prefix_caching=True, sampling=GREEDY):
+def run_engine(folder, speculative, *, budget=512, num_blocks=256, prefix_caching=True, sampling=GREEDY,
+               fast_paths="screen=on"):
     """Every prompt, one arrival per step; -> ({(prompt, choice): tokens}, {...: logprobs}, stats)."""
-    runner = Runner.from_folder(folder, "fp32", 4, num_blocks, fast_paths="screen=on")
+    runner = Runner.from_folder(folder, "fp32", 4, num_blocks, fast_paths=fast_paths)
     core = EngineCore(runner, EngineConfig(block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                            max_num_seqs=8, max_model_len=64, enable_prefix_caching=prefix_caching,
                                            speculative=speculative))
@@ -54,6 +55,30 @@ def test_greedy_with_speculation_equals_transformers(checkpoint, expected, budge
     _, plain, _ = run_engine(checkpoint, None, budget=budget)
     for key, values in plain.items():
         assert_close(logprobs[key], values, **TINY_SHAPE)
+
+
+@pytest.mark.parametrize("pin", ["adaptive", "always"])
+def test_the_draft_gate_pinned_either_way_keeps_greedy_outputs(checkpoint, expected, pin):
+    """adaptive: drafting gated per request on the verify costs measured at load; always: every n-gram hit
+    drafted. Which drafts are verified changes, the tokens do not."""
+    tokens, _, stats = run_engine(checkpoint, SPEC, fast_paths=f"screen=on,speculation={pin}")
+    assert [tokens[(i, 0)] for i in range(len(PROMPTS))] == expected
+    assert stats.num_accepted_tokens > 0
+
+
+def test_verify_costs_are_measured_at_load_unless_pinned_always(checkpoint):
+    runner = Runner.from_folder(checkpoint, "fp32", 4, 64, fast_paths="speculation=adaptive")
+    seconds = runner.verify_seconds(SPEC.num_speculative_tokens)
+    assert len(seconds) == SPEC.num_speculative_tokens + 1 and min(seconds) > 0
+    choice = runner.plan.get("speculation")
+    assert choice.chosen == "adaptive" and [t.rows for t in choice.timings] == [1, 2, 3, 4, 5]
+    core = EngineCore(runner, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=8,
+                                           max_model_len=64, speculative=SPEC))
+    assert core.scheduler.gate is not None
+    pinned = Runner.from_folder(checkpoint, "fp32", 4, 64, fast_paths="speculation=always")
+    core = EngineCore(pinned, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=8,
+                                           max_model_len=64, speculative=SPEC))
+    assert core.scheduler.gate is None and pinned.plan.chosen("speculation") == "always"
 
 
 def test_speculation_under_preemption_equals_transformers(checkpoint, expected):

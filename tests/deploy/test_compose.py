@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy import threads
 from tests.deploy import topology as topo
 
 CHECK_JSONSCHEMA = Path(sys.executable).parent / "check-jsonschema"
@@ -190,6 +192,8 @@ def test_compose_and_launcher_describe_the_same_topology(compose):
         environment = svc.get("environment", {})
         keys = set(environment) if isinstance(environment, dict) else {e.split("=", 1)[0] for e in environment}
         reads = topo.env_variables().get(topo.module_of(list(row.argv)), set())
+        if row.compute_share:   # and libgomp's wait, which torch's OpenMP reads (deploy/threads.py)
+            reads = reads | set(threads.WAIT_VARIABLES)
         assert sorted(keys - reads) == [], f"{name}: sets variables its service does not read"
 
 
@@ -200,6 +204,19 @@ def test_the_agreement_check_notices_a_changed_port(compose, monkeypatch):
     monkeypatch.setattr(launcher, "TOPOLOGY", moved)
     with pytest.raises(AssertionError, match="pooling|gateway"):
         test_compose_and_launcher_describe_the_same_topology(compose)
+
+
+def test_model_services_run_their_cpu_cap_in_threads_and_let_idle_workers_sleep(compose):
+    """They share the host's cores: torch would start one thread per host CPU, each team spinning when idle."""
+    rows = topo.rows()
+    for name, svc in compose["services"].items():
+        env = svc.get("environment", {})
+        if not rows[name].compute_share:
+            assert not set(threads.WAIT_VARIABLES) & set(env), name
+            continue
+        variable = topo.ENV_PREFIX[topo.module_of(svc["command"])] + "THREADS"
+        assert int(env[variable]) == math.ceil(float(svc["cpus"])), name
+        assert env["OMP_WAIT_POLICY"] == threads.SHARED_WAIT["OMP_WAIT_POLICY"], name
 
 
 # -- hardening ---------------------------------------------------------------------------------------------

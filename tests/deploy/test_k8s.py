@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import copy
+import math
 import re
 
 import kubernetes_validate
 import pytest
 import yaml
 
+from deploy import threads
 from tests.deploy import topology as topo
 
 # The oldest release with GA gRPC probes, and the newest the package knows.
@@ -195,6 +197,26 @@ def test_manifests_and_launcher_describe_the_same_topology(objects):
             key = topo.env_var_for(row, flag)
             assert key in config["data"], f"{row.name}: {flag} ({env}) has no ConfigMap key"
             assert config["data"][key] == topo.container_value(default), f"{key}: not `make up`'s default"
+
+
+def cpu(quantity: str) -> float:
+    return int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+def test_model_pods_request_their_share_and_run_that_many_threads_without_spinning(objects):
+    """Pods share nodes: each model service runs its cpu request in torch threads (torch would start one per
+    node CPU), with idle OpenMP workers asleep; the requests are the launcher's shares of the machine."""
+    rows = topo.rows()
+    for name, load in workloads(objects).items():
+        c = container(load)
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        if not rows[name].compute_share:
+            assert not set(threads.WAIT_VARIABLES) & set(env), name
+            continue
+        request = cpu(c["resources"]["requests"]["cpu"])
+        assert request == rows[name].compute_share, name
+        assert int(env[topo.ENV_PREFIX[topo.module_of(c["command"])] + "THREADS"]) == math.ceil(request), name
+        assert env["OMP_WAIT_POLICY"] == threads.SHARED_WAIT["OMP_WAIT_POLICY"], name
 
 
 def test_the_gateway_lists_every_decoder_replica(objects):

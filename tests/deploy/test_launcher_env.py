@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from deploy import launcher
+from deploy import launcher, threads
 from tests.deploy import topology as topo
 
 KEYS = {"TESSERA_GATEWAY_API_KEY": "api-key-0123456789abcdef0123456789",
@@ -88,3 +88,61 @@ def test_up_without_a_key_on_every_interface_starts_nothing(tmp_path, monkeypatc
     assert launcher.main(["up", "--run-dir", str(run), "--host", "0.0.0.0"]) == 2
     assert "without TESSERA_GATEWAY_API_KEY" in capsys.readouterr().err
     assert not (run / "fleet.json").exists() and not (run / "secrets").exists()
+
+
+# -- thread settings (deploy/threads.py) ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("cpus, want", [
+    # Fewer CPUs than model services: one thread each (they take turns; no team to spin at all).
+    (2, {"vision": 1, "pooling": 1, "decoder": 1, "decoder-vl": 1}),
+    # Shares 1:1:2:1 of 8 -> quotas 1.6, 1.6, 3.2, 1.6: floors 1, 1, 3, 1 and the two spare CPUs to the
+    # largest remainders, first in the table on a tie.
+    (8, {"vision": 2, "pooling": 2, "decoder": 3, "decoder-vl": 1}),
+])
+def test_up_splits_the_cpus_by_share_and_lets_idle_workers_sleep(cpus, want):
+    settings = launcher.thread_settings(cpus, {})
+    assert {name: s.threads for name, s in settings.items()} == want
+    assert sum(want.values()) == max(cpus, len(want))
+    for name, s in settings.items():
+        assert s.argv() == ["--threads", str(want[name])]
+        assert s.env == {"OMP_WAIT_POLICY": "PASSIVE"}
+        env = launcher.child_env(rows()[name], {}, s)
+        assert env["OMP_WAIT_POLICY"] == "PASSIVE", name
+    assert set(settings) == {row.name for row in launcher.TOPOLOGY if row.compute_share}
+    assert "gateway" not in settings and "redis" not in settings
+
+
+def test_the_operators_settings_win():
+    environ = {"TESSERA_POOLING_THREADS": "3", "GOMP_SPINCOUNT": "10000"}
+    settings = launcher.thread_settings(8, environ)
+    assert settings["pooling"].threads is None and settings["pooling"].argv() == []
+    assert settings["decoder"].threads == 3
+    assert all(not s.env for s in settings.values())   # the operator chose how workers wait
+    assert {n: s.threads for n, s in launcher.thread_settings(8, {"OMP_WAIT_POLICY": "ACTIVE"}).items()} == \
+        {n: s.threads for n, s in launcher.thread_settings(8, {}).items()}
+
+
+def test_a_service_alone_keeps_every_core_and_the_active_wait():
+    assert threads.fleet({"decoder": 2}, 16, {}) == {"decoder": threads.ThreadSettings()}
+    assert threads.ThreadSettings().argv() == [] and not threads.ThreadSettings().env
+
+
+@pytest.mark.parametrize("cpus, shares", [(0, {"a": 1}), (4, {}), (4, {"a": 0, "b": 1})])
+def test_split_refuses_what_cannot_be_split(cpus, shares):
+    with pytest.raises(ValueError, match="cpus"):
+        threads.split(cpus, shares)
+
+
+def test_up_starts_each_model_service_with_its_threads(tmp_path, monkeypatch):
+    """Through Fleet.start, as `up` spawns: the variables reach the process."""
+    (tmp_path / "logs").mkdir()
+    fleet = launcher.Fleet(tmp_path, "127.0.0.1", drain_seconds=5)
+    settings = launcher.thread_settings(2, {})
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    dump = "import json, os; print(json.dumps(dict(os.environ)))"
+    for row in launcher.TOPOLOGY:
+        proc = fleet.start(row, [sys.executable, "-c", dump], settings.get(row.name))
+        assert proc.wait(60) == 0
+        env = json.loads((tmp_path / "logs" / f"{row.name}.log").read_text())
+        assert env.get("OMP_WAIT_POLICY") == ("PASSIVE" if row.compute_share else None), row.name
+    fleet.stop()

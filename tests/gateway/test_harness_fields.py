@@ -1,8 +1,11 @@
 """What evaluation harnesses and serving benchmarks send, through the official `openai` client on the tiny chat
 fleet: completions `echo` with `logprobs` and `max_tokens: 0` (lm-evaluation-harness's log-likelihood request)
 answers the prompt's own token logprobs, equal to transformers' on the same prompt (the first token's null);
-echo before generated text; and vLLM's `ignore_eos`, which lets a choice run past the EOS it samples."""
+echo before generated text, whole and streamed; vLLM's `prompt_logprobs` on completions and chat; and vLLM's
+`ignore_eos`, which lets a choice run past the EOS it samples."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -46,7 +49,7 @@ def test_echo_prompt_logprobs_equal_transformers(client, http, tiny_chat_model):
     by_ids = client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=0, max_tokens=0)
     assert by_ids.choices[0].text == PROMPT
     assert by_ids.choices[0].logprobs.token_logprobs[0] is None
-    # (Not bit-equal: the waves batch differently, and prefix-cache hits change which rows prefill together.)
+    # (Not bit-equal: a text and an id prompt may prefill beside different requests.)
     assert_close(by_ids.choices[0].logprobs.token_logprobs[1:], expected, k=128, depth=2, what="by ids")
 
 
@@ -63,6 +66,52 @@ def test_echo_then_generated_text(client):
     assert no_logprobs.choices[0].text == PROMPT and no_logprobs.choices[0].logprobs is None
 
 
+def test_echo_streams_as_it_answers_whole(http):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    text, tokens, values, offsets = "", [], [], []
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line.removeprefix("data: "))["choices"][0]
+                text += choice["text"]
+                tokens += choice["logprobs"]["tokens"]
+                values += choice["logprobs"]["token_logprobs"]
+                offsets += choice["logprobs"]["text_offset"]
+    assert text == whole["text"] and text.startswith(PROMPT)
+    assert tokens == whole["logprobs"]["tokens"] and offsets == whole["logprobs"]["text_offset"]
+    assert values[0] is None and whole["logprobs"]["token_logprobs"][0] is None
+    assert_close(values[1:], whole["logprobs"]["token_logprobs"][1:], k=128, depth=2)
+
+
+def test_vllm_prompt_logprobs(http, tiny_chat_model):
+    """vLLM's prompt_logprobs: per prompt token a dict id -> {logprob, rank, decoded_token} with the prompt token
+    and the top alternatives, the first null; on each completion choice (n = 2 too), on a chat answer."""
+    ids = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()["tokens"]
+    expected, tops = reference_logprobs(tiny_chat_model, ids, 2)
+    reply = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "n": 2,
+                                               "prompt_logprobs": 2}).json()
+    for choice in reply["choices"]:
+        scores = choice["prompt_logprobs"]
+        assert len(scores) == len(ids) and scores[0] is None
+        got = [entry[str(token)]["logprob"] for entry, token in zip(scores[1:], ids[1:], strict=True)]
+        assert_close(got, expected, k=128, depth=2, what="prompt_logprobs")
+        for entry, want, token in zip(scores[1:], tops, ids[1:], strict=True):
+            top = sorted((v for v in entry.values() if v["rank"] <= 2), key=lambda v: v["rank"])
+            assert [v["rank"] for v in top] == [1, 2]
+            assert_close([v["logprob"] for v in top], sorted(want.values(), reverse=True), k=128, depth=2)
+            assert entry[str(token)]["rank"] >= 1 and all(isinstance(v["decoded_token"], str) for v in entry.values())
+    assert reply["usage"]["completion_tokens"] == 4
+    alone = http.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 0,
+                                               "prompt_logprobs": 0}).json()
+    assert alone["choices"][0]["text"] == "" and alone["usage"]["completion_tokens"] == 0
+    assert [list(e) for e in alone["choices"][0]["prompt_logprobs"][1:]] == [[str(t)] for t in ids[1:]]
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "prompt_logprobs": 1,
+                                                   "messages": [{"role": "user", "content": PROMPT}]}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
 def test_ignore_eos_runs_past_eos(client, fleet):
     forced = {"logit_bias": {str(EOS): 100}, "temperature": 0}
     stops = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, extra_body=forced)
@@ -77,9 +126,10 @@ def test_ignore_eos_runs_past_eos(client, fleet):
 
 
 @pytest.mark.parametrize("body, field", [
-    ({"echo": True, "stream": True}, "echo"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"echo": True, "logprobs": 3, "max_tokens": 0, "prompt": [5] * 2049}, "prompt"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1000}, "prompt_logprobs"),
+    ({"echo": True, "logprobs": 1000, "max_tokens": 0}, "logprobs"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
 ])
 def test_refusals(http, fleet, body, field):

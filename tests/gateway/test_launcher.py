@@ -20,7 +20,7 @@ import openai
 import pytest
 import redis
 
-from deploy import launcher, secrets
+from deploy import launcher, secrets, threads
 from deploy.models import MINILM, QWEN2_VL_RANDOM, RERANKER, SMOLLM2, package_dir
 from services.common.pb import decoder_pb2, decoder_pb2_grpc
 from tests.conftest import free_port
@@ -158,6 +158,15 @@ def test_up_serves_embeddings_and_chat_and_down_stops_everything(tmp_path):
                                          {"type": "text", "text": "What is this?"}]}])
         assert answer.usage.completion_tokens >= 1 and answer.usage.prompt_tokens > 100  # the image's rows
         recorded = json.loads((run / "fleet.json").read_text())
+        # Each model service runs its share of this machine's CPUs with idle OpenMP workers asleep.
+        cpus = threads.machine_cpus()
+        settings = launcher.thread_settings(cpus)
+        assert threads.describe(settings, cpus) in out.read_text()
+        for entry in recorded["processes"]:
+            setting = settings.get(entry["name"], threads.ThreadSettings())
+            assert (entry["argv"][-2:] == setting.argv()) if setting.threads else "--threads" not in entry["argv"]
+            environ = set(Path(f"/proc/{entry['pid']}/environ").read_bytes().split(b"\0"))
+            assert {f"{k}={v}".encode() for k, v in setting.env.items()} <= environ, entry["name"]
         names = [row.name for row in launcher.TOPOLOGY]
         assert [p["name"] for p in recorded["processes"]] == names
         assert names == ["redis", "vision", "pooling", "decoder", "decoder-vl", "gateway"]

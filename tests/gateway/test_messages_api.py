@@ -108,6 +108,22 @@ def test_text_equals_chat_streams_and_counts(client, http, claude):
     assert prompt_tokens(final) == prompt_tokens(whole) and final.usage.cache_read_input_tokens > 0
 
 
+def test_stream_message_start_counts_the_prompt(claude):
+    """message_start carries the prompt's real counts (the decoder reports them on its first message): here a
+    prompt the whole answer before it left in the prefix cache."""
+    system = SYSTEM + " Answer in one line."
+    whole = create(claude, system=system)
+    with claude.messages.stream(model=MODEL, max_tokens=24, extra_body={"temperature": 0}, system=system,
+                                messages=[{"role": "user", "content": ASK}]) as stream:
+        start = next(event for event in stream if event.type == "message_start")
+        final = stream.get_final_message()
+    usage = start.message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == prompt_tokens(whole)
+    assert usage.cache_read_input_tokens > 0 and usage.output_tokens == 0
+    assert (usage.input_tokens, usage.cache_read_input_tokens) == (final.usage.input_tokens,
+                                                                   final.usage.cache_read_input_tokens)
+
+
 def test_stop_sequences_end_the_text_and_are_named(claude):
     text = create(claude, max_tokens=24).content[0].text
     stop = text[6:9]

@@ -1,8 +1,10 @@
 """Prompt-lookup drafting: propose the tokens that followed an earlier occurrence of the context's
-last n-gram. No torch, no model: the proposal costs one scan of the request's own tokens."""
+last n-gram. No torch, no model: the proposal costs one scan of the request's own tokens. And the gate
+that stops proposing for a request whose drafts do not pay for their verification (DraftGate)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 class NgramDrafter:
@@ -48,3 +50,78 @@ class NgramDrafter:
                     return draft
                 j += 1
         return []
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """What verifying drafts costs: seconds[k] is a one-request decode step carrying k drafts (1 + k rows),
+    k = 0..max, measured at load (runner/verify_cost.py)."""
+
+    seconds: tuple[float, ...]
+
+    def __post_init__(self):
+        if not self.seconds or min(self.seconds) <= 0:
+            raise ValueError(f"verify costs must be positive seconds, got {self.seconds}")
+
+    def extra_steps(self, drafts: int) -> float:
+        """The one-row steps a step with `drafts` drafts costs beyond a plain decode step (>= 0)."""
+        return max(0.0, self.seconds[min(drafts, len(self.seconds) - 1)] / self.seconds[0] - 1)
+
+    def steps(self, seconds: float) -> float:
+        """`seconds` of work in one-row decode steps."""
+        return seconds / self.seconds[0]
+
+
+@dataclass
+class DraftRecord:
+    """One request's drafting so far: its running net gain per attempt, and when it may draft again."""
+
+    attempts: int = 0           # attempts since it last (re)started drafting
+    gain: float = 0.0           # running mean of tokens gained per attempt, in one-row steps
+    resume_at: int = 0          # the scheduler step from which it drafts again
+    pause: int = 0              # steps of its last pause (doubles while drafting keeps not paying)
+    scan_s: float = 0.0         # seconds the last proposal's scan took, until its verify is seen
+    num_pauses: int = 0
+
+
+class DraftGate:
+    """Per request, whether drafting pays (docs/design.md, speculative decoding).
+
+    Each attempt (a proposal scan, and the verify step when it proposed drafts) gains
+    accepted - extra_steps(drafted) - steps(scan) tokens over a plain decode step: an accepted draft is a
+    token without a step of its own; the verify rows and the scan cost time a plain step does not spend.
+    The gain's running mean (KEEP of the past) is judged after WARMUP attempts: below 0, the request stops
+    proposing for a pause of FIRST_PAUSE steps, doubled at each pause in a row up to MAX_PAUSE, then tries
+    WARMUP attempts again (a reply may start quoting later). The gate only decides whether a request
+    proposes; what is proposed and how it is verified are unchanged, so greedy outputs stay those of decoding
+    without drafts, token for token."""
+
+    WARMUP = 4
+    KEEP = 0.75
+    FIRST_PAUSE = 16
+    MAX_PAUSE = 1024
+
+    def __init__(self, cost: VerifyCost):
+        self.cost = cost
+        self.num_pauses = 0         # pauses begun, over every request
+
+    @staticmethod
+    def wants(record: DraftRecord, step: int) -> bool:
+        return step >= record.resume_at
+
+    def observe(self, record: DraftRecord, step: int, drafted: int, accepted: int, scan_s: float) -> None:
+        """One attempt at scheduler step `step`: `drafted` drafts proposed (0: the scan found none), `accepted`
+        of them accepted, the scan taking scan_s seconds."""
+        net = accepted - self.cost.extra_steps(drafted) - self.cost.steps(scan_s)
+        record.gain = net if record.attempts == 0 else self.KEEP * record.gain + (1 - self.KEEP) * net
+        record.attempts += 1
+        if record.attempts < self.WARMUP:
+            return
+        if record.gain < 0:
+            record.pause = min(self.MAX_PAUSE, 2 * record.pause if record.pause else self.FIRST_PAUSE)
+            record.resume_at = step + 1 + record.pause
+            record.attempts, record.gain = 0, 0.0
+            record.num_pauses += 1
+            self.num_pauses += 1
+        else:
+            record.pause = 0

@@ -23,6 +23,7 @@ from dataclasses import replace
 
 from services.common.errors import InvalidArgument
 from services.decoder.engine.config import EngineConfig
+from services.decoder.engine.drafter import DraftGate, VerifyCost
 from services.decoder.engine.output import EngineStats, RequestOutput
 from services.decoder.engine.request import AdapterRef, Request, SpanKey
 from services.decoder.engine.scheduler import Leases, Scheduler, validate_request
@@ -36,6 +37,16 @@ def choice_ids(request_id: str, n: int) -> list[str]:
     return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
 
 
+def draft_gate(runner: Runner, config: EngineConfig) -> DraftGate | None:
+    """With speculative decoding, the gate on the verify costs the runner measures now (Runner.verify_seconds);
+    None without speculation, for a runner that does not measure (fakes), or one pinned to draft always."""
+    measure = getattr(runner, "verify_seconds", None)
+    if config.speculative is None or measure is None:
+        return None
+    seconds = measure(config.speculative.num_speculative_tokens)
+    return None if seconds is None else DraftGate(VerifyCost(tuple(seconds)))
+
+
 class EngineCore:
     def __init__(self, runner: Runner, config: EngineConfig, leases: Leases | None = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -46,7 +57,7 @@ class EngineCore:
         if reach is not None and config.attention_reach != reach:
             config = replace(config, attention_reach=reach)
         self.config = config
-        self.scheduler = Scheduler(config, leases)
+        self.scheduler = Scheduler(config, leases, draft_gate(runner, config))
         self._clock = clock
         self._arrivals = itertools.count()
         self._choices: dict[str, list[str]] = {}     # API request id -> its engine request ids
@@ -76,8 +87,10 @@ class EngineCore:
         ids = choice_ids(request_id, n)
         if request_id in self._choices or any(i in self.scheduler.requests for i in ids):
             raise InvalidArgument(f"duplicate request id {request_id!r}", param="request_id")
-        # Waiting for the leader only pays when it will leave a full block to hit.
-        share = n > 1 and self.config.enable_prefix_caching and len(prompt) > self.config.block_size
+        # Waiting for the leader only pays when it will leave a full block to hit. Choices that score their
+        # prompt (prompt_logprobs) read no hits, so each computes its own.
+        share = n > 1 and self.config.enable_prefix_caching and len(prompt) > self.config.block_size \
+            and sampling.prompt_logprobs is None
         leader = None
         for index, rid in enumerate(ids):
             child = sampling if n == 1 else replace(

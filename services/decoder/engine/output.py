@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.decoder.engine.step import SampledToken
+from services.decoder.engine.step import PromptLogprob, SampledToken
 
 
 @dataclass
@@ -16,6 +16,10 @@ class RequestOutput:
     "error" (error carries a message). stop_token_id: the eos or stop
     token that ended the choice; it is the last of new_tokens and the layer
     above leaves it out of the text. Counts are totals so far, for usage.
+    first: this is the choice's first output since its prompt was computed
+    (num_prompt_tokens and num_cached_tokens are final). prompt_logprobs: on
+    that output, for a request that asked: one entry per prompt token, the
+    first None (no context).
     """
 
     request_id: str
@@ -27,6 +31,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
+    first: bool = False
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     @property
     def new_token_ids(self) -> list[int]:

@@ -11,7 +11,8 @@ import enum
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from services.decoder.engine.step import CompiledGrammar, PlacedImages, SamplingParams
+from services.decoder.engine.drafter import DraftRecord
+from services.decoder.engine.step import CompiledGrammar, PlacedImages, PromptLogprob, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -100,6 +101,12 @@ class Request:
         # so that they find its full blocks in the prefix cache (see EngineCore).
         self.leader: Request | None = None
         self.prompt_done = False              # its prompt has been fully computed at least once
+        self.drafting = DraftRecord()         # speculative decoding: whether its drafts pay (DraftGate)
+        self.prompt_reported = False          # its first output since prompt_done has been made
+        # With sampling.prompt_logprobs: one entry per prompt position scored so far, position 0 None (no
+        # context). Filled chunk by chunk; kept across preemption, so a recompute does not score again.
+        self.prompt_logprobs: list[PromptLogprob | None] | None = (
+            None if sampling.prompt_logprobs is None else [None])
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -113,6 +120,20 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt logprobs are still missing: its chunks are scored, and it reads no prefix-cache
+        hits (positions served from the cache have no logits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def add_prompt_logprobs(self, start: int, entries: Sequence[PromptLogprob]) -> None:
+        """Record a chunk's scores: entries[i] is prompt position start + 1 + i. Positions already held
+        (a recompute) and positions past the prompt are ignored."""
+        held = self.prompt_logprobs
+        if held is None or start + 1 > len(held):
+            return
+        held.extend(entries[len(held) - start - 1:self.num_prompt_tokens - start - 1])
 
     @property
     def is_finished(self) -> bool:

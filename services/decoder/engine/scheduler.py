@@ -22,17 +22,26 @@ token; so only the run's last token can end the request. After the step, the
 computed count covers the accepted drafts only; blocks that held nothing but
 rejected positions go back to the pool, and only accepted tokens are hashed into
 the prefix cache. A step with disable_by_batch_size or more running requests
-drafts nothing.
+drafts nothing. With a DraftGate (the engine's, from the verify costs the runner measured
+at load), a request whose drafts do not pay for the rows that verify them stops
+proposing for a while (engine/drafter.py).
+
+Prompt logprobs (SamplingParams.prompt_logprobs): until a request holds a score
+for every prompt token, its chunks ask the runner to score their prompt rows
+and it reads no prefix-cache hits (a cached position has no logits to score);
+its first output once the prompt is computed carries them. With max_tokens 0 the
+prompt's last chunk is not sampled and the request ends there ("length").
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.common.errors import ContextLengthExceeded, InvalidArgument, TesseraError
 from services.decoder.engine.config import EngineConfig
-from services.decoder.engine.drafter import NgramDrafter
+from services.decoder.engine.drafter import DraftGate, NgramDrafter
 from services.decoder.engine.kv_cache_manager import KVCacheManager, cdiv
 from services.decoder.engine.output import RequestOutput
 from services.decoder.engine.request import Request, RequestStatus
@@ -79,8 +88,14 @@ def validate_request(config: EngineConfig, prompt_token_ids: list[int] | tuple[i
     if config.vocab_size and max(prompt_token_ids) >= config.vocab_size:
         raise InvalidArgument(f"prompt token id {max(prompt_token_ids)} is outside the vocabulary "
                               f"[0, {config.vocab_size})", param="prompt")
-    if isinstance(sampling.max_tokens, bool) or not isinstance(sampling.max_tokens, int) or sampling.max_tokens < 1:
-        raise InvalidArgument(f"max_tokens must be at least 1, got {sampling.max_tokens!r}", param="max_tokens")
+    scored = sampling.prompt_logprobs
+    if scored is not None and (isinstance(scored, bool) or not isinstance(scored, int) or scored < 0):
+        raise InvalidArgument(f"prompt_logprobs must be a non-negative int, got {scored!r}", param="prompt_logprobs")
+    least = 0 if scored is not None else 1      # a scored prompt may generate nothing
+    if isinstance(sampling.max_tokens, bool) or not isinstance(sampling.max_tokens, int) \
+            or sampling.max_tokens < least:
+        raise InvalidArgument(f"max_tokens must be at least {least}, got {sampling.max_tokens!r}",
+                              param="max_tokens")
     if isinstance(sampling.n, bool) or not isinstance(sampling.n, int) or sampling.n < 1:
         raise InvalidArgument(f"n must be at least 1, got {sampling.n!r}", param="n")
     if not 0 <= sampling.min_tokens <= sampling.max_tokens:
@@ -95,7 +110,7 @@ def validate_request(config: EngineConfig, prompt_token_ids: list[int] | tuple[i
             f"{num_prompt} prompt tokens + max_tokens {sampling.max_tokens} exceed the maximum context "
             f"length {limit}", param="max_tokens")
     # KV is needed for every position but the last sampled one.
-    need = cdiv(num_prompt + sampling.max_tokens - 1, config.block_size)
+    need = cdiv(num_prompt + max(sampling.max_tokens, 1) - 1, config.block_size)
     if need > config.num_blocks:
         raise ContextLengthExceeded(
             f"{num_prompt} prompt tokens + max_tokens {sampling.max_tokens} need {need} KV blocks; "
@@ -106,7 +121,8 @@ class Scheduler:
     """Owns the waiting queue, the running set and the KV-cache manager. Not thread-safe:
     one loop calls add/abort/finish/schedule/update."""
 
-    def __init__(self, config: EngineConfig, leases: Leases | None = None):
+    def __init__(self, config: EngineConfig, leases: Leases | None = None, gate: DraftGate | None = None):
+        """gate: with speculative decoding, which requests' drafts pay (None: every n-gram hit is drafted)."""
         self.config = config
         self.leases: Leases = leases if leases is not None else NoLeases()
         self.kv = KVCacheManager(config.block_size, config.num_blocks, config.enable_prefix_caching,
@@ -122,6 +138,9 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifications = 0
+        self.gate = gate if spec else None
+        self.num_steps = 0              # schedule() calls: the clock of the gate's pauses
+        self.num_draft_scans = 0        # proposals scanned (each request, each step it may draft)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -142,6 +161,7 @@ class Scheduler:
     def schedule(self) -> tuple[SchedulerOutput, list[RequestOutput]]:
         """Plan one step. Also returns outputs of requests failed while planning
         (a lease hook that raised)."""
+        self.num_steps += 1
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
@@ -193,7 +213,15 @@ class Scheduler:
                     self.config.max_model_len - req.num_tokens - 1)
         if req.num_output_tokens < sampling.min_tokens:
             limit = min(limit, sampling.min_tokens - req.num_output_tokens - 1)
-        return self.drafter.propose(req.all_token_ids, limit, frozenset(self._stop_ids(req)))
+        if limit < 1 or (self.gate is not None and not self.gate.wants(req.drafting, self.num_steps)):
+            return []
+        self.num_draft_scans += 1
+        started = time.perf_counter()
+        draft = self.drafter.propose(req.all_token_ids, limit, frozenset(self._stop_ids(req)))
+        req.drafting.scan_s = time.perf_counter() - started
+        if not draft and self.gate is not None:     # a miss: the scan, for nothing
+            self.gate.observe(req.drafting, self.num_steps, 0, 0, req.drafting.scan_s)
+        return draft
 
     def _admit(self, budget: int, scheduled: list[tuple[Request, int]], failed: list[RequestOutput]) -> int:
         skipped: list[Request] = []
@@ -203,6 +231,8 @@ class Scheduler:
                 skipped.append(req)     # an n>1 sibling waits for the shared prompt blocks
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req)
+            if req.scores_prompt:
+                hits, num_hit = [], 0   # every prompt position must have logits to score it
             n = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, n, hits) is None:
                 self.waiting.appendleft(req)
@@ -238,14 +268,16 @@ class Scheduler:
     def _chunk(self, req: Request, n: int, draft: list[int]) -> ScheduledChunk:
         start = req.num_computed_tokens
         known = n - len(draft)
+        # max_tokens 0 (a scored prompt alone): the prompt's last chunk is not sampled.
+        sample = start + known == req.num_tokens and req.sampling.max_tokens > 0
         return ScheduledChunk(
             request_id=req.request_id, token_ids=req.all_token_ids[start:start + known] + draft, start=start,
-            block_table=list(req.block_ids), sample=start + known == req.num_tokens, sampling=req.sampling,
+            block_table=list(req.block_ids), sample=sample, sampling=req.sampling,
             output_token_ids=list(req.output_token_ids), num_prompt_tokens=req.num_prompt_tokens,
             images=req.images, lora_slot=None if req.adapter is None else req.adapter.slot, grammar=req.grammar,
             prompt_token_ids=req.prompt_token_ids,
             blocked_token_ids=self._stop_ids(req) if req.num_output_tokens < req.sampling.min_tokens else (),
-            draft_token_ids=draft)
+            draft_token_ids=draft, prompt_logprobs=req.sampling.prompt_logprobs if req.scores_prompt else None)
 
     def _stop_ids(self, req: Request) -> tuple[int, ...]:
         """The ids whose sampling would end the request (EOS unless ignore_eos, and stop_token_ids)."""
@@ -273,6 +305,10 @@ class Scheduler:
         got = set(result.sampled)
         if got != expected:
             raise ValueError(f"runner sampled {sorted(got)}, expected {sorted(expected)}")
+        asked = {c.request_id for c in plan.step.chunks if c.prompt_logprobs is not None}
+        unasked = set(result.prompt_logprobs) - asked
+        if unasked:
+            raise ValueError(f"runner scored the prompts of {sorted(unasked)}, which did not ask")
         drafts = {c.request_id: c.draft_token_ids for c in plan.step.chunks}
         for rid, toks in result.accepted.items():
             ids = [t.token_id for t in toks]
@@ -291,17 +327,25 @@ class Scheduler:
             if why is not None:
                 outputs.append(self._finish(req, RequestStatus.FINISHED_ERROR, error=why))
                 continue
+            scores = result.prompt_logprobs.get(req.request_id)
+            if scores is not None:
+                req.add_prompt_logprobs(chunk.start, scores)
             if not chunk.sample:        # a prefill chunk that did not reach the end
                 req.num_computed_tokens += n
                 self.kv.cache_computed_blocks(req)
                 self.kv.release_passed(req)
                 req.prompt_done = req.prompt_done or req.num_computed_tokens >= req.num_prompt_tokens
+                if req.prompt_done and req.sampling.max_tokens == 0:
+                    outputs.append(self._finish(req, RequestStatus.FINISHED_LENGTH))
                 continue
             accepted = result.accepted.get(req.request_id, [])
             if chunk.draft_token_ids:
                 self.num_verifications += 1
                 self.num_draft_tokens += len(chunk.draft_token_ids)
                 self.num_accepted_tokens += len(accepted)
+                if self.gate is not None:
+                    self.gate.observe(req.drafting, self.num_steps, len(chunk.draft_token_ids), len(accepted),
+                                      req.drafting.scan_s)
             # KV now holds the known tokens and the accepted drafts; a rejected draft's is garbage
             # that the position's real token overwrites before anything reads it.
             req.num_computed_tokens += n - len(chunk.draft_token_ids) + len(accepted)
@@ -383,8 +427,13 @@ class Scheduler:
 
     @staticmethod
     def _output(req: Request, new_tokens: list[SampledToken]) -> RequestOutput:
+        # The first output once the prompt is computed carries what is known of the prompt (its counts are
+        # final, its scores complete).
+        first = req.prompt_done and not req.prompt_reported
+        req.prompt_reported = req.prompt_reported or first
         return RequestOutput(
             request_id=req.parent_id, index=req.index, new_tokens=new_tokens,
             finish_reason=req.status.finish_reason, stop_token_id=req.stop_token_id, error=req.error,
             num_prompt_tokens=req.num_prompt_tokens, num_completion_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens)
+            num_cached_tokens=req.num_cached_tokens, first=first,
+            prompt_logprobs=list(req.prompt_logprobs) if first and req.prompt_logprobs is not None else None)

@@ -35,6 +35,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs, ids distinct
     repetition_penalty: float = 1.0                   # 1: disabled; over prompt and output tokens
     min_tokens: int = 0            # stop tokens are neither sampled nor obeyed before this many outputs
+    # None: none; k: every prompt token's logprob and top-k alternatives (vLLM's prompt_logprobs). With it,
+    # max_tokens may be 0: the prompt is computed and scored, nothing sampled.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,21 @@ class ScheduledChunk:
     # engine decides it, since it owns the stop rules (the EOS set includes the tokenizer's).
     blocked_token_ids: tuple[int, ...] = ()
     draft_token_ids: list[int] = field(default_factory=list)
+    # k: the runner scores the prompt tokens after each of this chunk's rows that lie in the prompt
+    # (row at position p scores prompt token p + 1), with top-k alternatives; None: no prompt logprobs
+    # wanted from this chunk (the scheduler sets it only while a request's prompt logprobs are missing).
+    prompt_logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token scored from the raw logits at the position before it: its log_softmax value, its
+    rank in the vocabulary (1: the most likely) and the top alternatives as (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -141,6 +159,9 @@ class StepOutput:
     # chunk was not computed and it has no entry in sampled/accepted; the engine fails that request
     # alone and the step's other requests go on.
     failed: dict[str, str] = field(default_factory=dict)
+    # request_id -> the prompt tokens its chunk scored (ScheduledChunk.prompt_logprobs): for a chunk at
+    # start s, the entries for prompt positions s + 1, s + 2, ... up to the prompt's end.
+    prompt_logprobs: dict[str, list[PromptLogprob]] = field(default_factory=dict)
 
 
 class Runner(Protocol):

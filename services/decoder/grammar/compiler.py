@@ -115,8 +115,10 @@ class GrammarCompiler:
         self._refused: OrderedDict[bytes, tuple[str, float]] = OrderedDict()    # digest -> (message, until)
         self._refused_lock = threading.Lock()
         self._vocabulary: Future = Future()
-        threading.Thread(target=self._build, name="grammar-vocabulary", daemon=True,
-                         args=(tokenizer, vocab_size, tuple(stop_token_ids), frozenset(special_token_ids))).start()
+        self._builder = threading.Thread(target=self._build, name="grammar-vocabulary", daemon=True,
+                                         args=(tokenizer, vocab_size, tuple(stop_token_ids),
+                                               frozenset(special_token_ids)))
+        self._builder.start()
 
     def _build(self, tokenizer: HFTokenizer, vocab_size: int, stop_token_ids: tuple[int, ...],
                special_token_ids: frozenset[int]) -> None:
@@ -235,5 +237,11 @@ class GrammarCompiler:
             raise InvalidArgument(f"{_WHAT[spec.kind]}: {_clean(exc)}", param=PARAM) from None
         return Grammar(spec, compiled, vocab.bits)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
+        """Cancel queued compiles, then wait for the vocabulary build and the running compiles (up to
+        timeout seconds, default the compile deadline): whether no xgrammar call is left running. A process
+        must not exit under one (services/decoder/grammar/pool.py)."""
         self._pool.close()
+        end = time.monotonic() + (self.deadline_s if timeout is None else timeout)
+        self._builder.join(max(0.0, end - time.monotonic()))
+        return not self._builder.is_alive() and self._pool.join(max(0.0, end - time.monotonic()))

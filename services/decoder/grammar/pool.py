@@ -15,8 +15,13 @@ compiler remembers the spec so a repeat is refused without compiling), the threa
 then exits, and a fresh thread takes its place so the compiles queued behind it are not held up. At most
 `max_overdue` written-off threads run at once: past that no replacement starts, so crafted inputs can
 take at most threads + max_overdue cores, and what waits behind them is bounded by the caller's own wait
-(the server answers RESOURCE_EXHAUSTED, 429, when a compile has not started within the deadline). Threads are daemons:
-a runaway compile does not hold up the process's exit.
+(the server answers RESOURCE_EXHAUSTED, 429, when a compile has not started within the deadline).
+
+Threads are daemons, but a process must not exit while one is inside xgrammar's C++: its static
+destructors then run under the live thread and the C++ runtime aborts ("terminate called without an
+active exception", status -6). So `join` waits for the compiles running at close, up to a bound, and says
+whether any are left; the server exits without running destructors only when a written-off compile is
+still going (services/decoder/server/service.py).
 """
 from __future__ import annotations
 
@@ -93,8 +98,20 @@ class CompilePool:
         with self._cond:
             return self._overdue
 
+    def join(self, timeout: float) -> bool:
+        """Wait up to timeout seconds for every running compile (written-off ones included) to return;
+        whether none is left. Call after close."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while self._running or self._overdue:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
     def close(self) -> None:
-        """Queued jobs are cancelled; running ones finish on their (daemon) threads."""
+        """Queued jobs are cancelled; running ones finish on their (daemon) threads (see join)."""
         with self._cond:
             self._closed = True
             queued, self._queue = list(self._queue), deque()
@@ -136,6 +153,7 @@ class CompilePool:
                 if not overdue:
                     self._running = [r for r in self._running if r[2] is not job]
                     heapq.heapify(self._running)
+                    self._cond.notify_all()      # join may be waiting for it
             if not overdue:
                 try:
                     job.future.set_exception(error) if error is not None else job.future.set_result(result)

@@ -3,6 +3,8 @@
 One forward pass per step over every scheduled token (all requests, prefill and decode
 rows alike), the LM head only over the rows that are sampled, then the sampler; or, for a step
 whose rows are all plain greedy, the argmax screen in place of the fp32 head (model/screen.py).
+Chunks that score their prompt (prompt_logprobs) also run the head over their prompt rows, piece by
+piece (runner/prompt_scores.py).
 """
 from __future__ import annotations
 
@@ -30,10 +32,12 @@ from services.decoder.model.linear import (
 )
 from services.decoder.model.loader import load_model
 from services.decoder.model.screen import build as build_screen
+from services.decoder.runner import verify_cost
 from services.decoder.runner.attention import PagedAttention, Workspace, choose_decode_backend
 from services.decoder.runner.batch import StepBatch
 from services.decoder.runner.fused_decode import FusedDecode
 from services.decoder.runner.kv_cache import KVCache
+from services.decoder.runner.prompt_scores import score_prompts
 from services.decoder.runner.sampler import Sampler, check_sampling
 from services.decoder.runner.windows import Windows, binding
 
@@ -106,6 +110,11 @@ class Runner:
         # pool (lora/store.py); chunks with a lora_slot (a store handle) need it.
         self.lora: AdapterStore | None = None
 
+    def verify_seconds(self, max_drafts: int) -> tuple[float, ...] | None:
+        """Seconds of a one-request decode step with k = 0..max_drafts drafts, timed now (runner/verify_cost.py)
+        for the engine's draft gate; None when --fast-paths speculation=always turns the gate off."""
+        return verify_cost.measure(self, max_drafts, self.plan)
+
     def attach_lora(self, bank: AdapterStore) -> None:
         """Use `bank` (an adapter store already installed on self.model) for chunks with a lora_slot."""
         name, slots = next(iter(bank.layers.items()))
@@ -150,6 +159,12 @@ class Runner:
     @torch.inference_mode()
     def hidden(self, step: StepInput) -> tuple[torch.Tensor, StepBatch]:
         """Run the step; the final hidden states [R, hidden] of the rows logits() would return."""
+        hidden, batch = self.forward(step)
+        return hidden.index_select(0, batch.sample_rows), batch
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput) -> tuple[torch.Tensor, StepBatch]:
+        """Run the step; the final hidden states [N, hidden] of every row, chunk after chunk."""
         for c in step.chunks:
             fault = self.refusal(c)
             if fault is not None:
@@ -168,7 +183,7 @@ class Runner:
                 hidden = self.fused_decode(embeds, batch.positions, batch.plan, adapters)
             else:
                 hidden = self.model(embeds, batch.positions, PagedAttention(self.cache, batch.plan, self.workspace))
-        return hidden.index_select(0, batch.sample_rows), batch
+        return hidden, batch
 
     def refusal(self, chunk: ScheduledChunk) -> TesseraError | None:
         """Why this runner cannot run `chunk`'s request, or None. Request-shaped faults only (the
@@ -215,7 +230,11 @@ class Runner:
             step = replace(step, chunks=[c for c in step.chunks if c.request_id not in failed])
             if not step.chunks:
                 return StepOutput({}, failed=failed)
-        hidden, batch = self.hidden(step)
+        hidden, batch = self.forward(step)
+        # Prompt logprobs come from the rows inside prompts, before the step keeps only its sampled rows.
+        scores = score_prompts(hidden, step.chunks, self.model.logits, self.vocab_size) \
+            if any(c.prompt_logprobs is not None for c in step.chunks) else {}
+        hidden = hidden.index_select(0, batch.sample_rows)
         runs = None
         if self.screen is not None and 0 < hidden.shape[0] <= self.screen.max_rows \
                 and self.sampler.plain_greedy(batch.sampled):
@@ -223,7 +242,7 @@ class Runner:
             if tokens is not None:
                 runs = self.sampler.greedy_runs(tokens.tolist(), batch.sampled)
         if runs is None:
-            runs = self.sampler.run(self.model.logits(hidden), batch.sampled)
+            runs = self.sampler.run(self.model.logits(hidden), batch.sampled) if batch.sampled else []
         return StepOutput({c.request_id: run[-1] for c, run in zip(batch.sampled, runs, strict=True)},
                           {c.request_id: run[:-1] for c, run in zip(batch.sampled, runs, strict=True) if len(run) > 1},
-                          failed)
+                          failed, scores)

@@ -61,7 +61,7 @@ class DecoderConfig:
     max_model_len: int = option(0, "longest prompt + output; 0 uses the model's max_position_embeddings")
     enable_prefix_caching: bool = option(True, "reuse KV blocks of identical prompt prefixes")
     max_n: int = option(16, "largest `n` (choices per request)")
-    max_logprobs: int = option(20, "largest number of top logprobs per token")
+    max_logprobs: int = option(20, "largest number of top logprobs per token (logprobs and prompt_logprobs)")
     seed: int = option(0, "base seed for unseeded sampling")
     fault_fail_at_step: int = option(0, "TESTING ONLY: make the forward of engine step N raise, to exercise "
                                         "failure handling (requests fail, health goes NOT_SERVING); 0 disables")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import tempfile
 import time
 import uuid
@@ -53,7 +54,7 @@ from services.decoder.server.structured_output import grammar_spec
 from services.decoder.server.validation import Limits, check_images, check_prompt, check_tools, sampling_params
 from services.decoder.text import gguf_tokenizer
 from services.decoder.text.chat_template import ChatTemplate
-from services.decoder.text.choice import Choice
+from services.decoder.text.choice import Choice, prompt_info
 from services.decoder.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tessera.decoder")
@@ -317,6 +318,12 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             msg = choice.delta(out)
             # A stop string ends the count at the token that completed it, even inside a speculative run.
             completion[out.index] = choice.num_tokens if choice.stopped_by_string else out.num_completion_tokens
+            if out.first:               # the choice's first message says what its prompt was
+                msg = msg or decoder_pb2.GenerateResponse(index=out.index)
+                # Spelling a long prompt's tokens and alternatives is off the event loop, as tokenizing it was.
+                info = prompt_info(out, prompt, st.tokenizer) if out.prompt_logprobs is None else \
+                    await asyncio.to_thread(prompt_info, out, prompt, st.tokenizer)
+                msg.prompt.CopyFrom(info)
             if msg is None:
                 continue
             now = time.monotonic()
@@ -476,5 +483,10 @@ async def launch(server_cfg: DecoderServerConfig, cfg: DecoderConfig) -> Started
 
     async def close() -> None:
         servicer.state.engine.stop()
-        servicer.state.grammars.close()
+        if not servicer.state.grammars.close():
+            # A written-off compile is still inside xgrammar's C++, and exiting under it aborts the process
+            # (services/decoder/grammar/pool.py): the server has drained, so leave without destructors.
+            log.warning("a structured-output compile is still running at exit; exiting without cleanup")
+            logging.shutdown()
+            os._exit(0)
     return Started(server, close)

@@ -152,8 +152,8 @@ def _finite(value: float, name: str) -> float:
 def sampling_params(msg, *, prompt_len: int, vocab_size: int, limits: Limits) -> tuple[SamplingParams, bool]:
     """(SamplingParams, include_stop_str_in_output) from a decoder_pb2.SamplingParams, every range checked.
 
-    Unset max_tokens means "up to the context length" (at least 1). The engine and the sampler trust
-    what this returns: their own checks are assertions, not a second rulebook.
+    Unset max_tokens means "up to the context length" (at least 1); 0 only with prompt_logprobs. The engine
+    and the sampler trust what this returns: their own checks are assertions, not a second rulebook.
     """
     temperature = _finite(msg.temperature, "temperature") if msg.HasField("temperature") else 1.0
     if not 0.0 <= temperature <= MAX_TEMPERATURE:
@@ -176,18 +176,26 @@ def sampling_params(msg, *, prompt_len: int, vocab_size: int, limits: Limits) ->
     n = msg.n if msg.HasField("n") else 1
     if not 1 <= n <= limits.max_n:
         raise InvalidArgument(f"n must be between 1 and {limits.max_n}, got {n}", param="n")
+    logprobs, prompt_logprobs = None, None
+    for name in ("logprobs", "prompt_logprobs"):
+        if msg.HasField(name):
+            value = getattr(msg, name)
+            if not 0 <= value <= limits.max_logprobs:
+                raise InvalidArgument(f"{name} must be between 0 and {limits.max_logprobs}, got {value}", param=name)
+            if name == "logprobs":
+                logprobs = value
+            else:
+                prompt_logprobs = value
     if msg.HasField("max_tokens"):
         max_tokens = msg.max_tokens
-        if max_tokens < 1:
-            raise InvalidArgument(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        # A scored prompt may generate nothing (lm-evaluation-harness's log-likelihood request).
+        least = 0 if prompt_logprobs is not None else 1
+        if max_tokens < least:
+            raise InvalidArgument(f"max_tokens must be at least {least}"
+                                  f"{'' if least else ' (0 only with prompt_logprobs)'}, got {max_tokens}",
+                                  param="max_tokens")
     else:
         max_tokens = max(1, limits.max_model_len - prompt_len)
-    logprobs = None
-    if msg.HasField("logprobs"):
-        if not 0 <= msg.logprobs <= limits.max_logprobs:
-            raise InvalidArgument(f"logprobs must be between 0 and {limits.max_logprobs}, got {msg.logprobs}",
-                                  param="logprobs")
-        logprobs = msg.logprobs
     for name in ("presence_penalty", "frequency_penalty"):
         value = _finite(getattr(msg, name), name)
         if not -MAX_PENALTY <= value <= MAX_PENALTY:
@@ -204,7 +212,7 @@ def sampling_params(msg, *, prompt_len: int, vocab_size: int, limits: Limits) ->
         stop=validate_stop_strings(list(msg.stop)), stop_token_ids=stop_ids, n=n, logprobs=logprobs,
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         ignore_eos=msg.ignore_eos, logit_bias=logit_bias(msg.logit_bias, vocab_size, limits.max_logit_bias),
-        repetition_penalty=repetition, min_tokens=msg.min_tokens)
+        repetition_penalty=repetition, min_tokens=msg.min_tokens, prompt_logprobs=prompt_logprobs)
     return params, msg.include_stop_str_in_output
 
 

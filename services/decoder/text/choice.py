@@ -1,5 +1,7 @@
-"""One choice's text stream: detokenise new tokens, cut at stop strings, build deltas."""
+"""One choice's text stream: detokenise new tokens, cut at stop strings, build deltas; and the prompt's report."""
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from services.common.pb import decoder_pb2
 from services.decoder.engine.output import RequestOutput
@@ -72,3 +74,25 @@ class Choice:
             logprob=t.logprob if t.logprob is not None else 0.0,
             top=[decoder_pb2.TopLogprob(token_id=i, token=decode([i], skip_special_tokens=False), logprob=lp)
                  for i, lp in (t.top_logprobs or [])]) for t in tokens]
+
+
+def prompt_info(out: RequestOutput, prompt: Sequence[int], tokenizer: Tokenizer) -> decoder_pb2.PromptInfo:
+    """What a choice's first message says of its prompt (out.first): the counts and, when the request asked,
+    one TokenLogprob per prompt token (the first without a logprob: it has no context)."""
+    info = decoder_pb2.PromptInfo(prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens)
+    if out.prompt_logprobs is None:
+        return info
+    spelled: dict[int, str] = {}
+
+    def token(i: int) -> str:
+        text = spelled.get(i)
+        if text is None:
+            text = spelled[i] = tokenizer.decode([i], skip_special_tokens=False)
+        return text
+
+    info.logprobs.append(decoder_pb2.TokenLogprob(token_id=prompt[0], token=token(prompt[0])))
+    info.logprobs.extend(decoder_pb2.TokenLogprob(
+        token_id=e.token_id, token=token(e.token_id), logprob=e.logprob, rank=e.rank,
+        top=[decoder_pb2.TopLogprob(token_id=i, token=token(i), logprob=lp) for i, lp in e.top])
+        for e in out.prompt_logprobs[1:])
+    return info

@@ -149,3 +149,30 @@ def test_a_compile_no_thread_takes_within_the_deadline_is_overloaded(tokenizer):
     finally:
         release.set()
         c.close()
+
+
+def test_close_waits_for_running_compiles_and_says_whether_any_is_left():
+    # A process must not exit while a compile is inside xgrammar's C++ (the runtime aborts it).
+    release = threading.Event()
+    pool = CompilePool(1, 0.1, lambda job: InvalidArgument("late", param=PARAM), max_overdue=1)
+
+    def stuck():
+        release.wait(5)
+        return "done"
+
+    running = pool.submit(stuck)
+    queued = pool.submit(stuck)
+    time.sleep(0.05)
+    pool.close()
+    assert queued.cancelled() or queued.started is None
+    assert pool.join(0.3) is False            # written off at 0.1 s, still running
+    release.set()
+    assert pool.join(2) is True
+    with pytest.raises(InvalidArgument):
+        running.result(timeout=0)
+
+
+def test_close_right_after_start_waits_for_the_vocabulary_build(tokenizer):
+    c = GrammarCompiler(tokenizer.backend, vocab_size=VOCAB, stop_token_ids=(EOS,))
+    assert c.close(timeout=60) is True        # closed while the vocabulary was still building
+    assert not c._builder.is_alive()

@@ -123,6 +123,34 @@ def test_token_id_prompt_and_prefix_cache(stub):
     wait_idle(stub)
 
 
+def test_each_choice_first_message_reports_its_prompt(stub):
+    """PromptInfo on each choice's first message only: counts (cache hits the second time), and with
+    prompt_logprobs one entry per prompt token, the first without a logprob; max_tokens 0 scores the prompt alone."""
+    ids = list(range(200, 230))
+    req = D.GenerateRequest(token_ids=D.TokenIds(ids=ids), sampling=D.SamplingParams(temperature=0, max_tokens=3,
+                                                                                       n=2, ignore_eos=True))
+    for cached in (False, True):
+        msgs = list(stub.Generate(req))[:-1]
+        for index in (0, 1):
+            mine = [m for m in msgs if m.index == index]
+            assert mine[0].HasField("prompt") and not any(m.HasField("prompt") for m in mine[1:])
+            assert mine[0].prompt.prompt_tokens == len(ids) and not mine[0].prompt.logprobs
+            assert (mine[0].prompt.cached_tokens >= 28) if cached or index else True
+    scored = D.GenerateRequest(token_ids=D.TokenIds(ids=ids), sampling=D.SamplingParams(max_tokens=0,
+                                                                                          prompt_logprobs=2))
+    first, last = list(stub.Generate(scored))
+    info = first.prompt
+    assert first.finish_reason == D.FINISH_REASON_LENGTH and not first.token_ids and info.cached_tokens == 0
+    assert [e.token_id for e in info.logprobs] == ids and last.usage.completion_tokens == 0
+    assert info.logprobs[0].logprob == 0 and not info.logprobs[0].top and info.logprobs[0].rank == 0
+    for e in info.logprobs[1:]:
+        assert e.logprob <= 0 and e.rank >= 1 and len(e.top) == 2 and e.top[0].logprob >= e.top[1].logprob
+        # Rank 1 is the likeliest token; a token among the top alternatives has its place there (ties aside).
+        assert e.rank > 1 or e.logprob == e.top[0].logprob
+        assert e.rank <= 2 or e.token_id not in [t.token_id for t in e.top]
+    wait_idle(stub)
+
+
 def test_cancel_frees_blocks(channel, stub):
     call = stub.Generate(chat("Tell me a long story", temperature=0, max_tokens=200, ignore_eos=True))
     got = 0
@@ -171,7 +199,7 @@ def _error(stub, req):
         {"logit_bias": {5: 100.5}}, {"logit_bias": {5: -101}}, {"logit_bias": {49152: 1}},
         {"logit_bias": {-1: 1}}, {"min_p": 1.5}, {"min_p": -0.1}, {"repetition_penalty": 0},
         {"repetition_penalty": -1}, {"min_tokens": -1}, {"min_tokens": 3}, {"top_k": -2},
-        {"stop_token_ids": [49152]})],
+        {"stop_token_ids": [49152]}, {"prompt_logprobs": -1}, {"prompt_logprobs": 99})],
 ])
 def test_bad_input_is_refused_and_server_stays_up(stub, req, code, reason):
     got_code, got_reason, details = _error(stub, req)

@@ -111,6 +111,9 @@ def _sampling(**fields) -> decoder_pb2.SamplingParams:
     (dict(n=0), "n", "between 1 and 4"),
     (dict(max_tokens=0), "max_tokens", "at least 1"),
     (dict(logprobs=6), "logprobs", "between 0 and 5"),
+    (dict(prompt_logprobs=6), "prompt_logprobs", "between 0 and 5"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs", "between 0 and 5"),
+    (dict(max_tokens=-1, prompt_logprobs=0), "max_tokens", "at least 0"),
     (dict(presence_penalty=2.5), "presence_penalty", r"\[-2, 2\]"),
     (dict(stop_token_ids=[100]), "stop_token_ids", r"\[0, 100\)"),
     (dict(max_tokens=3, min_tokens=4), "min_tokens", r"max_tokens \(3\)"),
@@ -122,6 +125,12 @@ def test_sampling_ranges_are_refused_naming_the_field(fields, param, says):
     with pytest.raises(InvalidArgument, match=says) as exc:
         sampling_params(_sampling(**fields), prompt_len=10, vocab_size=100, limits=LIMITS)
     assert exc.value.param == param
+
+
+def test_a_scored_prompt_may_generate_nothing():
+    params, _ = sampling_params(_sampling(max_tokens=0, prompt_logprobs=2), prompt_len=10, vocab_size=100,
+                                limits=LIMITS)
+    assert (params.max_tokens, params.prompt_logprobs, params.logprobs) == (0, 2, None)
 
 
 def test_sampling_defaults_fill_the_context():
