@@ -15,7 +15,7 @@ from torch import nn
 
 from services.decoder.kernels import glue_cpu
 from services.decoder.model.config import ModelConfig
-from services.decoder.model.linear import Linear, fuse
+from services.decoder.model.linear import Linear, fuse, fusible
 from services.decoder.model.rotary import apply_rotary
 
 
@@ -72,7 +72,8 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """Q, K and V as one matmul from now on (see CausalLM.fuse_projections)."""
-        self.qkv = fuse([self.q_proj, self.k_proj, self.v_proj])
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        self.qkv = fuse(parts) if fusible(parts) else None
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x [N, hidden] -> q [N, H*D], k, v [N, KVH*D] (adapter corrections applied), and q|k as one
@@ -122,7 +123,8 @@ class MLP(nn.Module):
         self.native = False       # SiLU(gate) * up by the C++ row op (kernels/glue_cpu); set by model/glue.py
 
     def fuse(self) -> None:
-        self.gate_up = fuse([self.gate_proj, self.up_proj])
+        parts = [self.gate_proj, self.up_proj]
+        self.gate_up = fuse(parts) if fusible(parts) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
 
@@ -130,19 +131,38 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
 
+def fusible(parts: list[Linear]) -> bool:
+    """Whether `fuse` can join parts: all dense, or all grouped in one format (bits, group), with the same input
+    width, dtype, device and bias presence. A GGUF file may store Q, K and V in different types (Q4_K_M keeps
+    V in Q6_K): those stay three matmuls."""
+    kinds = {(p.in_features, p.weight.dtype, p.weight.device, p.bias is None,
+              None if p.grouped is None else (p.grouped.bits, p.grouped.group)) for p in parts}
+    return len(kinds) == 1 and all(p.grouped is not None or not p.released for p in parts)
+
+
 @torch.no_grad()
 def fuse(parts: list[Linear]) -> Linear:
     """One Linear whose output is the parts' outputs side by side ([N, sum of out_features]);
-    the parts' dense weights are released (they stay as modules: names, adapters, `correct`)."""
+    the parts' weights (dense or grouped) are released (they stay as modules: names, adapters, `correct`)."""
     first = parts[0]
-    if len({(p.in_features, p.weight.dtype, p.weight.device, p.bias is None) for p in parts}) != 1:
-        raise ValueError("fused projections need the same input width, dtype, device and bias presence")
+    if not fusible(parts):
+        raise ValueError("fused projections need the same input width, dtype, device, bias presence and weight "
+                         "format")
     fused = Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
                    device="meta")
-    fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+    if first.grouped is None:
+        fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+    else:
+        # Grouped rows are independent: the fused weight's codes, scales and offsets are the parts' stacked.
+        gws = [p.grouped for p in parts]
+        fused.weight = nn.Parameter(first.weight.new_empty(0), requires_grad=False)
+        fused.set_grouped(GroupedWeight(first.grouped.bits, first.grouped.group, fused.out_features,
+                                        first.in_features, *(torch.cat([getattr(g, f) for g in gws])
+                                                             for f in ("codes", "scale", "offset"))), release=False)
     if first.bias is not None:
         fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
     for p in parts:
+        p.grouped = None
         p.release()
     return fused
 
@@ -152,8 +172,9 @@ def quantize_linears(model: nn.Module, mode: str) -> str:
     for the log and GetModelInfo, e.g. "int8: 121 of 121 linears" or "none"."""
     if mode not in quantization.MODES:
         raise ValueError(f"quantization {mode!r}: choose from {', '.join(quantization.MODES)}")
+    held = _held_grouped(model)
     if mode == "none":
-        return "none"
+        return held or "none"
     linears = [m for m in model.modules() if isinstance(m, Linear) and not m.released]
     devices = {m.weight.device.type for m in linears} - {"cpu"}
     if devices:
@@ -174,7 +195,17 @@ def quantize_linears(model: nn.Module, mode: str) -> str:
         multiple, rest = quantization.K_MULTIPLE, _quantize_experts(model)
     left = f"; {len(linears) - len(chosen)} dense (in_features not a multiple of {multiple})" \
         if len(chosen) < len(linears) else ""
-    return f"{mode}: {len(chosen)} of {len(linears)} linears{left}{rest}"
+    return f"{mode}: {len(chosen)} of {len(linears)} linears{left}{rest}" + (f"; {held}" if held else "")
+
+
+def _held_grouped(model: nn.Module) -> str:
+    """The grouped weights a model was loaded with (a GGUF file's quantized matrices, model/gguf_file.py), for the
+    summary: e.g. "gguf: 45 linears grouped (30 int4/g32, 15 int8/g16)"; "" when none."""
+    kinds = Counter(m.grouped.describe() for m in model.modules() if isinstance(m, Linear) and m.grouped is not None)
+    if not kinds:
+        return ""
+    return (f"gguf: {sum(kinds.values())} linears grouped "
+            f"({', '.join(f'{n} {kind}' for kind, n in sorted(kinds.items()))})")
 
 
 def _quantize_experts(model: nn.Module) -> str:

@@ -1,9 +1,10 @@
-"""Build a CausalLM from an HF folder without materialising random weights first.
+"""Build a CausalLM from an HF folder or a GGUF file without materialising random weights first.
 
 Modules are created on the meta device (no storage), then each parameter is replaced by
 the tensor read from the safetensors files (memory-mapped by safe_open), cast to the
 serving dtype. A checkpoint with missing or unexpected tensors, or wrong shapes, is
-refused: loading it anyway would serve a different model.
+refused: loading it anyway would serve a different model. A GGUF file (model/gguf_file.py)
+loads the same way, its quantized matrices as grouped weights (load_gguf).
 """
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ from services.common.errors import InvalidArgument, TesseraError, Unsupported
 from services.decoder.model.config import ModelConfig
 from services.decoder.model.decoder import CausalLM, StoredPart
 from services.decoder.model.families import model_class
+from services.decoder.model.gguf_file import GGUFModel, is_gguf
+from services.decoder.model.grouped import GroupedWeight
+from services.decoder.model.grouped_embedding import GroupedEmbedding
+from services.decoder.model.linear import Linear
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -62,8 +67,16 @@ def check_folder(folder: str | Path) -> ModelConfig:
     return cfg
 
 
+def model_config(model: str | Path) -> ModelConfig:
+    """--model's ModelConfig: a folder's config.json, or a GGUF file's metadata (model/gguf_file.py)."""
+    return GGUFModel.open(model).config if is_gguf(model) else ModelConfig.from_folder(model)
+
+
 def load_model(folder: str | Path, dtype: str | torch.dtype = "fp32",
                device: str | torch.device = "cpu") -> CausalLM:
+    """The model of an HF folder, or of a GGUF file (a path ending in .gguf), on device in dtype."""
+    if is_gguf(folder):
+        return load_gguf(folder, dtype, device)
     folder, device = Path(folder), torch.device(device)
     dtype = resolve_dtype(dtype, device)
     cfg = ModelConfig.from_folder(folder)
@@ -100,6 +113,68 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "fp32",
         model.lm_head.weight = model.model.embed_tokens.weight
     model.setup_rotary(device)
     return model.eval()
+
+
+def check_gguf(path: str | Path) -> ModelConfig:
+    """What load_gguf refuses before it reads a weight: not a GGUF file, an architecture or a metadata value we
+    do not implement, a tensor type we do not load (each in one line naming the key, type or tensor)."""
+    gguf = GGUFModel.open(path)
+    gguf.check_types()
+    return gguf.config
+
+
+def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu") -> CausalLM:
+    """A GGUF file's model: float tensors in dtype as a folder's; each quantized matrix of a Linear as its grouped
+    weight (model/grouped.py), never through floats; a quantized embedding table grouped too, each lookup's rows
+    dequantized (model/grouped_embedding.py), and when the head is tied to it, the head as the same grouped
+    weight."""
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, device)
+    gguf = GGUFModel.open(path)
+    gguf.check_types()
+    cfg = gguf.config
+    if device.type != "cpu" and any(t.quantized for t in gguf.tensors()):
+        raise Unsupported(f"{gguf.path.name}: quantized GGUF tensors run on CPU only (--device cpu)")
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    loaded: set[str] = set()
+    tied_head: GroupedWeight | None = None
+    for stored in gguf.tensors():
+        name = stored.name
+        if name not in expected:
+            raise InvalidArgument(f"unexpected GGUF tensor {stored.stored!r} in {gguf.path.name} for a {cfg.family} "
+                                  "model")
+        if stored.shape != tuple(expected[name]):
+            raise InvalidArgument(f"GGUF tensor {stored.stored!r} has shape {stored.shape}, expected "
+                                  f"{tuple(expected[name])}")
+        owner = model.get_submodule(name.rpartition(".")[0])
+        if stored.quantized and isinstance(owner, Linear):
+            place_grouped(owner, stored.grouped(), dtype)
+        elif stored.quantized:      # the embedding table: rows dequantized as a step looks them up
+            gw = stored.grouped()
+            model.model.embed_tokens = GroupedEmbedding(gw, dtype)
+            tied_head = gw if cfg.tie_word_embeddings else None
+        else:
+            _set_parameter(model, name, stored.dense().to(device=device, dtype=dtype))
+        loaded.add(name)
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        raise InvalidArgument(f"{gguf.path.name} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    if tied_head is not None:
+        place_grouped(model.lm_head, tied_head, dtype)
+    elif cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.setup_rotary(device)
+    return model.eval()
+
+
+def place_grouped(linear: Linear, weight: GroupedWeight, dtype: torch.dtype) -> None:
+    """Give a Linear (still on meta) a GGUF weight as its grouped weight; its dense weight is empty, in dtype (the
+    dtype of its activations). Grouped weights live on CPU (load_gguf refuses another device for them)."""
+    linear.set_grouped(weight, release=True, dtype=dtype)
 
 
 # Qwen2-VL checkpoints: transformers 5 keeps the text model under model.language_model. in memory but

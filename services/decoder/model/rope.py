@@ -30,6 +30,9 @@ import torch
 from services.common.errors import InvalidArgument, Unsupported
 
 RECIPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+# Not a config.json rope_type: a GGUF file's rope_freqs tensor (model/gguf_file.py), llama.cpp's way of
+# storing Llama 3's bands: inv_freq[i] = 1 / (freq_factors[i] * theta^(2i / dim)), as ggml_rope_ext applies it.
+FREQ_FACTORS = "freq_factors"
 
 # Per recipe: keys it requires and keys it may have, besides rope_type/type and rope_theta (as transformers'
 # _validate_*_rope_parameters). A key a recipe would not apply is refused rather than dropped.
@@ -64,6 +67,8 @@ class RopeScaling:
     truncate: bool = True                        # yarn
     short_factor: tuple[float, ...] | None = None   # longrope
     long_factor: tuple[float, ...] | None = None    # longrope
+    # llama.cpp's rope_freqs (a GGUF file's Llama 3 RoPE): per pair, the divisor of the unscaled frequency.
+    freq_factors: tuple[float, ...] | None = None
     # The share of each head that rotates (Phi-4-mini: 0.75): the first int(head_dim * factor) dims, as
     # transformers' inits size the tables; the rest pass through. Only families that slice q/k accept it.
     partial_rotary_factor: float = 1.0
@@ -181,6 +186,9 @@ def check_dims(rope: RopeScaling, head_dim: int) -> None:
             if len(getattr(rope, name)) != dim // 2:
                 raise InvalidArgument(f"config.json rope_parameters.{name} has {len(getattr(rope, name))} values; "
                                       f"the rotary dimension {dim} needs {dim // 2}")
+    if rope.kind == FREQ_FACTORS and len(rope.freq_factors) != dim // 2:
+        raise InvalidArgument(f"GGUF tensor rope_freqs.weight has {len(rope.freq_factors)} values; the rotary "
+                              f"dimension {dim} needs {dim // 2}")
     if rope.kind == "llama3" and rope.high_freq_factor == rope.low_freq_factor:
         raise InvalidArgument("config.json rope_parameters.high_freq_factor must differ from low_freq_factor")
 
@@ -277,8 +285,13 @@ def _llama3(rope: RopeScaling, dim: int, device: torch.device, seq_len) -> tuple
     return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama), 1.0
 
 
+def _freq_factors(rope: RopeScaling, dim: int, device: torch.device, seq_len) -> tuple[torch.Tensor, float]:
+    factors = torch.tensor(rope.freq_factors, dtype=torch.float32, device=device)
+    return 1.0 / (factors * rope.theta ** _exponents(dim, device)), 1.0
+
+
 _RECIPE = {"default": _default, "linear": _linear, "dynamic": _dynamic, "yarn": _yarn, "longrope": _longrope,
-           "llama3": _llama3}
+           "llama3": _llama3, FREQ_FACTORS: _freq_factors}
 
 
 @functools.lru_cache(maxsize=8192)

@@ -40,8 +40,14 @@ class DecoderServerConfig(ServerConfig):
 class DecoderConfig:
     """model and engine options"""
 
-    model: str = option("", "HF model folder (config.json, safetensors, tokenizer.json)", metavar="DIR")
-    served_model_name: str = option("", "name clients use in `model`; default: the folder's name")
+    model: str = option("", "HF model folder (config.json, safetensors, tokenizer.json), or a GGUF file "
+                        "(FILE.gguf: llama or qwen2; F32, F16, BF16 and the Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, "
+                        "Q5_K, Q6_K quantizations; docs/models.md)", metavar="PATH")
+    tokenizer: str = option("", "HF tokenizer folder (tokenizer.json, tokenizer_config.json, chat template); "
+                            "default: --model's folder, or for a GGUF file the tokenizer and chat template "
+                            "in its metadata", metavar="DIR")
+    served_model_name: str = option("", "name clients use in `model`; default: the folder's (or GGUF file's) "
+                                    "name")
     dtype: str = option("fp32", "weights and KV dtype; float32, bfloat16 and float16 are accepted too (bf16 on a "
                         "CPU without AVX-512 bf16 support runs slower plain matmuls, logged at load)",
                         choices=dtypes.names())

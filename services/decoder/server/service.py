@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -41,7 +42,8 @@ from services.decoder.grammar.compiler import GrammarCompiler
 from services.decoder.grammar.spec import GrammarSpec
 from services.decoder.lora.registry import check_name
 from services.decoder.model.config import ModelConfig
-from services.decoder.model.loader import check_folder
+from services.decoder.model.gguf_file import GGUFModel, is_gguf
+from services.decoder.model.loader import check_folder, check_gguf, model_config
 from services.decoder.multimodal.request import place_images, request_images
 from services.decoder.runner.runner import Runner
 from services.decoder.server.adapters import Adapters, adapter_info
@@ -50,6 +52,7 @@ from services.decoder.server.config import DecoderConfig, DecoderServerConfig
 from services.decoder.server.messages import template_messages, template_tools
 from services.decoder.server.structured_output import grammar_spec
 from services.decoder.server.validation import Limits, check_images, check_prompt, check_tools, sampling_params
+from services.decoder.text import gguf_tokenizer
 from services.decoder.text.chat_template import ChatTemplate
 from services.decoder.text.choice import Choice, prompt_info
 from services.decoder.text.tokenizer import Tokenizer
@@ -120,24 +123,37 @@ class Loaded:
 
 
 def check(cfg: DecoderConfig) -> None:
-    """--model read before anything starts (services/common/process.py): a folder the decoder cannot serve
-    (model/loader.py check_folder, or no tokenizer.json) is refused in one line naming the file or the key."""
-    check_folder(cfg.model)
-    if not (Path(cfg.model) / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{cfg.model} has no tokenizer.json (the decoder reads a tokenizers-format file)")
+    """--model and --tokenizer read before anything starts (services/common/process.py): a folder or GGUF file the
+    decoder cannot serve (model/loader.py check_folder and check_gguf), or no tokenizer (no tokenizer.json in the
+    tokenizer folder; a GGUF file without one in its metadata and no --tokenizer) is refused in one line naming
+    the file, the key, the tensor type."""
+    gguf = is_gguf(cfg.model)
+    check_gguf(cfg.model) if gguf else check_folder(cfg.model)
+    if cfg.tokenizer or not gguf:
+        folder = cfg.tokenizer or cfg.model
+        if not (Path(folder) / "tokenizer.json").is_file():
+            flag = "--tokenizer" if cfg.tokenizer else "--model"
+            raise FileNotFoundError(f"{flag} {folder} has no tokenizer.json (the decoder reads a tokenizers-format "
+                                    "file)")
+    elif not GGUFModel.open(cfg.model).has_vocabulary:
+        raise FileNotFoundError(f"{cfg.model} has no tokenizer in its metadata: name a tokenizer folder with "
+                                "--tokenizer DIR")
 
 
 def load(cfg: DecoderConfig) -> Loaded:
     """Build tokenizer, runner and engine core (blocking; run it off the event loop)."""
     folder = Path(cfg.model)
-    if not (folder / "config.json").is_file():
+    if not is_gguf(folder) and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: no config.json (is --model an HF model folder?)")
-    model_cfg = ModelConfig.from_folder(folder)
+    model_cfg = model_config(folder)
     num_blocks = kv_blocks(model_cfg, cfg)
     runner = Runner.from_folder(folder, cfg.dtype, cfg.block_size, num_blocks, cfg.device, seed=cfg.seed,
                                 fast_paths=cfg.fast_paths, quantization=cfg.quantization)
-    tokenizer = Tokenizer.from_folder(folder)
-    template = ChatTemplate.from_folder(folder, tokenizer)
+    with tempfile.TemporaryDirectory(prefix="tessera-gguf-tokenizer-") as scratch:
+        text = Path(cfg.tokenizer) if cfg.tokenizer else \
+            gguf_tokenizer.write_folder(folder, Path(scratch)) if is_gguf(folder) else folder
+        tokenizer = Tokenizer.from_folder(text)
+        template = ChatTemplate.from_folder(text, tokenizer)
     if cfg.enable_auto_tool_choice and (template is None or not template.supports_tools):
         # Parsing calls the template never asks for would invent a format the model was not taught.
         raise ValueError(f"--enable-auto-tool-choice: {folder}'s chat template does not render tools, so the model "
@@ -161,7 +177,7 @@ def load(cfg: DecoderConfig) -> Loaded:
     adapters = Adapters(cfg, engine) if cfg.max_loras else None
     if cfg.fault_fail_at_step:
         engine.inject_fault(cfg.fault_fail_at_step)
-    name = cfg.served_model_name or folder.resolve().name
+    name = cfg.served_model_name or (folder.stem if is_gguf(folder) else folder.resolve().name)
     log.info("loaded %s (%s, %s, RoPE %s): %d KV blocks of %d tokens, max_model_len %d, chat template: %s, "
              "speculative decoding: %s", name, model_cfg.family, cfg.dtype,
              model_cfg.rope.describe() if model_cfg.rope else "default", num_blocks, cfg.block_size,
