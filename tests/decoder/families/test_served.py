@@ -54,6 +54,8 @@ def served(request, tmp_path_factory):
         "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3,
                                             "prompt_lookup_max": 3, "prompt_lookup_min": 1,
                                             "disable_by_batch_size": 16}),
+        # Drafts always: the test checks they change no token; the gate is tests/decoder/engine/test_draft_gate.py.
+        "--fast-paths", "speculation=always",
         "--lora", f"{ADAPTER.name}={adapter}"], root / "decoder.log")
     address = f"127.0.0.1:{port}"
     try:

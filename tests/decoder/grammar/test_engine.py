@@ -46,7 +46,7 @@ def valid(kind: str, text: str) -> bool:
 def runner(tiny_chat_model):  # noqa: F811
     """One runner for every engine here (building one times its matmul paths); each test's engine uses at
     most its 512 blocks, and a fresh engine reads no block it has not written."""
-    return Runner.from_folder(tiny_chat_model, "fp32", 4, 512, fast_paths="screen=on")
+    return Runner.from_folder(tiny_chat_model, "fp32", 4, 512, fast_paths="screen=on,speculation=always")
 
 
 def core_for(runner, num_blocks=512, budget=64, prefix_caching=True, speculative=None) -> EngineCore:

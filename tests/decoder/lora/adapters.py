@@ -67,11 +67,12 @@ def lora_engine(base_folder: Path, *, slots: int = 4, max_rank: int = 8, cpu_lor
                 targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
                 block_size: int = 4, num_blocks: int = 128, budget: int = 64, max_seqs: int = 8,
                 prefix_caching: bool = True, speculative=None, device: str = "cpu",
-                fast_paths: str = "screen=on", pool_bytes: int | None = None, dtype: str = "fp32"
+                fast_paths: str = "screen=on,speculation=always", pool_bytes: int | None = None, dtype: str = "fp32"
                 ) -> tuple[EngineCore, AdapterRegistry]:
     """EngineCore + Runner with an adapter store, registry and leases (no adapters yet): the slot bank, or
     with pool_bytes the CPU pool of that budget; fast_paths: the CPU runner's pins (off CPU none: the
-    screen is CPU-only)."""
+    screen is CPU-only); speculation drafts always, so a test that checks drafts change no token sees
+    drafts whatever the load-time gate would decide on a busy machine."""
     runner = Runner.from_folder(base_folder, dtype, block_size, num_blocks, device,
                                 fast_paths=fast_paths if device == "cpu" else "")
     if pool_bytes is None:

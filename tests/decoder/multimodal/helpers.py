@@ -90,9 +90,14 @@ def reference_inputs(folder: Path, msgs: list[dict], datas: list[bytes]) -> RefI
     return RefInputs(ids, (ids == image_id).int(), pixel_values, grid)
 
 
+# Speculation drafts always: these tests check that drafts change no token, and the load-time gate that
+# stops unprofitable drafting (tests/decoder/engine/test_draft_gate.py) could stop them on a busy machine.
+PINS = "screen=on,speculation=always"
+
+
 def make_core(folder: Path, *, budget: int = 512, num_blocks: int = 256, block_size: int = 4,
               prefix_caching: bool = True, max_num_seqs: int = 8, speculative=None) -> EngineCore:
-    runner = Runner.from_folder(folder, "fp32", block_size, num_blocks, fast_paths="screen=on")
+    runner = Runner.from_folder(folder, "fp32", block_size, num_blocks, fast_paths=PINS)
     return EngineCore(runner, EngineConfig(block_size=block_size, num_blocks=num_blocks,
                                            max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                            max_model_len=1024, enable_prefix_caching=prefix_caching,

@@ -96,7 +96,11 @@ def test_decode_steps_match_the_layers(folders, name, variant):
                 chunks = [s.chunk(len(s.tokens) - s.computed, allocs[r], BLOCK) for s in seqs[r][:rows]]
                 out[r], _ = runner.logits(StepInput(chunks))
             assert calls[-1] == (width <= widest)
-            assert_close(out["f"], out["l"], dtype=dtype, k=TINY_SHAPE["k"], depth=TINY_SHAPE["depth"])
+            # Quantized weights round each activation to int8 per block: an input one ulp apart (the
+            # stack's and the layers' fp32 sums differ in order) may land on the other side of a rounding
+            # tie and move by a whole int8 step, so they are held to int8's bound.
+            assert_close(out["f"], out["l"], dtype=torch.int8 if variant in QUANTIZED else dtype,
+                         k=TINY_SHAPE["k"], depth=TINY_SHAPE["depth"])
             for r in "fl":
                 for s, row in zip(seqs[r][:rows], out["f"], strict=True):
                     s.tokens.append(int(row.argmax()))      # both follow the fused run's tokens

@@ -30,7 +30,7 @@ def servers(tiny_chat_model):
     started, channels = [], []
     for spec in ("", SPEC):
         cfg = DecoderConfig(model=str(tiny_chat_model), num_blocks=128, block_size=4, max_num_batched_tokens=64,
-                            max_n=4, speculative_config=spec, fast_paths="screen=on")
+                            max_n=4, speculative_config=spec, fast_paths="screen=on,speculation=always")
         started.append(loop.run(start(DecoderServerConfig(host="127.0.0.1", port=0), cfg)))
         channels.append(grpc.insecure_channel(f"127.0.0.1:{started[-1][0].port}"))
     stubs = Stubs(decoder_pb2_grpc.DecoderServiceStub(ch) for ch in channels)
