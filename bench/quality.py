@@ -9,7 +9,8 @@ second half predicting the next token.
   llama.cpp: `llama-perplexity` on the BF16 GGUF writes its log-probabilities and tokens once
              (--kl-divergence-base), then each of Q8_0 and Q4_0 (made from the BF16 file by llama-quantize)
              runs --kl-divergence against them: its perplexity, mean KL divergence and "Same top p" (the
-             top-1 token agreeing with BF16's). llama-server returns no log-probabilities of prompt tokens
+             top-1 token agreeing with BF16's). llama-quantize's Q4_0 keeps the tied head/embedding table at
+             Q8_0 here (SmolLM2's width 576 is no multiple of Q6_K's 256), as its recipe does. llama-server returns no log-probabilities of prompt tokens
              (no echo), which teacher forcing needs, so this is llama.cpp's own tool for exactly this.
   tessera:   the runner in this process, teacher forced on llama.cpp's tokens (read back from that file):
              one step per window whose chunk carries the window's tokens as drafts, so the runner returns
@@ -70,7 +71,14 @@ def text_file() -> Path:
 
 
 def perplexity_tool(args: list[str]) -> str:
+    """llama-perplexity's output. Its CPU weight repacking segfaults on Q8_0 and Q4 types on an Intel Xeon with
+    AMX (family 6 model 167), as llama-server's does (bench/peers/llamacpp.py): a run killed by a signal is
+    retried once with --no-repack, and the output says so."""
     proc = subprocess.run([str(LLAMA_PERPLEXITY), *args], capture_output=True, text=True, check=False)
+    if proc.returncode < 0:
+        print(f"llama-perplexity crashed (signal {-proc.returncode}) on {args[1]}; retrying with --no-repack")
+        proc = subprocess.run([str(LLAMA_PERPLEXITY), *args, "--no-repack"], capture_output=True, text=True,
+                              check=False)
     if proc.returncode != 0:
         raise SystemExit(f"llama-perplexity {' '.join(args)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
     return proc.stdout + proc.stderr
