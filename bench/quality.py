@@ -10,8 +10,9 @@ second half predicting the next token.
              (--kl-divergence-base), then each of Q8_0 and Q4_0 (made from the BF16 file by llama-quantize)
              runs --kl-divergence against them: its perplexity, mean KL divergence and "Same top p" (the
              top-1 token agreeing with BF16's). llama-quantize's Q4_0 keeps the tied head/embedding table at
-             Q8_0 here (SmolLM2's width 576 is no multiple of Q6_K's 256), as its recipe does. llama-server returns no log-probabilities of prompt tokens
-             (no echo), which teacher forcing needs, so this is llama.cpp's own tool for exactly this.
+             Q8_0 here (SmolLM2's width 576 is no multiple of Q6_K's 256), as its recipe does. llama-server
+             returns no log-probabilities of prompt tokens (no echo), which teacher forcing needs, so this is
+             llama.cpp's own tool for exactly this.
   tessera:   the runner in this process, teacher forced on llama.cpp's tokens (read back from that file):
              one step per window whose chunk carries the window's tokens as drafts, so the runner returns
              the fp32 logits of every position (runner.logits); bf16, int8 (--quantization int8) and int4

@@ -123,16 +123,17 @@ def format_parts(variant: str, folder: Path, files: dict[str, Path], args, promp
                   f"{bound_line(bandwidth, their_bytes, max(theirs_b1))} at {bandwidth / 1e9:.1f} GB/s)")
         if mine_b1:
             mine_bytes = decode_bytes(ours.runner)
+            r = [ratio(f"b1_{variant}_vs_{qtype}", max(mine_b1) / max(theirs_b1), GOALS["b1"])] if theirs_b1 else []
             print(f"(b) {variant}: tessera {fmt(mine_b1)} tok/s ({bound_line(bandwidth, mine_bytes, max(mine_b1))}"
-                  f" at {bandwidth / 1e9:.1f} GB/s)")
-            if theirs_b1:
-                out.append(ratio(f"b1_{variant}_vs_{qtype}", max(mine_b1) / max(theirs_b1), GOALS["b1"]))
+                  f" at {bandwidth / 1e9:.1f} GB/s){'; ' if r else ''}{''.join(r)}")
+            out += r
         if theirs_pp or mine_pp:
             sides = [f"{name} {fmt(xs, 1e3)} ms (best {min(xs) * 1e3:.1f})"
                      for name, xs in (("llama.cpp " + qtype, theirs_pp), ("tessera", mine_pp)) if xs]
-            print(f"(p) {variant}: time to first token of a {len(long)}-token prompt, {'; '.join(sides)}")
-            if theirs_pp and mine_pp:
-                out.append(ratio(f"pp{len(long)}_{variant}_vs_{qtype}", min(theirs_pp) / min(mine_pp), GOALS["pp"]))
+            r = [ratio(f"pp{len(long)}_{variant}_vs_{qtype}", min(theirs_pp) / min(mine_pp), GOALS["pp"])] \
+                if theirs_pp and mine_pp else []
+            print(f"(p) {variant}: time to first token of a {len(long)}-token prompt, {'; '.join(sides + r)}")
+            out += r
     return out
 
 
@@ -176,9 +177,10 @@ def chats_part(folder: Path, batch: list[list[int]], args, pins) -> list[str]:
     if not theirs:
         print(line)
         return []
-    print(f"{line}, vLLM {fmt(theirs)} tok/s; identical outputs {fmt([s * 100 for s in same])} % "
-          "(random weights: near-even logits, so bf16 rounding flips many)")
-    return [ratio(f"chats{len(chats)}_bf16_vs_vllm", max(mine) / max(theirs), GOALS["chats"])]
+    r = ratio(f"chats{len(chats)}_bf16_vs_vllm", max(mine) / max(theirs), GOALS["chats"])
+    print(f"{line}, vLLM {fmt(theirs)} tok/s; identical outputs {fmt([s * 100 for s in same])} % (random weights: "
+          f"near-even logits, which bf16 rounding may flip); {r}")
+    return [r]
 
 
 def main() -> None:
