@@ -120,7 +120,8 @@ def format_parts(variant: str, folder: Path, files: dict[str, Path], args, promp
             their_bytes, their_weights = llamacpp.tensor_bytes(gguf)
             print(f"(b) {variant} vs {qtype}: batch-1 decode of {args.max_tokens} tokens, llama.cpp {fmt(theirs_b1)} "
                   f"tok/s ({their_bytes * 8 / their_weights:.2f} bits/weight; "
-                  f"{bound_line(bandwidth, their_bytes, max(theirs_b1))} at {bandwidth / 1e9:.1f} GB/s)")
+                  f"{bound_line(bandwidth, their_bytes, max(theirs_b1))} at {bandwidth / 1e9:.1f} GB/s)"
+                  f"{'' if srv.repack else '; --no-repack (its weight repacking crashed at load)'}")
         if mine_b1:
             mine_bytes = decode_bytes(ours.runner)
             r = [ratio(f"b1_{variant}_vs_{qtype}", max(mine_b1) / max(theirs_b1), GOALS["b1"])] if theirs_b1 else []
