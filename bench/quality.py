@@ -16,7 +16,8 @@ second half predicting the next token.
   tessera:   the runner in this process, teacher forced on llama.cpp's tokens (read back from that file):
              one step per window whose chunk carries the window's tokens as drafts, so the runner returns
              the fp32 logits of every position (runner.logits); bf16, int8 (--quantization int8) and int4
-             (where this tree has it) against tessera's bf16.
+             (where this tree has it) against tessera's bf16; and, where this tree serves GGUF files, tessera
+             on llama.cpp's Q8_0 and Q4_0 files themselves ("Q4_0 file": the very weights llama.cpp ran).
 
 bits/weight is measured: the bytes of the weights a decode step reads over their count (tessera: the
 projections and the tied head in the form they compute with; llama.cpp: the GGUF's tensors). The table is
@@ -146,16 +147,18 @@ def window_logprobs(runner: Runner, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def tessera_rows(windows: list[list[int]], threads: int) -> list[Row]:
-    """tessera's rows: each format's perplexity, top-1 agreement and mean KL divergence against its bf16."""
+def tessera_rows(windows: list[list[int]], threads: int, files: dict[str, Path]) -> list[Row]:
+    """tessera's rows: each format's perplexity, top-1 agreement and mean KL divergence against its bf16; then
+    tessera serving llama.cpp's quantized GGUF files themselves (`--model file.gguf`), where this tree can."""
     torch.set_num_threads(threads)
     ctx = len(windows[0])
     first = ctx // 2
+    sources = [(fmt, SMOLLM2, *VARIANTS[fmt]) for fmt in FORMATS["tessera"]]
+    sources += [(f"{fmt} file", files[fmt], "fp32", "none") for fmt in FORMATS["llama.cpp"][1:] if fmt in files]
     runners = {}
-    for fmt in FORMATS["tessera"]:
-        dtype, quantization = VARIANTS[fmt]
+    for fmt, model, dtype, quantization in sources:
         try:
-            runners[fmt] = Runner.from_folder(SMOLLM2, dtype, 16, -(-ctx // 16) + 1, quantization=quantization)
+            runners[fmt] = Runner.from_folder(model, dtype, 16, -(-ctx // 16) + 1, quantization=quantization)
         except (TesseraError, ValueError) as e:
             print(f"tessera {fmt}: not available in this tree ({str(e).splitlines()[0][:200]})")
     nll = {f: 0.0 for f in runners}
@@ -221,11 +224,11 @@ def main() -> None:
           f"{f'; BOS {bos_id} first in each window' if bos else ''}")
     if bos:
         windows = [[bos_id, *w[1:]] for w in windows]
-    rows = tessera_rows(windows, args.threads) + llama
-    print(f"{'engine':<10} {'format':<7} {'bits/weight':>11} {'perplexity':>10} {'top-1 = bf16':>12} "
+    rows = tessera_rows(windows, args.threads, files) + llama
+    print(f"{'engine':<10} {'format':<11} {'bits/weight':>11} {'perplexity':>10} {'top-1 = bf16':>12} "
           f"{'mean KLD':>9}")
     for r in rows:
-        print(f"{r.engine:<10} {r.fmt:<7} {r.bits:>11.2f} {r.ppl:>10.3f} {r.top1:>11.2%} {r.kld:>9.5f}")
+        print(f"{r.engine:<10} {r.fmt:<11} {r.bits:>11.2f} {r.ppl:>10.3f} {r.top1:>11.2%} {r.kld:>9.5f}")
 
 
 if __name__ == "__main__":
