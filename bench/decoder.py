@@ -32,6 +32,7 @@ The last line printed holds the ratios.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -61,7 +62,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Variants beyond a dtype: (runner dtype, --quantization). "int8" is fp32 activations with
 # weight-only int8 (model/quantization.py), set against llama.cpp's Q8_0 GGUF; transformers
 # and vLLM have no such CPU mode here, so it only meets llama.cpp.
-VARIANTS = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "int8": ("fp32", "int8")}
+# "int4" (grouped 4-bit weights, where this tree has --quantization int4) likewise, against Q4_0 / Q4_K_M
+# (bench/real_size.py).
+VARIANTS = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "int8": ("fp32", "int8"), "int4": ("fp32", "int4")}
 
 
 def prompts(count: int) -> list[list[int]]:
@@ -151,17 +154,27 @@ def read_bandwidth() -> float:
     return x.numel() * x.element_size() / best
 
 
+def linear_bytes(m: torch.nn.Linear) -> tuple[int, int]:
+    """(bytes of the weight a step of m reads, weights in it): a grouped form (any dataclass of tensors m holds:
+    codes, scales, offsets) or int8's with its scales where m has one, else the dense weight."""
+    weights = m.in_features * m.out_features
+    for name, v in vars(m).items():
+        if name != "lora" and dataclasses.is_dataclass(v) and not isinstance(v, type):
+            parts = [getattr(v, f.name) for f in dataclasses.fields(v)]
+            tensors = [t for t in parts if isinstance(t, torch.Tensor)]
+            if tensors:
+                return sum(t.numel() * t.element_size() for t in tensors), weights
+    w = getattr(m, "qweight", None)
+    if w is not None:
+        return w.numel() * w.element_size() + m.qscale.numel() * m.qscale.element_size(), weights
+    return m.weight.numel() * m.weight.element_size(), m.weight.numel()
+
+
 def decode_bytes(runner: Runner) -> int:
-    """Bytes of weights one decode step reads: every Linear's weight (int8 ones with their scales), the
-    LM head included; the embedding lookup reads one row and the KV cache a few MB, left out."""
-    total = 0
-    for m in runner.model.modules():
-        w = getattr(m, "qweight", None)
-        if w is not None:
-            total += w.numel() * w.element_size() + m.qscale.numel() * m.qscale.element_size()
-        elif isinstance(m, torch.nn.Linear):
-            total += m.weight.numel() * m.weight.element_size()
-    return total
+    """Bytes of weights one decode step reads: every Linear's weight in the form its step reads (int8 or
+    grouped ones with their scales), the LM head included; the embedding lookup reads one row and the KV
+    cache a few MB, left out."""
+    return sum(linear_bytes(m)[0] for m in runner.model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def screened_bytes(runner: Runner) -> int | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -50,9 +51,14 @@ def tensors_of_layer(cfg: dict, i: int, gen: torch.Generator, dtype: torch.dtype
     return out
 
 
-def write(folder: Path, layers: int, tokenizer: Path, shape: dict | None = None, seed: int = 0) -> Path:
-    """Write the checkpoint (shape: QWEN3_30B_A3B unless given) with `layers` layers into folder, through a
-    temporary folder renamed into place; a folder already there is kept. Returns folder."""
+LayerTensors = Callable[[dict, int, torch.Generator, torch.dtype], dict[str, torch.Tensor]]
+
+
+def write(folder: Path, layers: int, tokenizer: Path, shape: dict | None = None, seed: int = 0,
+          layer_tensors: LayerTensors = tensors_of_layer) -> Path:
+    """Write the checkpoint (shape: QWEN3_30B_A3B unless given; layer_tensors(cfg, i, gen, dtype) gives layer i's
+    tensors, tensors_of_layer unless given) with `layers` layers into folder, through a temporary folder renamed
+    into place; a folder already there is kept. A shape with tie_word_embeddings stores no lm_head. Returns folder."""
     if (folder / "config.json").is_file():
         return folder
     cfg = {**(shape or QWEN3_30B_A3B), "num_hidden_layers": layers}
@@ -64,11 +70,12 @@ def write(folder: Path, layers: int, tokenizer: Path, shape: dict | None = None,
     files = [{"model.embed_tokens.weight": (0.02 * torch.randn(cfg["vocab_size"], cfg["hidden_size"],
                                                                generator=gen)).to(dtype)}]
     files += [None] * layers
-    files.append({"model.norm.weight": torch.ones(cfg["hidden_size"], dtype=dtype),
-                  "lm_head.weight": (0.02 * torch.randn(cfg["vocab_size"], cfg["hidden_size"],
-                                                        generator=gen)).to(dtype)})
+    files.append({"model.norm.weight": torch.ones(cfg["hidden_size"], dtype=dtype)})
+    if not cfg.get("tie_word_embeddings"):
+        files[-1]["lm_head.weight"] = (0.02 * torch.randn(cfg["vocab_size"], cfg["hidden_size"],
+                                                          generator=gen)).to(dtype)
     for n in range(len(files)):
-        tensors = files[n] if files[n] is not None else tensors_of_layer(cfg, n - 1, gen, dtype)
+        tensors = files[n] if files[n] is not None else layer_tensors(cfg, n - 1, gen, dtype)
         name = f"model-{n + 1:05d}-of-{len(files):05d}.safetensors"
         save_file(tensors, str(tmp / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in tensors})

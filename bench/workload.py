@@ -25,8 +25,9 @@ def gsm8k_messages(count: int) -> list[list[dict]]:
         return [json.loads(line)["messages"] for _, line in zip(range(count), f, strict=False)]
 
 
-def run_vllm_peer(script: str, args: list[str], job, threads: int) -> dict:
-    """Run bench/peers/<script> in the .venv-peers vLLM venv with `job` as JSON on stdin.
+def run_vllm_peer(script: str, args: list[str], job, threads: int, model: Path = SMOLLM2) -> dict:
+    """Run bench/peers/<script> in the .venv-peers vLLM venv on model (a checkpoint folder) with `job` as JSON
+    on stdin.
 
     Returns the JSON result line (it starts with {"tok_s"). vLLM runs pinned to `threads` cores.
     """
@@ -35,7 +36,7 @@ def run_vllm_peer(script: str, args: list[str], job, threads: int) -> dict:
         raise SystemExit("the vLLM peer venv is missing: run `make bench-peers`")
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="4",
                OMP_NUM_THREADS=str(threads))
-    proc = subprocess.run([str(python), str(ROOT / "bench" / "peers" / script), "--model", str(SMOLLM2), *args],
+    proc = subprocess.run([str(python), str(ROOT / "bench" / "peers" / script), "--model", str(model), *args],
                           input=json.dumps(job), capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"vLLM peer failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")

@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PEERS_DIR = ROOT / "build" / "peers"
 LLAMA_SERVER = PEERS_DIR / "llama.cpp-build" / "bin" / "llama-server"
+LLAMA_QUANTIZE = PEERS_DIR / "llama.cpp-build" / "bin" / "llama-quantize"
 GGUF = {
     "fp32": PEERS_DIR / "gguf" / "SmolLM2-135M-Instruct-F32.gguf",
     "bf16": PEERS_DIR / "gguf" / "SmolLM2-135M-Instruct-BF16.gguf",
@@ -54,6 +55,32 @@ def gguf_of(folder: Path, outtype: str) -> tuple[Path | None, str]:
             return None, f"{CONVERT_PYTHON} or {CONVERTER} is missing: run `make bench-peers`"
         subprocess.run(cmd, check=True)
     return target, ""
+
+
+def quantized(src: Path, qtype: str) -> tuple[Path | None, str]:
+    """(src, a GGUF file, quantized to qtype (Q8_0, Q4_0, Q4_K_M, ...) by llama-quantize, made now if missing,
+    or None; why not, or ""). The file is src's name with its type replaced: X-BF16.gguf -> X-Q4_0.gguf."""
+    stem = src.name.removesuffix(".gguf").rsplit("-", 1)[0]
+    target = src.with_name(f"{stem}-{qtype}.gguf")
+    if target.exists():
+        return target, ""
+    if not LLAMA_QUANTIZE.exists():
+        return None, f"{LLAMA_QUANTIZE} is missing: run `make bench-peers`"
+    tmp = target.with_suffix(".gguf.part")
+    proc = subprocess.run([str(LLAMA_QUANTIZE), str(src), str(tmp), qtype], capture_output=True, text=True,
+                          check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"llama-quantize {src.name} {qtype} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    tmp.replace(target)
+    return target, ""
+
+
+def tensor_bytes(gguf: Path) -> tuple[int, int]:
+    """(bytes of gguf's tensor data, weights in it): what a batch-1 step of llama.cpp reads, nearly all of it
+    (a tied head reads the whole token_embd table; the norms are a few KB)."""
+    from gguf import GGUFReader
+    tensors = GGUFReader(str(gguf)).tensors
+    return sum(int(t.n_bytes) for t in tensors), sum(int(t.n_elements) for t in tensors)
 
 
 def require_built(dtype: str) -> Path:
@@ -164,10 +191,11 @@ class LlamaServer:
                 self.proc.wait()
         self.proc = None
 
-    def complete(self, prompt: list[int], n_predict: int, timeout_s: float = 1800.0) -> dict:
-        """Greedy, eos ignored, exactly n_predict tokens; the server's JSON (tokens, timings)."""
+    def complete(self, prompt: list[int], n_predict: int, timeout_s: float = 1800.0, cache_prompt: bool = True) -> dict:
+        """Greedy, eos ignored, exactly n_predict tokens; the server's JSON (tokens, timings). cache_prompt
+        False: the whole prompt is computed again (a time to first token)."""
         body = {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "temperature": 0.0,
-                "top_k": 1, "return_tokens": True, "stream": False}
+                "top_k": 1, "return_tokens": True, "stream": False, "cache_prompt": cache_prompt}
         req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
@@ -183,6 +211,23 @@ class LlamaServer:
             results = list(pool.map(lambda p: self.complete(p, n_predict), batch))
             seconds = time.perf_counter() - start
         return [r["tokens"] for r in results], seconds
+
+    def ttft(self, prompt: list[int]) -> float:
+        """Seconds to the first token of prompt, none of it cached (wall clock of a 1-token request)."""
+        start = time.perf_counter()
+        done = self.complete(prompt, 1, cache_prompt=False)
+        seconds = time.perf_counter() - start
+        if done["timings"]["prompt_n"] != len(prompt):
+            raise SystemExit(f"llama-server computed {done['timings']['prompt_n']} of {len(prompt)} prompt tokens "
+                             "with cache_prompt false: not a cold time to first token")
+        return seconds
+
+    def tokenize(self, text: str) -> list[int]:
+        """llama.cpp's own tokens of text (the GGUF's tokenizer, no special tokens added)."""
+        req = urllib.request.Request(self.url + "/tokenize", data=json.dumps({"content": text}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.loads(r.read())["tokens"]
 
     def batch1(self, prompt: list[int], n_predict: int, repeats: int = 3) -> list[float]:
         """Decode tokens/s of one request alone, by the server's own timings (predicted_per_second)."""
