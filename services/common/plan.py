@@ -41,15 +41,15 @@ REPS = 5
 PATHS: dict[str, tuple[str, ...]] = {
     # decoder and pooling: oneDNN-packed or plain F.linear per weight shape (services/common/linear_path.py)
     "linear": ("plain", "packed"),
-    # decoder: the few-row kernel at 1..4 rows (services/decoder/model/linear.py)
+    # decoder: the few-row kernel at 1..4 rows (services/decoder/model/matmul_choice.py)
     "gemv": ("off", "on"),
     # decoder: the matmul over int8 weights above the few-row kernel's rows, per weight shape
-    # (services/decoder/model/quantization.py GEMMS, chosen in services/decoder/model/linear.py)
+    # (services/decoder/model/quantization.py GEMMS, chosen in services/decoder/model/matmul_choice.py)
     "int8_gemm": ("int8pack", "dequant", "dynamic"),
-    # decoder: the few-row kernel's loop for bf16 x over bf16 weights (services/decoder/model/linear.py)
+    # decoder: the few-row kernel's loop for bf16 x over bf16 weights (services/decoder/model/matmul_choice.py)
     "gemv_bf16_row": ("rowwise", "interleave4"),
     # decoder: many rows over grouped 4-bit weights: dequantized for the library matmul, or torch's 4-bit
-    # kernel (services/decoder/model/linear.py, choose_grouped_matmul)
+    # kernel (services/decoder/model/matmul_choice.py, choose_grouped_matmul)
     "grouped_matmul": ("dequant", "int4pack"),
     # decoder: RMSNorm and SiLU(gate) * up by torch's ops or the C++ row ops (services/decoder/model/glue.py)
     "glue": ("torch", "cpp"),

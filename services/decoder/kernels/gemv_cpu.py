@@ -3,7 +3,7 @@
 The kernel is gemv_cpu.cpp next to this file, compiled once per machine by native.load (`make
 kernels`). `gemv` is the launcher, `gemv_ref` the torch computation it must match. Whether it
 beats the library matmul at a given shape and row count is measured at load
-(services/decoder/model/linear.py); this module only computes.
+(services/decoder/model/matmul_choice.py); this module only computes.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ QBLOCK = 32           # over int8 weights, x is rounded to int8 in blocks of thi
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 # The loops for bf16 x over bf16 weights (gemv_bf16.h), in the order of its Bf16Row values: one weight row
 # at a time against every row of x, or one row of x against four weight rows at a time. Same sums up to
-# their order; which streams faster depends on the CPU (model/linear.py times them at load).
+# their order; which streams faster depends on the CPU (model/matmul_choice.py times them at load).
 BF16_ROWS = ("rowwise", "interleave4")
 OPERATOR = native.Operator("gemv_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had

@@ -4,7 +4,7 @@ The kernel is gemv_grouped_cpu.cpp next to this file (gemv_grouped.h), compiled 
 native.load (`make kernels`). `gemv_grouped` is the launcher, `gemv_grouped_ref` the torch computation it
 must match (over `dequantize`d weights and x rounded by `round_groups`; model/grouped.py builds on these).
 Whether it beats the many-row paths at a shape
-and row count is measured at load (services/decoder/model/linear.py); this module only computes.
+and row count is measured at load (services/decoder/model/matmul_choice.py); this module only computes.
 """
 from __future__ import annotations
 

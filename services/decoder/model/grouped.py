@@ -23,7 +23,7 @@ Storage (`GroupedWeight`):
 
 `quantize` is what `--quantization int4` does to a checkpoint's float weights: asymmetric min/max per
 group. `dequantize` is the torch reference the kernels are tested against; `grouped_linear` is the
-matmul by whichever path the caller names (model/linear.py chooses one per shape at load).
+matmul by whichever path the caller names (model/matmul_choice.py chooses one per shape at load).
 
 torch's 4-bit kernel computes w = (code - 8) * scale + zero with scale and zero in x's dtype: zero is
 offset + 8 * scale here. For fp32 x that is the same weight; for bf16 x, scale and zero are rounded to

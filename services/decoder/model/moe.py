@@ -14,7 +14,7 @@ row's top_k results are summed, as transformers' default (grouped) experts path 
 output * weight, then rounded to the activations' dtype.
 
 A few rows (a decode step) may run each chosen expert's two matmuls by kernels/gemv_cpu.cpp instead of the
-library's, up to `gemv_rows` rows, chosen by timing at load with the Linears' (model/linear.py, choose_gemv;
+library's, up to `gemv_rows` rows, chosen by timing at load with the Linears' (model/matmul_choice.py, choose_gemv;
 `time_gemv` here times the experts as a decode step reads them).
 
 Under `--quantization int8` the experts are quantized like a Linear (model/quantization.py): per output
@@ -67,7 +67,7 @@ class Experts(nn.Module):
     def __init__(self, hidden: int, moe: MoeConfig):
         super().__init__()
         self.num_experts, self.size, self.top_k = moe.num_experts, moe.expert_size, moe.top_k
-        self.gemv_rows = 0      # rows up to which gemv_cpu runs the matmuls (model/linear.py, choose_gemv)
+        self.gemv_rows = 0      # rows up to which gemv_cpu runs the matmuls (model/matmul_choice.py, choose_gemv)
         self.hidden = hidden
         self.act_dtype: torch.dtype | None = None      # the activations' dtype, kept by quantize
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.expert_size, hidden))

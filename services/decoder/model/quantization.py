@@ -13,11 +13,11 @@ matmul; the int8 weights themselves are the larger error (a step of max|w|/127 p
 The kernel reads K in whole vectors and gives wrong sums (or crashes) when K is not a
 multiple of 16 on this torch, so such weights stay dense (`eligible`), and the summary
 says how many did. Decode steps of a few rows may instead run kernels/gemv_cpu.cpp over the
-same int8 weights and scales, where it was measured faster at load (model/linear.py,
+same int8 weights and scales, where it was measured faster at load (model/matmul_choice.py,
 choose_gemv); it rounds the activations to int8 in blocks of 32 (gemv_cpu.round_blocks).
 
 Steps of more rows run one of three matmuls over the same int8 weights (`GEMMS`, the `int8_gemm`
-path of the execution plan, chosen per weight shape at load by model/linear.py, choose_int8_gemm):
+path of the execution plan, chosen per weight shape at load by model/matmul_choice.py, choose_int8_gemm):
 - `int8pack`: aten._weight_int8pack_mm, as above. On a 2-core Zen 4 it made SmolLM2-135M at 64
   chats slower in int8 than in fp32 (237.7 tok/s against 365.6).
 - `dequant`: the weight widened to bf16 one tile of rows at a time into a small scratch (int8 is

@@ -1,4 +1,4 @@
-"""The few-row kernel's bf16 loop per machine (model/linear.py, choose_bf16_row): chosen from the plan's
+"""The few-row kernel's bf16 loop per machine (model/matmul_choice.py, choose_bf16_row): chosen from the plan's
 timer at the model's weights, pinned by --fast-paths gemv_bf16_row, and recorded in the plan with why."""
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from torch import nn
 from services.common import plan as execution
 from services.common.plan import ExecutionPlan
 from services.decoder.kernels import gemv_cpu
-from services.decoder.model.linear import Linear, choose_bf16_row
+from services.decoder.model.linear import Linear
+from services.decoder.model.matmul_choice import choose_bf16_row
 
 
 def bf16_model() -> nn.Sequential:

@@ -12,7 +12,8 @@ from services.common.plan import ExecutionPlan
 from services.decoder.engine.step import StepInput
 from services.decoder.model import grouped, load_model
 from services.decoder.model.grouped import dequantize, grouped_linear, grouped_linear_ref, int4pack, quantize
-from services.decoder.model.linear import Linear, choose_gemv, choose_grouped_matmul, quantize_linears
+from services.decoder.model.linear import Linear, quantize_linears
+from services.decoder.model.matmul_choice import choose_gemv, choose_grouped_matmul
 from services.decoder.model.quantization import INT4_GROUP
 from services.decoder.runner import Runner
 from tests.decoder.model.checkpoints import TINY_SHAPE, build, load_reference

@@ -1,4 +1,4 @@
-"""The few-row kernel's per-machine choice (model/linear.py, choose_gemv): made from measurement,
+"""The few-row kernel's per-machine choice (model/matmul_choice.py, choose_gemv): made from measurement,
 both paths agree, and an unavailable kernel leaves every Linear on its own path."""
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from torch import nn
 from services.common import native
 from services.common.plan import ExecutionPlan
 from services.decoder.kernels import gemv_cpu
-from services.decoder.model.linear import Linear, choose_gemv, quantize_linears
+from services.decoder.model.linear import Linear, quantize_linears
+from services.decoder.model.matmul_choice import choose_gemv
 from tests.tolerance import assert_close
 
 pytestmark = pytest.mark.numerics

@@ -17,7 +17,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from services.common.plan import ExecutionPlan
 from services.decoder.kernels import gemv_cpu
-from services.decoder.model.linear import Linear, choose_gemv
+from services.decoder.model.linear import Linear
+from services.decoder.model.matmul_choice import choose_gemv
 from services.decoder.model.moe import Experts, Router, Routing, time_gemv
 from services.decoder.model.moe_config import MoeConfig
 from services.decoder.model.quantization import dequantize

@@ -1,5 +1,5 @@
 """Weight-only int8 (model/quantization.py): each many-row matmul vs its dequantized torch reference,
-their choice per shape at load (model/linear.py, choose_int8_gemm), the model and the runner (each
+their choice per shape at load (model/matmul_choice.py, choose_int8_gemm), the model and the runner (each
 matmul pinned) vs transformers running the same dequantized weights, and refusals."""
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from torch import nn
 from services.common import plan as execution
 from services.common.plan import ExecutionPlan
 from services.decoder.engine.step import StepInput
-from services.decoder.model import linear, load_model, quantization
-from services.decoder.model.linear import Linear, choose_int8_gemm, quantize_linears
+from services.decoder.model import load_model, matmul_choice, quantization
+from services.decoder.model.linear import Linear, quantize_linears
+from services.decoder.model.matmul_choice import choose_int8_gemm
 from services.decoder.model.quantization import GEMMS, MODES, dequantize, eligible, int8_linear_ref, quantize
 from services.decoder.runner import Runner
 from services.decoder.server.config import QUANTIZATION_MODES
@@ -128,12 +129,12 @@ def test_the_matmul_follows_the_timings_per_shape(at96, at64, expected):
     summary = choose_int8_gemm(model, record, timer_of(ms, calls))
     assert [m.int8_gemm for m in model[:3]] == [expected[0], expected[0], expected[1]]
     # One module per shape, at each row count, in each pass; the dense Linear is not timed.
-    assert calls == [(96, 32), (96, 128), (64, 32), (64, 128)] * linear.INT8_GEMM_PASSES
+    assert calls == [(96, 32), (96, 128), (64, 32), (64, 128)] * matmul_choice.INT8_GEMM_PASSES
     for shape, want, got in (("96x64", expected[0], at96), ("64x96+b", expected[1], at64)):
         choice = record.get(f"int8_gemm {shape}")
         assert choice.chosen == want and choice.reason == "timed, whole weight"
         assert [(t.rows, t.candidate, t.seconds) for t in choice.timings] == [
-            (r, name, got[r][name] * 1e-3) for r in linear.INT8_GEMM_ROWS for name in GEMMS]
+            (r, name, got[r][name] * 1e-3) for r in matmul_choice.INT8_GEMM_ROWS for name in GEMMS]
     parts = {expected[0]: ["96x64"]}
     parts.setdefault(expected[1], []).append("64x96+b")
     assert summary == "int8 gemm: " + "; ".join(f"{k} on {','.join(v)}" for k, v in parts.items())
@@ -162,12 +163,13 @@ def test_a_pinned_matmul_is_not_timed(gemm):
 
 
 def test_the_real_timer_times_every_matmul_on_a_slice_of_a_tall_weight(monkeypatch):
-    monkeypatch.setattr(linear, "INT8_GEMM_OUT", 64)
+    monkeypatch.setattr(matmul_choice, "INT8_GEMM_OUT", 64)
     model, record = int8_model(), ExecutionPlan()
     choose_int8_gemm(model, record)
     choice = record.get("int8_gemm 96x64")
     assert choice.reason == "timed, first 64 of 96 rows" and choice.chosen in GEMMS
-    assert {(t.rows, t.candidate) for t in choice.timings} == {(r, g) for r in linear.INT8_GEMM_ROWS for g in GEMMS}
+    rows = matmul_choice.INT8_GEMM_ROWS
+    assert {(t.rows, t.candidate) for t in choice.timings} == {(r, g) for r in rows for g in GEMMS}
     assert all(t.seconds > 0 for t in choice.timings)
 
 

@@ -1,0 +1,328 @@
+"""The matmul paths of the Linears (model/linear.py), chosen per weight shape at load by measurement and
+recorded in the execution plan (services/common/plan.py); `--fast-paths` pins each.
+
+A decode step of a few rows reads every weight once; for it kernels/gemv_cpu.cpp streams each
+weight row once for all rows. `choose_gemv` times it against the Linear's own path over every
+module of a shape (as a forward would stream them, not one weight hot in cache) at 1..4 rows,
+and each Linear keeps `gemv_rows`: up to how many rows the kernel runs. For bf16 activations over bf16
+weights the kernel has two loops (gemv_cpu.BF16_ROWS) whose speed depends on the CPU; `choose_bf16_row`
+times both over the model's weights and each Linear keeps `bf16_row`. Above `gemv_rows` an int8 weight runs
+one of quantization.GEMMS, `int8_gemm`, which `choose_int8_gemm` times per shape at many rows.
+
+A Linear may instead hold a grouped 4/8-bit weight (model/grouped.py: `--quantization int4`, or a GGUF
+file's blocks through `set_grouped`): few rows run kernels/gemv_grouped_cpu (choose_gemv times it as it
+times gemv_cpu), more rows the weight dequantized for the library matmul or torch's own 4-bit kernel,
+whichever `choose_grouped_matmul` measured faster at load for the shape (`grouped_path`).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from services.common import native
+from services.common import plan as execution
+from services.decoder.kernels import gemv_cpu, gemv_grouped_cpu
+from services.decoder.model import grouped, moe, quantization
+from services.decoder.model.linear import Linear
+from services.decoder.model.moe import Experts
+
+log = logging.getLogger("tessera.linear")
+
+
+# Row counts at which choose_int8_gemm times the int8 matmuls: a mid-size and a large decode batch.
+INT8_GEMM_ROWS = (32, 128)
+# A weight with more output rows is timed on its first INT8_GEMM_OUT (a view, no copy): beyond a few of
+# the GEMMs' column blocks every path's time grows in proportion to the outputs, and a 49152-row LM head
+# then costs the timing no more than a layer's MLP weight.
+INT8_GEMM_OUT = 3072
+# Passes over every (shape, rows), each of INT8_GEMM_REPS interleaved rounds; the fastest of all passes
+# counts. A burst of other load on a shared machine (seen: every path 20-80x slower for a whole 32-row
+# round, which kept int8pack on the largest shape) then spans one pass, not all of them.
+INT8_GEMM_PASSES, INT8_GEMM_REPS = 3, 2
+
+# (a Linear with an int8 weight, rows) -> {quantization.GEMMS name: seconds for one call at `rows` rows}.
+Int8GemmTimer = Callable[[Linear, int], dict[str, float]]
+
+
+@torch.inference_mode()
+def time_int8_gemm(m: Linear, rows: int) -> dict[str, float]:
+    """Each of quantization.GEMMS over m's int8 weight (its first INT8_GEMM_OUT rows) at `rows` rows of m's
+    dtype, by the plan's timer."""
+    q, scale = m.qweight[:INT8_GEMM_OUT], m.qscale[:INT8_GEMM_OUT]
+    bias = None if m.bias is None else m.bias[:INT8_GEMM_OUT]
+    x = torch.randn(rows, m.in_features, dtype=m.weight.dtype)
+    return execution.fastest({name: (lambda f=f: f(x, q, scale, bias)) for name, f in quantization.GEMMS.items()},
+                             reps=INT8_GEMM_REPS)
+
+
+def choose_int8_gemm(model: nn.Module, record: execution.ExecutionPlan, timer: Int8GemmTimer | None = None) -> str:
+    """Set int8_gemm on every Linear of model that holds an int8 weight (the `int8_gemm` path of record):
+    pinned, that matmul everywhere; auto, per (out, in, bias) shape, each of quantization.GEMMS timed at
+    INT8_GEMM_ROWS rows on one module of the shape (fastest of INT8_GEMM_PASSES passes over all shapes), and
+    the one with the least time per row summed over those counts kept if it beats the default (plan.pick):
+    one matmul for every row count above the few-row kernel's. A summary such as
+    "int8 gemm: dequant on 960x576,576x576; int8pack on 49152x576"."""
+    name, candidates = "int8_gemm", execution.PATHS["int8_gemm"]
+    pin = record.pinned(name)
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.qweight is not None]
+    if not linears:
+        if pin != execution.AUTO:
+            record.record(name, pin, reason=f"pinned by --fast-paths {name}={pin}; no int8 weights")
+        return "int8 gemm: none (no int8 weights)"
+    if pin != execution.AUTO:
+        for m in linears:
+            m.int8_gemm = pin
+        record.record(name, pin)
+        return f"int8 gemm: {pin} on every shape (--fast-paths {name}={pin})"
+    timer = timer or time_int8_gemm
+    groups: dict[tuple[int, int, bool], list[Linear]] = {}
+    for m in linears:
+        groups.setdefault((m.out_features, m.in_features, m.bias is not None), []).append(m)
+    best = {key: {rows: dict.fromkeys(candidates, math.inf) for rows in INT8_GEMM_ROWS} for key in groups}
+    for _ in range(INT8_GEMM_PASSES):
+        for key, group in groups.items():
+            for rows in INT8_GEMM_ROWS:
+                for c, seconds in timer(group[0], rows).items():
+                    best[key][rows][c] = min(best[key][rows][c], seconds)
+    chosen: dict[str, list[str]] = {}
+    for (out, inp, bias), group in groups.items():
+        shape, at = f"{out}x{inp}{'+b' if bias else ''}", best[(out, inp, bias)]
+        timings = [execution.Timing(c, at[rows][c], rows) for rows in INT8_GEMM_ROWS for c in candidates]
+        pick = execution.pick({c: sum(at[rows][c] / rows for rows in INT8_GEMM_ROWS) for c in candidates},
+                              candidates[0])
+        for m in group:
+            m.int8_gemm = pick
+        timed = f"first {INT8_GEMM_OUT} of {out} rows" if out > INT8_GEMM_OUT else "whole weight"
+        record.record(f"{name} {shape}", pick, timings, reason=f"timed, {timed}")
+        chosen.setdefault(pick, []).append(shape)
+    return "int8 gemm: " + "; ".join(f"{pick} on {','.join(shapes)}" for pick, shapes in chosen.items())
+
+
+def _timed_rows(group: list, timer: GemvTimer, record: execution.ExecutionPlan, name: str) -> int:
+    """Time group (modules of one shape) at 1..MAX_ROWS rows; set and record (as name) their gemv_rows."""
+    best = {r: [math.inf, math.inf] for r in range(1, gemv_cpu.MAX_ROWS + 1)}
+    # A first pass, discarded. In a fresh process it once kept a 49152x576 bf16 LM head off gemv_cpu,
+    # which then ran it at 1 row in 1.4-1.7 ms against the library's 1.9-2.4 (Zen 4, 2 threads); the
+    # packed copy pack_linears has just written is likely still partly in L3 for its first call.
+    for r in best:
+        timer(group, r)
+    for _ in range(GEMV_PASSES):
+        for r in best:
+            own, kernel = timer(group, r)
+            best[r] = [min(best[r][0], own), min(best[r][1], kernel)]
+    rows = 0
+    while rows < gemv_cpu.MAX_ROWS and execution.beats(best[rows + 1][1], best[rows + 1][0]):
+        rows += 1
+    for m in group:
+        m.gemv_rows = rows
+    timings = [execution.Timing(path, t, r) for r, (o, k) in best.items() for path, t in (("off", o), ("on", k))]
+    record.record(name, f"on rows<={rows}" if rows else "off", timings)
+    return rows
+
+
+# (modules of one shape, rows) -> (seconds on their own path, seconds on gemv_cpu) for one pass over all of them.
+GemvTimer = Callable[[list[Linear], int], tuple[float, float]]
+GEMV_PASSES = 3
+
+
+@torch.inference_mode()
+def time_gemv(group: list[Linear], rows: int) -> tuple[float, float]:
+    """One pass of each path over every module in group at `rows` rows: (own path s, gemv s); the
+    passes of choose_gemv are the plan timer's rounds (the first, discarded, its warm-up)."""
+    x = torch.randn(rows, group[0].in_features, dtype=group[0].weight.dtype)
+    for m in group:
+        m.gemv_rows = 0
+
+    def own():
+        for m in group:
+            m(x)
+
+    def kernel():
+        for m in group:
+            m.gemv(x)
+    best = execution.fastest({"own": own, "gemv": kernel}, reps=1, warm=False)
+    return best["own"], best["gemv"]
+
+
+def choose_gemv(model: nn.Module, record: execution.ExecutionPlan, timer: GemvTimer | None = None,
+                expert_timer: GemvTimer | None = None) -> str:
+    """Set gemv_rows on every CPU Linear of model (the `gemv` path of record), and on a mixture of experts'
+    experts (model/moe.py): pinned on, MAX_ROWS; off, 0; auto, from timings (fastest of GEMV_PASSES passes per
+    shape and row count): the largest r such that gemv_cpu beats the library path (plan.beats) at every row
+    count <= r, one choice per shape. A summary such as "gemv rows<=4 on 960x576,576x576; rows<=1 on
+    49152x576", or why not."""
+    pin = record.pinned("gemv")
+    linears = [m for m in model.modules() if isinstance(m, Linear)
+               and (m.qweight is not None or m.grouped is not None or not m.released)]
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    for m in linears + experts:
+        m.gemv_rows = 0
+    experts = [m for m in experts if m.down_scale is not None or (m.down_proj.device.type == "cpu"
+                                                                  and m.down_proj.dtype in gemv_cpu.WEIGHT_DTYPES)]
+    # A grouped weight's activations (the released weight's dtype) must be ones its kernel takes.
+    linears = [m for m in linears if m.weight.device.type == "cpu" and (
+        m.qweight is not None or m.weight.dtype in (gemv_grouped_cpu.ACT_DTYPES if m.grouped is not None
+                                                    else gemv_cpu.WEIGHT_DTYPES))]
+    if pin == "off":
+        record.record("gemv", "off")
+        return "gemv: off (--fast-paths gemv=off)"
+    if not linears:
+        if pin == "on":
+            raise ValueError("--fast-paths gemv=on: the model has no CPU weights the few-row kernel takes")
+        record.record("gemv", "off", reason="no CPU weights")
+        return "gemv: none (no CPU weights)"
+    try:
+        gemv_cpu.load()
+        if any(m.grouped is not None for m in linears):
+            gemv_grouped_cpu.load()
+    except native.BuildError as e:
+        if pin == "on":
+            raise
+        log.warning("gemv_cpu unavailable, few-row matmuls use the library path: %s", e)
+        record.record("gemv", "off", reason=f"unavailable: {str(e).splitlines()[0]}", level=logging.WARNING)
+        return f"gemv: unavailable ({str(e).splitlines()[0]})"
+    if pin == "on":
+        for m in linears + experts:
+            m.gemv_rows = gemv_cpu.MAX_ROWS
+        record.record("gemv", f"on rows<={gemv_cpu.MAX_ROWS}")
+        return f"gemv rows<={gemv_cpu.MAX_ROWS} on every shape (--fast-paths gemv=on)"
+    timer = timer or time_gemv
+    groups: dict[tuple, list[Linear]] = {}
+    for m in linears:
+        kind = " int8" if m.qweight is not None else f" {m.grouped.describe()}" if m.grouped is not None else ""
+        key = (m.out_features, m.in_features, kind, m.weight.dtype, m.bias is not None)
+        groups.setdefault(key, []).append(m)
+    chosen: dict[int, list[str]] = {}
+    for (out, inp, kind, _, bias), group in groups.items():
+        rows = _timed_rows(group, timer, record,
+                           # Named as linear_path names shapes, so that two groups of one size stay two choices.
+                           f"gemv {out}x{inp}{'+b' if bias else ''}{kind}")
+        chosen.setdefault(rows, []).append(f"{out}x{inp}")
+    shapes: dict[tuple, list[Experts]] = {}
+    for m in experts:
+        shapes.setdefault((m.num_experts, m.size, m.hidden, m.quantized, m.dtype), []).append(m)
+    for (count, size, hidden, int8, _), group in shapes.items():
+        name = f"experts {count}x{2 * size}x{hidden}{' int8' if int8 else ''}"
+        rows = _timed_rows(group, expert_timer or moe.time_gemv, record, f"gemv {name}")
+        chosen.setdefault(rows, []).append(name)
+    body = "; ".join(f"rows<={r} on {','.join(shapes)}" for r, shapes in sorted(chosen.items(), reverse=True) if r)
+    return f"gemv {body}" if body else "gemv: none (the library path was as fast at every shape)"
+
+
+# (modules, rows) -> {loop: seconds for one pass of gemv_cpu over every module at `rows` rows}.
+Bf16RowTimer = Callable[[list[Linear], int], dict[str, float]]
+
+
+@torch.inference_mode()
+def time_bf16_row(group: list[Linear], rows: int) -> dict[str, float]:
+    """Each of gemv_cpu.BF16_ROWS over every module in group at `rows` bf16 rows, as a decode step streams
+    the weights (one after the other, not one weight hot in cache), by the plan's timer."""
+    xs = {m.in_features: torch.randn(rows, m.in_features, dtype=torch.bfloat16) for m in group}
+
+    def one_pass(loop: str) -> None:
+        for m in group:
+            gemv_cpu.gemv(xs[m.in_features], m.weight, None, m.bias, loop)
+    return execution.fastest({loop: (lambda loop=loop: one_pass(loop)) for loop in gemv_cpu.BF16_ROWS})
+
+
+def choose_bf16_row(model: nn.Module, record: execution.ExecutionPlan, timer: Bf16RowTimer | None = None) -> str:
+    """Set bf16_row on every Linear of a bf16 model whose bf16 weight runs gemv_cpu (after choose_gemv;
+    the `gemv_bf16_row` path of record). Pinned: that loop. Auto: one pass over all of them per loop and
+    row count (the plan's timer: fastest of REPS interleaved rounds), and interleave4 replaces the default
+    rowwise only where it beats it (plan.beats) at one row and no row count beats it: one loop for every
+    row count, so a row's sums do not depend on the batch. The chosen loop, or why rowwise."""
+    default, challenger = execution.PATHS["gemv_bf16_row"]
+    pin = record.pinned("gemv_bf16_row")
+    group = [m for m in model.modules() if isinstance(m, Linear) and m.gemv_rows and m.qweight is None
+             and m.grouped is None and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
+    chosen, timings, reason = default if pin == execution.AUTO else pin, [], ""
+    if not group:
+        reason = "no bf16 weight runs the few-row kernel"
+    elif not gemv_cpu.load().bf16_dot():
+        reason = "no bf16 dot product on this CPU: both loops widen to the fp32 one"
+    elif pin == execution.AUTO:
+        timer = timer or time_bf16_row
+        wins: dict[int, bool] = {}
+        for rows in range(1, max(m.gemv_rows for m in group) + 1):
+            at = [m for m in group if m.gemv_rows >= rows]
+            best = timer(at, rows)
+            timings += [execution.Timing(loop, best[loop], rows) for loop in (default, challenger)]
+            wins[rows] = execution.beats(best[challenger], best[default]) or \
+                (rows > 1 and not execution.beats(best[default], best[challenger]))
+        chosen = challenger if all(wins.values()) else default
+        reason = f"timed over {len(group)} bf16 weights"
+    if pin != execution.AUTO:
+        reason = f"pinned by --fast-paths gemv_bf16_row={pin}" + (f"; {reason}" if reason else "")
+    for m in group:
+        m.bf16_row = chosen
+    record.record("gemv_bf16_row", chosen, timings, reason)
+    return f"gemv bf16 loop: {chosen} ({reason})"
+
+
+# (modules of one shape, each path's call over all of them) -> {path: seconds for one pass}.
+GroupedTimer = Callable[[list[Linear], dict[str, Callable[[], object]]], dict[str, float]]
+# Rows of x the many-row paths are timed at: a prefill chunk's order of magnitude, above the few-row kernel.
+GROUPED_ROWS = 64
+
+
+def _grouped_calls(group: list[Linear], paths: tuple[str, ...]) -> dict[str, Callable[[], object]]:
+    x = torch.randn(GROUPED_ROWS, group[0].in_features, dtype=group[0].weight.dtype)
+
+    def one_pass(path: str) -> None:
+        for m in group:
+            grouped.grouped_linear(x, m.grouped, m.bias, path, m.int4pack)
+    return {path: (lambda path=path: one_pass(path)) for path in paths}
+
+
+@torch.inference_mode()
+def time_grouped(group: list[Linear], calls: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Each path's pass over every module in group (as a prefill streams them), by the plan's timer."""
+    return execution.fastest(calls)
+
+
+def choose_grouped_matmul(model: nn.Module, record: execution.ExecutionPlan, timer: GroupedTimer | None = None) -> str:
+    """Set grouped_path (and int4pack) on every Linear holding a grouped weight, per shape (the `grouped_matmul`
+    path of record): pinned, that path where the weight fits it (int4pack: grouped.int4pack_fits; else dequant);
+    auto, int4pack where it fits and beats dequant (plan.beats) at GROUPED_ROWS rows. A summary."""
+    default, challenger = execution.PATHS["grouped_matmul"]
+    pin = record.pinned("grouped_matmul")
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.grouped is not None]
+    if not linears:
+        record.record("grouped_matmul", default, reason="no grouped weights")
+        return "grouped matmul: none (no grouped weights)"
+    shapes: dict[tuple, list[Linear]] = {}
+    for m in linears:
+        gw = m.grouped
+        shapes.setdefault((gw.out_features, gw.in_features, gw.describe(), m.weight.dtype, m.bias is not None),
+                          []).append(m)
+    fits = {key: grouped.int4pack_fits(group[0].grouped) for key, group in shapes.items()}
+    if pin == challenger and not any(fits.values()):
+        raise ValueError(f"--fast-paths grouped_matmul={challenger}: no grouped weight fits torch's 4-bit kernel "
+                         f"(4-bit, groups of {grouped.INT4PACK_GROUP}, "
+                         f"out_features a multiple of {grouped.INT4PACK_N})")
+    chosen: dict[str, list[str]] = {}
+    for (out, inp, kind, dtype, bias), group in shapes.items():
+        name = f"grouped_matmul {out}x{inp}{'+b' if bias else ''} {kind}"
+        timings, reason = [], ""
+        if not fits[(out, inp, kind, dtype, bias)]:
+            path, reason = default, "torch's 4-bit kernel does not take this weight"
+        else:
+            for m in group:
+                m.int4pack = grouped.int4pack(m.grouped, dtype)
+            if pin != execution.AUTO:
+                path, reason = pin, f"pinned by --fast-paths grouped_matmul={pin}"
+            else:
+                best = (timer or time_grouped)(group, _grouped_calls(group, (default, challenger)))
+                timings = [execution.Timing(p, best[p], GROUPED_ROWS) for p in (default, challenger)]
+                path = challenger if execution.beats(best[challenger], best[default]) else default
+        for m in group:
+            m.grouped_path = path
+            if path != challenger:
+                m.int4pack = None
+        record.record(name, path, timings, reason)
+        chosen.setdefault(path, []).append(f"{out}x{inp}")
+    return "grouped matmul " + "; ".join(f"{p} on {','.join(s)}" for p, s in chosen.items())
