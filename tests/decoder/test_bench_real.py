@@ -39,16 +39,18 @@ def test_the_checkpoint_is_a_tied_llama_transformers_loads_whole(folder):
     assert_close(got, want, k=64, depth=2)
 
 
-@pytest.mark.parametrize("variant", ["bf16", "int8"])
+@pytest.mark.parametrize("variant", ["bf16", "int8", "int4"])
 def test_decode_bytes_count_each_linear_in_the_form_it_computes_with(folder, variant):
     dtype, quantization = bench.VARIANTS[variant]
-    runner = Runner.from_folder(folder, dtype, 16, 8, quantization=quantization, fast_paths="")
+    runner = Runner.from_folder(folder, dtype, 16, 8, quantization=quantization, fast_paths="grouped_matmul=dequant")
     h, d, size = TINY["hidden_size"], TINY["head_dim"], TINY["intermediate_size"]
     layer = h * (TINY["num_attention_heads"] + 2 * TINY["num_key_value_heads"]) * d + TINY["num_attention_heads"] \
         * d * h + 3 * h * size
     weights = 2 * layer + TINY["vocab_size"] * h                     # the tied head reads the whole table
     if variant == "bf16":
         assert bench.decode_bytes(runner) == 2 * weights
+    elif variant == "int4":                                          # 4-bit codes, fp16 scale and offset per 32
+        assert bench.decode_bytes(runner) == weights // 2 + 4 * (weights // 32)
     else:                                                            # int8 codes and an fp32 scale per row
         rows = 2 * (TINY["num_attention_heads"] * d + 2 * TINY["num_key_value_heads"] * d + h + 2 * size + h) \
             + TINY["vocab_size"]
