@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from services.common.errors import TesseraError, TooLarge
+from services.common.errors import InvalidArgument, TesseraError, TooLarge
 from services.common.pb import decoder_pb2
 
 from .. import images as image_inputs
@@ -99,6 +99,17 @@ class ChatRequest(ToolFields, SamplingFields):
             raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
         return self
 
+
+def as_chat(renamed: dict[str, str], **fields) -> ChatRequest:
+    """A ChatRequest from another API's request (Responses, Messages), whose own model may bound a field more
+    loosely than chat does: a value chat refuses is a 400 naming the caller's field (renamed: chat field ->
+    theirs), not an error inside the gateway."""
+    try:
+        return ChatRequest(**fields)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = str(error["loc"][0]) if error["loc"] else "body"
+        raise InvalidArgument(f"{renamed.get(field, field)}: {error['msg']}", param=renamed.get(field, field)) from None
 
 def _image_refs(messages: list[Message]) -> list[image_inputs.ImageRef]:
     """Every image_url part, in message order: the order of GenerateRequest.images."""

@@ -44,6 +44,7 @@ from .chat import (
     Message,
     TextPart,
     ToolCall,
+    as_chat,
     chat_messages,
     start_chat,
 )
@@ -242,7 +243,7 @@ def chat_request(body: MessagesRequest) -> ChatRequest:
     fmt = body.output_config.format if body.output_config is not None else None
     response_format = None if fmt is None else JSONSchemaFormat(type="json_schema", json_schema=JSONSchema(
         name="output", schema=fmt.schema_))
-    return ChatRequest(model=body.model, messages=_conversation(body), max_completion_tokens=body.max_tokens,
+    return as_chat(RENAMED, model=body.model, messages=_conversation(body), max_completion_tokens=body.max_tokens,
                        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences,
                        tools=tools, tool_choice=choice, parallel_tool_calls=parallel, response_format=response_format)
 

@@ -36,7 +36,7 @@ from ..structured_output import JSONObjectFormat, JSONSchema, JSONSchemaFormat, 
 from ..tool_calls import ChoiceToolCalls, chat_deltas
 from ..tools import FUNCTION_NAME, FunctionDefinition, FunctionName, NamedToolChoice, Tool, check_parameters
 from . import stored_responses
-from .chat import ChatRequest, FunctionCall, ImagePart, ImageURL, Message, TextPart, ToolCall, start_chat
+from .chat import ChatRequest, FunctionCall, ImagePart, ImageURL, Message, TextPart, ToolCall, as_chat, start_chat
 from .common import ERROR_RESPONSES, INT32_MAX, StrictBody
 
 router = APIRouter()
@@ -269,7 +269,7 @@ def chat_request(body: ResponsesRequest, items: list) -> ChatRequest:
     choice = body.tool_choice
     if isinstance(choice, FunctionChoice):
         choice = NamedToolChoice(type="function", function=FunctionName(name=choice.name))
-    return ChatRequest(
+    return as_chat(RENAMED,
         model=body.model, messages=chat_messages(body, items), max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, tools=tools or None, tool_choice=choice,
         parallel_tool_calls=body.parallel_tool_calls, response_format=fmt, logprobs=body.want_logprobs,

@@ -184,6 +184,7 @@ def test_output_config_format_parses(claude):
 @pytest.mark.parametrize("extra, field", [
     ({"max_tokens": None}, "max_tokens"),
     ({"max_tokens": 5000}, "max_tokens"),
+    ({"top_k": 2**40}, "top_k"),            # looser in the Messages model than in chat's: still a 400
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
         "type": "url", "url": "https://example.com/cat.png"}}]}]}, "URL image sources"),
