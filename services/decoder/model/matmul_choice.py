@@ -114,6 +114,11 @@ def _timed_rows(group: list, timer: GemvTimer, record: execution.ExecutionPlan, 
         for r in best:
             own, kernel = timer(group, r)
             best[r] = [min(best[r][0], own), min(best[r][1], kernel)]
+        # A lead of DECISIVE at every row count in a timed pass is not noise: the later passes are skipped,
+        # so a model of large grouped weights (whose own path rebuilds the whole float weight per call,
+        # 25-70x slower at 4 rows on a 1B model) is not timed over every layer twice more.
+        if all(k * DECISIVE < o or o * DECISIVE < k for o, k in best.values()):
+            break
     rows = 0
     while rows < gemv_cpu.MAX_ROWS and execution.beats(best[rows + 1][1], best[rows + 1][0]):
         rows += 1
@@ -127,6 +132,8 @@ def _timed_rows(group: list, timer: GemvTimer, record: execution.ExecutionPlan, 
 # (modules of one shape, rows) -> (seconds on their own path, seconds on gemv_cpu) for one pass over all of them.
 GemvTimer = Callable[[list[Linear], int], tuple[float, float]]
 GEMV_PASSES = 3
+# How many times faster one path must be at every row count for the first pass to decide (see _timed_rows).
+DECISIVE = 4.0
 
 
 @torch.inference_mode()
@@ -270,17 +277,17 @@ GROUPED_ROWS = 64
 
 
 def _grouped_calls(group: list[Linear], paths: tuple[str, ...]) -> dict[str, Callable[[], object]]:
+    """One call of each path on the shape's first module: at GROUPED_ROWS rows the arithmetic, not the
+    streaming of weights, decides, and a pass over all 16 layers of a 1B model took minutes at load."""
     x = torch.randn(GROUPED_ROWS, group[0].in_features, dtype=group[0].weight.dtype)
-
-    def one_pass(path: str) -> None:
-        for m in group:
-            grouped.grouped_linear(x, m.grouped, m.bias, path, m.int4pack)
-    return {path: (lambda path=path: one_pass(path)) for path in paths}
+    m = group[0]
+    return {path: (lambda path=path: grouped.grouped_linear(x, m.grouped, m.bias, path, m.int4pack))
+            for path in paths}
 
 
 @torch.inference_mode()
 def time_grouped(group: list[Linear], calls: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Each path's pass over every module in group (as a prefill streams them), by the plan's timer."""
+    """Each path's call on the shape's first module (_grouped_calls), by the plan's timer."""
     return execution.fastest(calls)
 
 

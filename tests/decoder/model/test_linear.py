@@ -40,6 +40,20 @@ def test_the_first_pass_does_not_count():
     assert [m.gemv_rows for m in model] == [4, 4]
 
 
+@pytest.mark.parametrize(("lead", "passes"), [(10.0, 1), (2.0, 3)])
+def test_a_decisive_timed_pass_ends_the_timing(lead, passes):
+    """A lead of more than DECISIVE at every row count in a timed pass skips the passes after it (large
+    grouped weights whose own path is 25-70x slower); a closer race runs all of them."""
+    calls = []
+
+    def timer(group, rows):
+        calls.append(rows)
+        return (lead * 1e-6, 1e-6)
+
+    model = nn.Sequential(Linear(64, 96))
+    assert choose_gemv(model, ExecutionPlan(), timer) == "gemv rows<=4 on 96x64"
+    assert len(calls) == 4 * (1 + passes)       # the discarded warm-up pass, then the timed ones
+
 @pytest.mark.parametrize("quantized", [False, True])
 def test_gemv_rows_follow_the_measurements(quantized):
     model = nn.Sequential(Linear(64, 96), Linear(64, 96), Linear(96, 32, bias=True), Linear(32, 160))
