@@ -28,6 +28,8 @@ GGUF = {
     "fp32": PEERS_DIR / "gguf" / "SmolLM2-135M-Instruct-F32.gguf",
     "bf16": PEERS_DIR / "gguf" / "SmolLM2-135M-Instruct-BF16.gguf",
     "int8": PEERS_DIR / "gguf" / "SmolLM2-135M-Instruct-Q8_0.gguf",   # against --quantization int8
+    # against --quantization int4; llama-quantize writes it from the BF16 file (bench/quality.py makes it once)
+    "int4": PEERS_DIR / "gguf" / "SmolLM2-135M-Instruct-Q4_0.gguf",
 }
 
 
