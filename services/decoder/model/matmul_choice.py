@@ -55,8 +55,8 @@ def time_int8_gemm(m: Linear, rows: int) -> dict[str, float]:
     q, scale = m.qweight[:INT8_GEMM_OUT], m.qscale[:INT8_GEMM_OUT]
     bias = None if m.bias is None else m.bias[:INT8_GEMM_OUT]
     x = torch.randn(rows, m.in_features, dtype=m.weight.dtype)
-    return execution.fastest({name: (lambda f=f: f(x, q, scale, bias)) for name, f in quantization.GEMMS.items()},
-                             reps=INT8_GEMM_REPS)
+    return execution.fastest({name: (lambda f=f: f(x, q, scale, bias))
+                              for name, f in quantization.usable_gemms().items()}, reps=INT8_GEMM_REPS)
 
 
 def choose_int8_gemm(model: nn.Module, record: execution.ExecutionPlan, timer: Int8GemmTimer | None = None) -> str:
@@ -73,6 +73,11 @@ def choose_int8_gemm(model: nn.Module, record: execution.ExecutionPlan, timer: I
         if pin != execution.AUTO:
             record.record(name, pin, reason=f"pinned by --fast-paths {name}={pin}; no int8 weights")
         return "int8 gemm: none (no int8 weights)"
+    usable = quantization.usable_gemms()
+    if pin != execution.AUTO and pin not in usable:
+        raise ValueError(f"--fast-paths {name}={pin}: torch._int_mm's int32 sums are not exact on this CPU's "
+                         "dispatch (AVX2 byte multiply-adds saturate); pin int8pack or dequant")
+    candidates = tuple(c for c in candidates if c in usable)
     if pin != execution.AUTO:
         for m in linears:
             m.int8_gemm = pin
@@ -87,7 +92,8 @@ def choose_int8_gemm(model: nn.Module, record: execution.ExecutionPlan, timer: I
         for key, group in groups.items():
             for rows in INT8_GEMM_ROWS:
                 for c, seconds in timer(group[0], rows).items():
-                    best[key][rows][c] = min(best[key][rows][c], seconds)
+                    if c in candidates:
+                        best[key][rows][c] = min(best[key][rows][c], seconds)
     chosen: dict[str, list[str]] = {}
     for (out, inp, bias), group in groups.items():
         shape, at = f"{out}x{inp}{'+b' if bias else ''}", best[(out, inp, bias)]

@@ -31,6 +31,8 @@ path of the execution plan, chosen per weight shape at load by model/matmul_choi
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -130,6 +132,20 @@ def dynamic_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: 
     return y.to(x.dtype)
 
 
+@functools.cache
+def int_mm_exact() -> bool:
+    """Whether torch._int_mm's int32 sums are exact under this process's CPU dispatch. With AVX2 only (no
+    VNNI, or ATEN_CPU_CAPABILITY/ONEDNN_MAX_CPU_ISA capped at it) its byte multiply-adds saturate in int16 and
+    `dynamic` is wrong by far more than any tolerance, so it is probed with the products that saturate."""
+    g = torch.Generator().manual_seed(0)
+    for a, b in ((torch.full((32, 64), 127, dtype=torch.int8), torch.full((64, 32), 127, dtype=torch.int8)),
+                 (torch.randint(-127, 128, (32, 576), generator=g, dtype=torch.int8),
+                  torch.randint(-127, 128, (576, 64), generator=g, dtype=torch.int8))):
+        if not torch.equal(torch._int_mm(a, b), (a.double() @ b.double()).to(torch.int32)):
+            return False
+    return True
+
+
 # The int8_gemm path's candidates (services/common/plan.py lists the same names; the first is the default).
 GEMMS = {"int8pack": int8_linear, "dequant": dequant_linear, "dynamic": dynamic_linear}
 
@@ -137,3 +153,8 @@ GEMMS = {"int8pack": int8_linear, "dequant": dequant_linear, "dynamic": dynamic_
 def int8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The torch reference: fp32 F.linear over the dequantized weight (tests)."""
     return F.linear(x.float(), dequantize(q, scale), None if bias is None else bias.float())
+
+
+def usable_gemms() -> dict:
+    """GEMMS this CPU computes right: without `dynamic` where torch._int_mm is not exact (int_mm_exact)."""
+    return {name: f for name, f in GEMMS.items() if name != "dynamic" or int_mm_exact()}
