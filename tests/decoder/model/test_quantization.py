@@ -58,6 +58,12 @@ def test_every_matmul_is_a_candidate_of_the_plan():
     assert tuple(GEMMS) == execution.PATHS["int8_gemm"] and "int8_gemm" in execution.DECODER
 
 
+@pytest.fixture
+def int_mm_exact(monkeypatch):
+    """The choice's logic with all three candidates, whatever this dispatch's torch._int_mm computes (the
+    exclusion is test_dynamic_is_left_out_where_int_mm_is_not_exact)."""
+    monkeypatch.setattr(quantization, "int_mm_exact", lambda: True)
+
 @pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,out,k,bias", [(1, 160, 64, False), (3, 7, 48, True), (17, 96, 576, False),
@@ -126,7 +132,7 @@ def timings(at32: tuple[float, float, float], at128: tuple[float, float, float])
     # int8pack fastest on one shape, dequant (by more than the tie) on the other
     (timings((0.5, 1.0, 1.0), (2.0, 4.0, 4.0)), timings((1.0, 0.5, 2.0), (4.0, 2.0, 9.0)), ("int8pack", "dequant")),
 ])
-def test_the_matmul_follows_the_timings_per_shape(at96, at64, expected):
+def test_the_matmul_follows_the_timings_per_shape(at96, at64, expected, int_mm_exact):
     model, record, calls = int8_model(), ExecutionPlan(), []
     ms = {(96, r): t for r, t in at96.items()} | {(64, r): t for r, t in at64.items()}
     summary = choose_int8_gemm(model, record, timer_of(ms, calls))
@@ -157,7 +163,7 @@ def test_a_burst_of_load_in_one_pass_does_not_decide():
 
 
 @pytest.mark.parametrize("gemm", GEMMS)
-def test_a_pinned_matmul_is_not_timed(gemm):
+def test_a_pinned_matmul_is_not_timed(gemm, int_mm_exact):
     model, record = int8_model(), ExecutionPlan(f"int8_gemm={gemm}", execution.DECODER)
     summary = choose_int8_gemm(model, record, lambda *a: pytest.fail("nothing is timed when pinned"))
     assert [m.int8_gemm for m in model[:3]] == [gemm] * 3 and summary.startswith(f"int8 gemm: {gemm} on every")
@@ -165,7 +171,7 @@ def test_a_pinned_matmul_is_not_timed(gemm):
                                                                               f"int8_gemm={gemm}")
 
 
-def test_the_real_timer_times_every_matmul_on_a_slice_of_a_tall_weight(monkeypatch):
+def test_the_real_timer_times_every_matmul_on_a_slice_of_a_tall_weight(monkeypatch, int_mm_exact):
     monkeypatch.setattr(matmul_choice, "INT8_GEMM_OUT", 64)
     model, record = int8_model(), ExecutionPlan()
     choose_int8_gemm(model, record)
