@@ -233,14 +233,14 @@ def test_model_matches_transformers_on_dequantized_weights(folders, name, fp32_a
 
 @pytest.mark.parametrize("pins", ["", *(f"gemv=off,int8_gemm={g}" for g in GEMMS)])
 def test_runner_decodes_with_int8_weights(folders, pins):
-    if "int8_gemm=" in pins and pins.rsplit("=", 1)[1] not in quantization.usable_gemms():
-        pytest.skip("torch._int_mm is not exact under this CPU dispatch (AVX2: int16 saturation), so dynamic is "
-                    "refused at load (tests/decoder/model/test_quantization.py)")
     """The real paths against the dequantized model: timed (pins ""), and each many-row matmul pinned for
     every step (the few-row kernel off). The prefill's library matmuls round the activations to bf16
     (dynamic: to int8 per row), the decode steps' few-row kernel to int8 blocks (gemv_cpu.round_blocks),
     whose bound (int8 in tests/tolerance.py) is the widest. The kernel alone is held to fp32's bound
     against the same rounding in tests/decoder/kernels/test_gemv_cpu.py."""
+    if "int8_gemm=" in pins and pins.rsplit("=", 1)[1] not in quantization.usable_gemms():
+        pytest.skip("torch._int_mm is not exact under this CPU dispatch (AVX2: int16 saturation), so dynamic is "
+                    "refused at load (tests/decoder/model/test_quantization.py)")
     name = "llama_gqa4_tied_sharded"
     runner = Runner.from_folder(folders[name], "fp32", block_size=4, num_blocks=32, quantization="int8",
                                 fast_paths=pins)
