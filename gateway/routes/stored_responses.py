@@ -1,6 +1,6 @@
-"""Stored responses: what POST /v1/responses asks of the store (gateway/response_store.py), and GET and DELETE
-/v1/responses/{id}. Every lookup is by the caller's tenant (gateway/tenants.py), so another tenant's id is a
-404 exactly like an id that never existed."""
+"""Stored responses: what POST /v1/responses asks of the store (gateway/response_store.py), and GET, DELETE and
+POST .../cancel on /v1/responses/{id}. Every lookup is by the caller's tenant (gateway/tenants.py), so another
+tenant's id is a 404 exactly like an id that never existed."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -11,7 +11,6 @@ from ..response_store import ResponseStore, tenant
 from .common import ERROR_RESPONSES
 
 router = APIRouter()
-
 
 
 class NotFound(ModelNotFound):
@@ -92,3 +91,12 @@ async def delete_response(response_id: str, request: Request) -> dict:
     if configured is None or not await configured.delete(caller(request), response_id):
         raise NotFound(f"no stored response {response_id!r}", param="response_id")
     return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.post("/v1/responses/{response_id}/cancel", tags=["generation"], responses=ERROR_RESPONSES)
+async def cancel_response(response_id: str, request: Request) -> dict:
+    """Cancel a background run. This gateway runs none (`background: true` is refused), so a stored response is
+    a 400, as OpenAI answers for a response that was not created in the background; an unknown id is a 404."""
+    await _record(request, response_id)
+    raise InvalidArgument(f"response {response_id!r} was not created with background: true, so it cannot be "
+                          f"cancelled (this gateway runs no background responses)", param="response_id")

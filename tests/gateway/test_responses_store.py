@@ -85,6 +85,20 @@ def test_another_key_cannot_read_continue_or_delete(fleet):
         fleet["alice"].responses.retrieve(mine.id)
 
 
+def test_cancel_is_a_400_for_a_stored_response_and_a_404_for_another_keys(fleet):
+    """Only background runs can be cancelled, and the gateway runs none: the caller's own stored response is a
+    400 naming it (OpenAI's answer for a foreground response), another key's or an unknown id a 404."""
+    mine = respond(fleet["alice"])
+    with pytest.raises(openai.BadRequestError) as caught:
+        fleet["alice"].responses.cancel(mine.id)
+    assert caught.value.body["param"] == "response_id" and "background" in caught.value.body["message"]
+    for client, rid in ((fleet["bob"], mine.id), (fleet["alice"], "resp_never_made")):
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.responses.cancel(rid)
+        assert missing.value.body["code"] == "response_not_found"
+    assert fleet["alice"].responses.retrieve(mine.id).status == mine.status
+
+
 def test_store_false_keeps_nothing(fleet):
     unstored = respond(fleet["alice"], store=False)
     assert unstored.store is False
