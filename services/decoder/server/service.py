@@ -201,6 +201,16 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.cfg = cfg
         self.state: Loaded | None = None
 
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the engine, then the grammar compiler (GrammarCompiler.close, waiting up to timeout seconds,
+        default the compile deadline): whether no xgrammar call is left running. A process must not exit
+        while one runs (services/decoder/grammar/pool.py), so the server's close path and every in-process
+        server end with this."""
+        if self.state is None:
+            return True
+        self.state.engine.stop()
+        return self.state.grammars.close(timeout)
+
     def _ready(self) -> Loaded:
         if self.state is None:
             raise Unavailable("the model is still loading")
@@ -482,8 +492,7 @@ async def launch(server_cfg: DecoderServerConfig, cfg: DecoderConfig) -> Started
     server, servicer = await start(server_cfg, cfg)
 
     async def close() -> None:
-        servicer.state.engine.stop()
-        if not servicer.state.grammars.close():
+        if not servicer.close():
             # A written-off compile is still inside xgrammar's C++, and exiting under it aborts the process
             # (services/decoder/grammar/pool.py): the server has drained, so leave without destructors.
             log.warning("a structured-output compile is still running at exit; exiting without cleanup")

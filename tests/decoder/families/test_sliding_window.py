@@ -378,7 +378,7 @@ def mistral_server(tmp_path_factory):
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         yield decoder_pb2_grpc.DecoderServiceStub(channel), folder
     loop.run(server.stop(0))
-    servicer.state.engine.stop()
+    assert servicer.close()    # the engine, then the grammar compiler's threads
     loop.close()
 
 

@@ -71,7 +71,7 @@ def server(tiny_chat_model, tmp_path_factory):
     with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
         yield decoder_pb2_grpc.DecoderServiceStub(channel), loop, servicer.state.adapters.on_demand
     loop.run(srv.stop(0))
-    servicer.state.engine.stop()
+    assert servicer.close()    # the engine, then the grammar compiler's threads
     loop.close()
 
 

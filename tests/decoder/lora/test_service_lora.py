@@ -44,7 +44,7 @@ def lora_server(tiny_chat_model, tmp_path_factory):
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         yield decoder_pb2_grpc.DecoderServiceStub(channel)
     loop.run(server.stop(0))
-    servicer.state.engine.stop()
+    assert servicer.close()    # the engine, then the grammar compiler's threads
     loop.close()
 
 

@@ -37,7 +37,7 @@ def server(vl_ckpt):
     with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
         yield decoder_pb2_grpc.DecoderServiceStub(channel)
     loop.run(srv.stop(0))
-    servicer.state.engine.stop()
+    assert servicer.close()    # the engine, then the grammar compiler's threads
     loop.close()
 
 

@@ -62,5 +62,5 @@ def decoder_server(tiny_chat_model):
     server, servicer = loop.run(start(DecoderServerConfig(host="127.0.0.1", port=0, reflection=True), cfg))
     yield f"127.0.0.1:{server.port}", servicer
     loop.run(server.stop(0))
-    servicer.state.engine.stop()
+    assert servicer.close()    # the engine, then the grammar compiler's threads
     loop.close()

@@ -35,7 +35,7 @@ def guarded(tiny_chat_model, tmp_path_factory):
                                                           backend_token_file=str(token_file)), cfg))
     yield f"127.0.0.1:{server.port}", token_file, token_file.read_text().strip(), root
     loop.run(server.stop(0))
-    servicer.state.engine.stop()
+    assert servicer.close()    # the engine, then the grammar compiler's threads
     loop.close()
 
 

@@ -22,7 +22,7 @@ def failing_server(tiny_chat_model):
     server, servicer = loop.run(start(DecoderServerConfig(host="127.0.0.1", port=0), cfg))
     yield f"127.0.0.1:{server.port}"
     loop.run(server.stop(0))
-    servicer.state.engine.stop()
+    assert servicer.close()    # the engine, then the grammar compiler's threads
     loop.close()
 
 

@@ -49,7 +49,7 @@ def served(gguf_file):
     yield decoder_pb2_grpc.DecoderServiceStub(channel), servicer
     channel.close()
     loop.run(server.stop(0))
-    servicer.state.engine.stop()
+    assert servicer.close()    # the engine, then the grammar compiler's threads
     loop.close()
 
 

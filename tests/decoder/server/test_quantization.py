@@ -33,7 +33,7 @@ def quantized(tiny_chat_model):
     with grpc.insecure_channel(address) as channel:
         yield decoder_pb2_grpc.DecoderServiceStub(channel), address
     loop.run(server.stop(0))
-    servicer.state.engine.stop()
+    assert servicer.close()    # the engine, then the grammar compiler's threads
     loop.close()
 
 

@@ -40,7 +40,7 @@ def servers(tiny_chat_model):
         ch.close()
     for server, servicer in started:
         loop.run(server.stop(0))
-        servicer.state.engine.stop()
+        assert servicer.close()    # the engine, then the grammar compiler's threads
     loop.close()
 
 
