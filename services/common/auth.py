@@ -58,11 +58,14 @@ def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return ((METADATA_KEY, f"Bearer {token}"),) if token else ()
 
 
-def _denied_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as handler that answers UNAUTHENTICATED without running anything."""
+def _denied_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as handler that answers UNAUTHENTICATED without running anything; for a
+    method the server does not have (None), a streaming one, which reads nothing whatever the client sends."""
     async def deny(_request, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
 
+    if handler is None:
+        return grpc.stream_stream_rpc_method_handler(deny)
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(deny)
     if handler.unary_stream:
@@ -73,7 +76,9 @@ def _denied_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuse every call but grpc.health.v1 unless it carries the token (compared in constant time)."""
+    """Refuse every call but grpc.health.v1 unless it carries the token (compared in constant time). A method
+    the server lacks is refused the same way, so a caller without the token cannot tell which services and
+    methods exist (reflection off answers as reflection on does); with the token it is UNIMPLEMENTED."""
 
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
@@ -89,6 +94,6 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or self.allowed(handler_call_details.method, handler_call_details.invocation_metadata):
+        if self.allowed(handler_call_details.method, handler_call_details.invocation_metadata):
             return handler
         return _denied_handler(handler)

@@ -1,6 +1,6 @@
-"""Inside the running compose cluster, as a process on the fleet's network would try it: a backend refuses a
-call without the backend token, Redis refuses a client without the password, and every container runs as a
-non-root user on a read-only root with /tmp its one writable path.
+"""Inside the running compose cluster, as a process on the fleet's network would try it: a backend refuses
+LoadAdapter, Generate and reflection without the backend token, Redis refuses a client without the password,
+and every container runs as a non-root user on a read-only root with /tmp its one writable path.
 
 Collected before tests/cluster/test_cluster.py (whose last test takes the cluster down); it only reads and
 probes, so that file's tests start from the same healthy fleet.
@@ -18,18 +18,30 @@ except cluster_mod.EngineUnavailable as exc:
 
 SERVICES = ("redis", "vision", "decoder", "decoder-vl", "pooling", "gateway")
 
-# Run inside the gateway's container: a raw LoadAdapter on the decoder with no token (what an attacker on the
-# network would send first: it would put other weights behind an adapter's name).
-UNAUTHENTICATED_CALL = """
+# Run inside the gateway's container: raw calls on the decoder with no token, each printed as "NAME CODE"
+# (ANSWERED when it got a reply). LoadAdapter is what an attacker on the network would send first (it would
+# put other weights behind an adapter's name); Generate would serve without the gateway's key and limits
+# (its empty request would be INVALID_ARGUMENT were it let in); reflection would list every method (it is
+# off in the fleet, and without the token it is refused as if it were on: services/common/auth.py).
+UNAUTHENTICATED_CALLS = """
 import grpc
 with grpc.insecure_channel("decoder:50052") as channel:
-    call = channel.unary_unary("/tessera.decoder.v1.DecoderService/LoadAdapter")
-    try:
-        call(b"", timeout=20)
-        print("ANSWERED")
-    except grpc.RpcError as exc:
-        print(exc.code().name)
+    calls = {
+        "LoadAdapter": lambda: channel.unary_unary("/tessera.decoder.v1.DecoderService/LoadAdapter")(
+            b"", timeout=20),
+        "Generate": lambda: list(channel.unary_stream("/tessera.decoder.v1.DecoderService/Generate")(
+            b"", timeout=20)),
+        "reflection": lambda: list(channel.stream_stream(
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")(iter([b""]), timeout=20)),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+            print(name, "ANSWERED")
+        except grpc.RpcError as exc:
+            print(name, exc.code().name)
 """
+REFUSED = {name: "UNAUTHENTICATED" for name in ("LoadAdapter", "Generate", "reflection")}
 
 # Run inside the vision container (it has the redis client): a client that sends no password.
 NO_PASSWORD = """
@@ -48,9 +60,14 @@ def exec_in(cluster, service: str, *argv: str):
     return cluster("exec", cid, *argv, check=False, timeout=60)
 
 
-def test_a_backend_refuses_a_call_without_the_token(cluster):
-    done = exec_in(cluster, "gateway", "python", "-c", UNAUTHENTICATED_CALL)
-    assert done.stdout.strip() == "UNAUTHENTICATED", done.stdout + done.stderr
+def codes(stdout: str) -> dict[str, str]:
+    """UNAUTHENTICATED_CALLS' "NAME CODE" lines -> {name: code}."""
+    return dict(line.split(None, 1) for line in stdout.splitlines() if line.strip())
+
+
+def test_a_backend_refuses_calls_without_the_token(cluster):
+    done = exec_in(cluster, "gateway", "python", "-c", UNAUTHENTICATED_CALLS)
+    assert codes(done.stdout) == REFUSED, done.stdout + done.stderr
 
 
 def test_redis_refuses_a_client_without_the_password(cluster):

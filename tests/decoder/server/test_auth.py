@@ -1,6 +1,6 @@
 """The backend token on a real decoder server (services/common/auth.py): LoadAdapter, Generate and reflection
-without it or with a wrong one get UNAUTHENTICATED and change nothing; the gateway's Backend, holding it,
-is served; grpc.health.v1 answers everyone."""
+without it or with a wrong one get UNAUTHENTICATED and change nothing, as does a method the server lacks;
+the gateway's Backend, holding it, is served; grpc.health.v1 answers everyone."""
 from __future__ import annotations
 
 import grpc
@@ -73,6 +73,24 @@ def test_calls_without_the_token_are_refused_and_change_nothing(guarded, metadat
         assert "pirate" not in names     # the refused LoadAdapter loaded nothing
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
         assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_method_the_server_lacks_is_refused_alike_without_the_token(guarded):
+    """Without the token an unknown method (or reflection on a server without --reflection) is UNAUTHENTICATED,
+    as an existing one is, so a caller cannot list what the server has; with it, UNIMPLEMENTED."""
+    address, _, token, _ = guarded
+    with grpc.insecure_channel(address) as channel:
+        for method in ("/tessera.decoder.v1.DecoderService/NoSuchMethod", "/no.such.Service/Call"):
+            unary, stream = channel.unary_unary(method), channel.stream_stream(method)
+            for metadata, expected in (((), grpc.StatusCode.UNAUTHENTICATED),
+                                       (call_metadata(new_token()), grpc.StatusCode.UNAUTHENTICATED),
+                                       (call_metadata(token), grpc.StatusCode.UNIMPLEMENTED)):
+                with pytest.raises(grpc.RpcError) as refused:
+                    unary(b"", metadata=metadata, timeout=10)
+                assert refused.value.code() == expected, (method, metadata)
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(stream(iter([b""]), metadata=metadata, timeout=10))
+                assert refused.value.code() == expected, (method, metadata)
 
 
 def test_the_token_is_served(guarded):
