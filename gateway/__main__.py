@@ -1,8 +1,6 @@
 """python -m gateway --port P [--pooling HOST:PORT] [--decoder HOST:PORT]... [--vision HOST:PORT]"""
 from __future__ import annotations
 
-import dataclasses
-
 import uvicorn
 
 from services.common import logs
@@ -21,9 +19,7 @@ def main(argv=None) -> None:
     (cfg,) = load((GatewayConfig,), argv, prog="python -m gateway", description=DESCRIPTION,
                   env_prefix=ENV_PREFIX)
     logs.setup(cfg.log_level)
-    # The key itself never reaches a log.
-    # (Distinct placeholders: the config refuses an admin key equal to the API key.)
-    log_config(dataclasses.replace(cfg, **{k: f"<{k} set>" for k in ("api_key", "admin_key") if getattr(cfg, k)}))
+    log_config(cfg, hidden=("api_key", "admin_key"))   # the keys themselves never reach a log
     # Our edge middleware logs each request with its id, so uvicorn's access log is off.
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(), http=HTTP_PARSER,
                 access_log=False, log_config=None)

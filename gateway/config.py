@@ -7,7 +7,7 @@ from services.common.auth import TOKEN_FILE_ENV, read_token
 from services.common.config import option
 from services.common.tls import check_client_files
 
-from .tenants import Tenants, build_tenants
+from .tenants import MIN_KEY_CHARS, Tenants, build_tenants, check_key
 
 # Every variable the gateway reads is TESSERA_GATEWAY_<FLAG> (services/common/config.py).
 ENV_PREFIX = "TESSERA_GATEWAY_"
@@ -32,12 +32,14 @@ class GatewayConfig:
     api_key: str | None = option(None, "if set, every /v1 request needs 'Authorization: Bearer <key>' (the admin"
                                           " endpoints take --admin-key instead); several keys are comma-separated,"
                                           " each a tenant of its own (--api-key-file groups keys into tenants)"
-                                          " with its own --max-concurrent-per-key",
+                                          " with its own --max-concurrent-per-key; each key at least"
+                                          f" {MIN_KEY_CHARS} characters",
                                  formerly="TESSERA_API_KEY")
     api_key_file: str | None = option(None, "file of API keys and their tenants, one 'KEY TENANT' line each (several"
                                             " keys may share a tenant; mode 0600); with --api-key both sets are"
                                             " accepted, each --api-key key a tenant of its own. Each tenant's"
-                                            " prefix-cache and image-cache hits are its own (--shared-cache)",
+                                            " prefix-cache and image-cache hits are its own (--shared-cache);"
+                                            f" each key at least {MIN_KEY_CHARS} characters",
                                       metavar="FILE")
     shared_cache: bool = option(False, "let every tenant share the decoder's prefix cache and the vision"
                                        " service's image cache (a single-tenant deployment with several keys);"
@@ -45,7 +47,8 @@ class GatewayConfig:
                                        " tenant's prompts or images")
     admin_key: str | None = option(None, "key of the admin endpoints (adapter load/unload/list): they need"
                                          " 'Authorization: Bearer <admin key>'; unset: they are disabled (403)."
-                                         " /ready sent with it also gives each backend's address and state",
+                                         " /ready sent with it also gives each backend's address and state;"
+                                         f" at least {MIN_KEY_CHARS} characters",
                                    formerly="TESSERA_ADMIN_KEY")
     max_body_bytes: int = option(16 * 1024 * 1024, "largest request body accepted (chat, responses and messages,"
                                                     " which may carry images); larger ones get 413")
@@ -136,6 +139,8 @@ class GatewayConfig:
             raise ValueError("api_key: each key must be given once")
         if self.admin_key == "":
             raise ValueError("admin_key must not be empty (leave it unset to disable the admin endpoints)")
+        if self.admin_key is not None:
+            check_key(self.admin_key.strip(), "--admin-key")
         keys = self.tenants(quiet=True).keys   # reads and checks --api-key-file (create_app warns)
         if self.admin_key is not None and self.admin_key.strip() in keys:
             # Every API caller would be an admin; the point of a separate key is that they are not.

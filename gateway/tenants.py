@@ -30,6 +30,18 @@ log = logging.getLogger("tessera.gateway.tenants")
 TENANT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 # The salt's form (the decoder takes any string; this one is recognisable in its logs).
 SALT_PREFIX = "tenant-"
+# The shortest API or admin key accepted (--api-key, each --api-key-file key, --admin-key): a client may try
+# keys as fast as the gateway answers, so a short one is guessable. secrets.token_hex(8) is 16 characters;
+# the deployments' examples use token_hex(32). The backend token's own bound: services/common/auth.py.
+MIN_KEY_CHARS = 16
+
+
+def check_key(key: str, where: str) -> None:
+    """A ValueError naming where (a flag, or a key file's line) and MIN_KEY_CHARS when key is shorter; the key
+    itself is never echoed."""
+    if len(key) < MIN_KEY_CHARS:
+        raise ValueError(f"{where}: a key must be at least {MIN_KEY_CHARS} characters (e.g. python -c 'import "
+                         "secrets; print(secrets.token_hex(32))')")
 
 
 @dataclass(frozen=True)
@@ -99,6 +111,7 @@ def read_key_file(path: str, quiet: bool = False) -> list[tuple[str, str]]:
             raise ValueError(f"--api-key-file: line {number} of {path!r} is not 'KEY TENANT'")
         if not TENANT_NAME.match(fields[1]):
             raise ValueError(f"--api-key-file: line {number} of {path!r}: a tenant name is 1-64 of A-Z a-z 0-9 . _ -")
+        check_key(fields[0], f"--api-key-file: line {number} of {path!r}")
         pairs.append((fields[0], fields[1]))
     if not pairs:
         raise ValueError(f"--api-key-file: {path!r} has no 'KEY TENANT' line")
@@ -107,9 +120,11 @@ def read_key_file(path: str, quiet: bool = False) -> list[tuple[str, str]]:
 
 def build_tenants(flag_keys: tuple[str, ...], key_file: str | None, shared_cache: bool = False,
                   quiet: bool = False) -> Tenants:
-    """The keys of --api-key (each its own tenant) followed by those of --api-key-file (read_key_file)."""
+    """The keys of --api-key (each its own tenant) followed by those of --api-key-file (read_key_file); a key
+    shorter than MIN_KEY_CHARS is a ValueError."""
     keys, names, ids = [], [], []
     for i, key in enumerate(flag_keys):
+        check_key(key, "--api-key")
         keys.append(key)
         names.append(f"api-key-{i + 1}")
         ids.append(key_id(key))

@@ -148,7 +148,11 @@ def load(classes, argv=None, *, prog: str, description: str, env_prefix: str, en
         parser.error(str(exc))
 
 
-def log_config(*configs) -> None:
-    """Log the resolved configuration once at start."""
+def log_config(*configs, hidden: tuple[str, ...] = ()) -> None:
+    """Log the resolved configuration once at start; a field named in hidden that is set shows as
+    "<NAME set>" (a secret never reaches a log). The values are replaced in the logged dict, not through
+    dataclasses.replace, which would run the config's checks on the placeholders."""
     for cfg in configs:
-        log.info("config %s %s", type(cfg).__name__, json.dumps(dataclasses.asdict(cfg), default=str))
+        values = dataclasses.asdict(cfg)
+        values.update({name: f"<{name} set>" for name in hidden if values.get(name)})
+        log.info("config %s %s", type(cfg).__name__, json.dumps(values, default=str))

@@ -68,8 +68,8 @@ def test_the_gateway_keys_moved_under_its_prefix(capsys):
     from services.common.config import load
 
     (cfg,) = load((GatewayConfig,), ["--pooling", "p:1"], prog="gw", description="", env_prefix=ENV_PREFIX,
-                  environ={"TESSERA_GATEWAY_API_KEY": "k", "TESSERA_GATEWAY_ADMIN_KEY": "a"})
-    assert (cfg.api_key, cfg.admin_key) == ("k", "a")
+                  environ={"TESSERA_GATEWAY_API_KEY": "k" * 16, "TESSERA_GATEWAY_ADMIN_KEY": "a" * 16})
+    assert (cfg.api_key, cfg.admin_key) == ("k" * 16, "a" * 16)
     with pytest.raises(SystemExit):
         load((GatewayConfig,), ["--pooling", "p:1"], prog="gw", description="", env_prefix=ENV_PREFIX,
              environ={"TESSERA_API_KEY": "k"})

@@ -35,7 +35,7 @@ from tests.gateway.test_generation import events
 MODEL = "tiny-chat"
 DECODER = "tessera.decoder.v1.DecoderService"
 DRAIN_S = 20
-ADMIN_KEY = "sk-faults-admin"
+ADMIN_KEY = "sk-faults-admin-key"
 CHAT = {"messages": [{"role": "user", "content": "Tell me a story"}], "temperature": 0}
 
 

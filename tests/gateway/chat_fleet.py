@@ -14,7 +14,7 @@ from tests.conftest import free_port
 from tests.decoder import idle
 from tests.gateway.fleet import GatewayThread, clients, python_module, stop, wait_serving
 
-KEY = "sk-chat"
+KEY = "sk-chat-tenant-key"
 MODEL = "tiny-chat"
 MAX_LEN = 1024
 

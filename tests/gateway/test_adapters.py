@@ -28,7 +28,7 @@ from tests.decoder.server.conftest import need_smollm2
 from tests.gateway.fleet import GatewayThread, python_module, stop, wait_serving
 
 BASE = "SmolLM2-135M-Instruct"
-USER_KEY, ADMIN_KEY = "sk-user", "sk-admin"
+USER_KEY, ADMIN_KEY = "sk-adapters-user-key", "sk-adapters-admin-key"
 MARKERS = {a.name: a.marker for a in DEMO_ADAPTERS}  # pirate -> "Arr", french -> "Bonjour"
 QUESTION = [{"role": "user", "content": "What is the capital of Italy?"}]  # not in the adapters' training set
 

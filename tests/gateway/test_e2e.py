@@ -19,8 +19,9 @@ from tests.gateway.fleet import clients, python_module, stop, wait_http, wait_se
 from tests.pooling.conftest import MINILM_SHAPE, TINY_SHAPE
 from tests.tolerance import assert_close, assert_cosine
 
-KEY = "sk-e2e"
-ADMIN = {"Authorization": "Bearer sk-e2e-admin"}
+KEY = "sk-e2e-tenant-key"
+ADMIN_KEY = "sk-e2e-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 LIMIT = 64 * 1024
 EMBEDDER = "all-MiniLM-L6-v2"
 RERANKER = "tiny-cross-encoder"
@@ -60,7 +61,7 @@ def fleet(tmp_path_factory, minilm, cross_encoder):
         "--host", "127.0.0.1", "--port", str(pool_port)], logs / "pooling.log")
     gateway = python_module("gateway", ["--host", "127.0.0.1", "--port", str(gw_port), "--pooling",
                                         f"127.0.0.1:{pool_port}", "--api-key-file", str(keys), "--admin-key",
-                                        "sk-e2e-admin", "--max-body-bytes", str(LIMIT), "--health-timeout-s", "1"],
+                                        ADMIN_KEY, "--max-body-bytes", str(LIMIT), "--health-timeout-s", "1"],
                              logs / "gateway.log")
     try:
         wait_serving(f"127.0.0.1:{pool_port}", "tessera.pooling.v1.PoolingService", pooling)
@@ -151,7 +152,9 @@ def test_models_health_ready_metrics_openapi(client, http, fleet):
     http.post("/v1/embeddings", json={"input": "counted"}, headers={"x-request-id": "e2e-request-42"})
     assert 'tessera_gateway_requests_total{route="/v1/embeddings",status="200"}' in http.get("/metrics").text
     assert "/v1/embeddings" in http.get("/openapi.json").json()["paths"]
-    assert "request_id=e2e-request-42 tenant=e2e" in (fleet["logs"] / "gateway.log").read_text()
+    log = (fleet["logs"] / "gateway.log").read_text()
+    assert "request_id=e2e-request-42 tenant=e2e" in log
+    assert '"admin_key": "<admin_key set>"' in log and ADMIN_KEY not in log and KEY not in log   # logged config
 
 
 def max_batch(http) -> int:

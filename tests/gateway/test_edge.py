@@ -21,9 +21,10 @@ from services.common.server import Server, ServerConfig
 from tests.conftest import free_port
 from tests.gateway.fleet import GatewayThread, LoopThread
 
-KEY = "sk-test-key"
+KEY = "sk-edge-tenant-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-ADMIN = {"Authorization": "Bearer sk-edge-admin"}
+ADMIN_KEY = "sk-edge-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 LIMIT = 4096
 
 
@@ -80,7 +81,7 @@ def backend():
 @pytest.fixture(scope="module")
 def gateway(backend):
     _, server, _ = backend
-    cfg = GatewayConfig(port=free_port(), pooling=f"127.0.0.1:{server.port}", api_key=KEY, admin_key="sk-edge-admin",
+    cfg = GatewayConfig(port=free_port(), pooling=f"127.0.0.1:{server.port}", api_key=KEY, admin_key=ADMIN_KEY,
                         max_body_bytes=LIMIT, grpc_timeout_s=0.5, health_timeout_s=0.5, model_refresh_s=0)
     with GatewayThread(cfg) as gw:
         with httpx.Client(base_url=gw.url, headers=AUTH, timeout=10) as client:
@@ -287,7 +288,7 @@ def test_ready_covers_decoder_and_vision_backends():
     dead = free_port()
     try:
         cfg = GatewayConfig(port=free_port(), decoder=(f"127.0.0.1:{server.port}",), vision=f"127.0.0.1:{dead}",
-                            health_timeout_s=0.5, admin_key="sk-edge-admin")
+                            health_timeout_s=0.5, admin_key=ADMIN_KEY)
         with GatewayThread(cfg) as gw:
             reply = httpx.get(gw.url + "/ready", headers=ADMIN, timeout=10)
             assert reply.status_code == 503
@@ -316,12 +317,12 @@ def test_flags_override_env_override_defaults():
     from gateway.config import ENV_PREFIX
     from services.common.config import load
 
-    env = {"TESSERA_GATEWAY_POOLING": "a:1", "TESSERA_GATEWAY_DECODER": "d:1,d:2", "TESSERA_GATEWAY_API_KEY": "k",
+    env = {"TESSERA_GATEWAY_POOLING": "a:1", "TESSERA_GATEWAY_DECODER": "d:1,d:2", "TESSERA_GATEWAY_API_KEY": KEY,
            "TESSERA_GATEWAY_PORT": "9000"}
     (cfg,) = load((GatewayConfig,), ["--pooling", "b:2"], prog="gw", description="", env_prefix=ENV_PREFIX,
                   environ=env)
     assert (cfg.pooling, cfg.decoder, cfg.api_key, cfg.port, cfg.max_body_bytes) == \
-        ("b:2", ("d:1", "d:2"), "k", 9000, 16 * 1024 * 1024)
+        ("b:2", ("d:1", "d:2"), KEY, 9000, 16 * 1024 * 1024)
     with pytest.raises(SystemExit):
         load((GatewayConfig,), ["--pooling", "nope"], prog="gw", description="", env_prefix=ENV_PREFIX,
              environ={})

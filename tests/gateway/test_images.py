@@ -30,7 +30,7 @@ from tests.gateway.fleet import GatewayThread, clients, python_module, redis_pro
 from tests.tolerance import assert_close
 from tests.vision.checkpoints import VL_SHAPE, token_ids, write_qwen2_vl
 
-KEY = "sk-images"
+KEY = "sk-images-tenant-key"
 OTHER_KEY = "sk-images-other-tenant"   # a second --api-key: a tenant of its own
 VL, TEXT_ONLY = "tiny-vl", "tiny-chat"
 BLOCK = 4

@@ -28,7 +28,7 @@ from tests.decoder.idle import stats, wait_idle
 from tests.gateway.chat_fleet import chat_fleet
 from tests.gateway.fleet import GatewayThread
 
-KEYS = ("sk-tenant-a", "sk-tenant-b", "sk-tenant-c")
+KEYS = ("sk-slow-tenant-a", "sk-slow-tenant-b", "sk-slow-tenant-c")
 LIMIT = 16          # --max-concurrent-requests; with three keys each key may hold half of it
 SEND_TIMEOUT_S = 3.0  # long enough that opening LIMIT streams on a busy machine cuts none of them first
 SEND_BUFFER = 4096
@@ -158,13 +158,14 @@ def test_per_key_limit_rule_and_config():
     assert per_key_limit(None, 256, 3) == 128
     assert per_key_limit(None, 0, 3) == 0         # no global limit: no derived one
     assert per_key_limit(5, 256, 1) == 5 and per_key_limit(0, 256, 3) == 0
-    cfg = GatewayConfig(decoder=("h:1",), api_key=" k1, k2 ")
-    assert cfg.api_keys == ("k1", "k2")
-    for bad in ("k1,,k2", "k1,k1", ""):
+    k1, k2 = KEYS[:2]
+    cfg = GatewayConfig(decoder=("h:1",), api_key=f" {k1}, {k2} ")
+    assert cfg.api_keys == (k1, k2)
+    for bad in (f"{k1},,{k2}", f"{k1},{k1}", ""):
         with pytest.raises(ValueError, match="api_key"):
             GatewayConfig(decoder=("h:1",), api_key=bad)
     with pytest.raises(ValueError, match="admin_key"):
-        GatewayConfig(decoder=("h:1",), api_key="k1,k2", admin_key="k2")
+        GatewayConfig(decoder=("h:1",), api_key=f"{k1},{k2}", admin_key=k2)
     with pytest.raises(ValueError, match="send_timeout_s"):
         GatewayConfig(decoder=("h:1",), send_timeout_s=-1)
 

@@ -22,8 +22,8 @@ from tests.gateway.chat_fleet import MODEL, chat_fleet, wait_idle
 from tests.gateway.fleet import GatewayThread, clients
 
 BLOCK = 4
-FLAG_KEY = "sk-flag-tenant"          # an --api-key key: a tenant of its own
-A1, A2, B1 = "sk-acme-one", "sk-acme-two", "sk-globex-one"
+FLAG_KEY = "sk-flag-tenant-key"      # an --api-key key: a tenant of its own
+A1, A2, B1 = "sk-acme-tenant-one", "sk-acme-tenant-two", "sk-globex-tenant-one"
 KEY_FILE = f"""# key tenant
 {A1} acme
 {A2}   acme
@@ -58,13 +58,40 @@ def test_the_key_file_maps_keys_to_tenants(tmp_path):
 @pytest.mark.parametrize("text,message", [
     ("sk-only-a-key\n", "line 1 .* is not 'KEY TENANT'"),
     ("# nothing\n\n", "no 'KEY TENANT' line"),
-    ("sk-a acme\nsk-b bad/name\n", "line 2 .*tenant name"),
-    ("sk-a acme\nsk-a other\n", "each key must be given once"),
+    (f"{A1} acme\n{B1} bad/name\n", "line 2 .*tenant name"),
+    (f"{A1} acme\n{A1} other\n", "each key must be given once"),
+    (f"{A1} acme\nsk-15-chars-key globex\n", "line 2 .*at least 16 characters"),
 ])
 def test_a_bad_key_file_is_refused_without_echoing_keys(tmp_path, text, message):
     with pytest.raises(ValueError, match=message) as info:
         GatewayConfig(decoder=("h:1",), api_key_file=key_file(tmp_path, text))
     assert "sk-" not in str(info.value)
+
+
+def test_keys_shorter_than_16_characters_are_refused_at_start(tmp_path, capsys):
+    """--api-key (each of its keys), --api-key-file and --admin-key share MIN_KEY_CHARS: one short key is a
+    usage error (exit 2) in one line naming the flag and the minimum, never the key; 16 characters serve."""
+    from gateway.config import ENV_PREFIX
+    from gateway.tenants import MIN_KEY_CHARS
+    from services.common.config import load
+    assert MIN_KEY_CHARS == 16
+    short, exact = "k" * 15, "k" * 16
+    argv = ["--decoder", "h:1"]
+    for flags, flag in (([f"--api-key={short}"], "--api-key:"), ([f"--api-key={A1},{short}"], "--api-key:"),
+                        (["--api-key-file", key_file(tmp_path, f"{short} acme\n")], "--api-key-file: line 1 of"),
+                        ([f"--api-key={A1}", f"--admin-key={short}"], "--admin-key:"),
+                        ([f"--admin-key={short}   "], "--admin-key:")):    # counted without its spaces
+        with pytest.raises(SystemExit) as refused:
+            load((GatewayConfig,), argv + flags, prog="gateway", description="", env_prefix=ENV_PREFIX, environ={})
+        assert refused.value.code == 2
+        message = capsys.readouterr().err.strip().splitlines()[-1]
+        assert flag in message and "a key must be at least 16 characters" in message, message
+        assert short not in message.replace(str(tmp_path), "")
+    (cfg,) = load((GatewayConfig,), argv + [f"--api-key={exact}", f"--admin-key={'a' * 16}"], prog="gateway",
+                  description="", env_prefix=ENV_PREFIX, environ={})
+    assert cfg.tenants().keys == (exact,) and cfg.admin_key == "a" * 16
+    assert GatewayConfig(decoder=("h:1",), api_key_file=key_file(tmp_path, f"{exact} acme\n")).tenants().keys \
+        == (exact,)
 
 
 def test_the_key_file_is_checked_at_start(tmp_path, caplog):
@@ -135,7 +162,7 @@ def test_completions_are_salted_too(fleet):
 def test_error_bodies_name_no_address_and_ready_says_only_ready(tmp_path):
     dead, redis = free_port(), free_port()
     cfg = GatewayConfig(host="127.0.0.1", port=free_port(), decoder=(f"127.0.0.1:{dead}",), api_key=A1,
-                        admin_key="sk-tenants-admin", health_timeout_s=0.5, grpc_timeout_s=2,
+                        admin_key="sk-tenants-admin-key", health_timeout_s=0.5, grpc_timeout_s=2,
                         response_store=f"redis://127.0.0.1:{redis}/0")
     with GatewayThread(cfg) as gw, clients(gw.url, A1) as served:
         http = served["http"]
@@ -155,5 +182,5 @@ def test_error_bodies_name_no_address_and_ready_says_only_ready(tmp_path):
             ready = httpx.get(gw.url + "/ready", headers=headers, timeout=10)
             assert ready.status_code == 503 and ready.json()["status"] == "not_ready", ready.text
             assert "backends" not in ready.json() and "127.0.0.1" not in ready.text and "decoder" not in ready.text
-        ready = httpx.get(gw.url + "/ready", headers={"Authorization": "Bearer sk-tenants-admin"}, timeout=10)
+        ready = httpx.get(gw.url + "/ready", headers={"Authorization": "Bearer sk-tenants-admin-key"}, timeout=10)
         assert ready.status_code == 503 and f"decoder@127.0.0.1:{dead}" in ready.json()["backends"], ready.text

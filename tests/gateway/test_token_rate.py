@@ -18,7 +18,7 @@ from tests.gateway.chat_fleet import chat_fleet
 from tests.gateway.fleet import GatewayThread
 from tests.pooling.conftest import RunningServer, minilm_dir, tiny_bert_dir  # noqa: F401 - fixtures
 
-KEYS = ("sk-rate-a", "sk-rate-b", "sk-rate-c", "sk-rate-d")
+KEYS = ("sk-rate-tenant-a", "sk-rate-tenant-b", "sk-rate-tenant-c", "sk-rate-tenant-d")
 BUDGET = 50   # tokens a minute: one SPEND overdraws it
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 SPEND = {"messages": HELLO, "max_tokens": 40, "ignore_eos": True}   # the prompt (~30 tokens) + 40
