@@ -16,13 +16,21 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Overloaded
 from services.decoder.engine.scheduler import LEASE_PATIENCE
 from services.decoder.engine.step import SamplingParams, StepInput
 from services.decoder.kernels import lora_cpu
-from services.decoder.lora import TARGETS, AdapterPool, AdapterRegistry, adapter_request, prepare_weights
+from services.decoder.lora import (
+    TARGETS,
+    AdapterBank,
+    AdapterPool,
+    AdapterRegistry,
+    adapter_request,
+    prepare_weights,
+)
 from services.decoder.lora.pool import step_rows
 from services.decoder.model.loader import load_model
+from services.decoder.server.config import DecoderConfig
 from tests.decoder.lora.adapters import Spec, lora_engine, peft_mixed, register, write_adapter
 from tests.decoder.lora.test_engine_lora import drive, run_one
 from tests.decoder.lora.test_registry import NAMES, RegistryMachine
@@ -194,6 +202,22 @@ def test_step_rows_and_activate(model_folder):
     assert pool.step.offsets is None and not any(pool.step.active)
     with pytest.raises(ValueError, match="not placed"):
         step_rows([(0, 1, 5)], 1, pool._rows_of)
+
+
+def test_cpu_registry_may_hold_fewer_adapters_than_max_loras(model_folder):
+    """On CPU --max-loras only turns LoRA on (the pool has bytes, not slots), so --max-cpu-loras below it is a
+    valid config and the registry counts --max-cpu-loras alone; where slots exist (CUDA's bank) each slot needs
+    a registered adapter to fill it, and both the config and the registry refuse fewer."""
+    cfg = DecoderConfig(model="m", max_loras=8, max_cpu_loras=2)
+    registry = AdapterRegistry(AdapterPool(load_model(model_folder)), cfg.max_cpu_loras)
+    for i, name in enumerate("ab"):
+        registry.register(name, make_weights(registry.bank, i, 4, TARGETS))
+    with pytest.raises(Overloaded, match="--max-cpu-loras"):
+        registry.register("c", make_weights(registry.bank, 2, 4, TARGETS))
+    with pytest.raises(ValueError, match="max_cpu_loras \\(2\\) must be at least max_loras \\(8\\) on cuda"):
+        DecoderConfig(model="m", device="cuda", max_loras=8, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="at least the slot count"):
+        AdapterRegistry(AdapterBank(load_model(model_folder), num_slots=8, max_rank=4), 2)
 
 
 def test_registry_evicts_idle_adapters_until_one_fits(model_folder):
