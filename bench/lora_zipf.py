@@ -165,7 +165,8 @@ def zipf_part(args, prompts_of, run_vllm_peer) -> list[str]:
         proc = start_decoder(port, root, args.threads, args.rank, args.registered, args.lora_memory_gb,
                              Path(tmp) / "decoder.log", model=args.model)
         try:
-            asyncio.run(drive(port, prompts[:8], [None] * 8, 8, 4))               # warm
+            warm = prompts[:8]
+            asyncio.run(drive(port, warm, [None] * len(warm), 8, 4))              # warm
             base = asyncio.run(drive(port, prompts, [None] * len(prompts), args.clients, args.max_tokens))
             mine = asyncio.run(drive(port, prompts, names, args.clients, args.max_tokens))
             again = asyncio.run(drive(port, prompts, [None] * len(prompts), args.clients, args.max_tokens))
