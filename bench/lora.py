@@ -3,6 +3,9 @@
 Workload: SmolLM2-135M-Instruct on CPU, `--threads` threads (2), GSM8K chat prompts, random PEFT adapters
 (non-zero B, saved with peft into a temporary folder), greedy, `--max-tokens` new tokens per row (eos ignored, so
 every side emits the same count). The engine runs as the decoder service does on CPU: adapters in its pool.
+`--real-layers N` runs every part on the real-size checkpoint of bench/real_checkpoint.py
+instead (Llama-3.2-1B's shape with N of its 16 layers, random bf16 weights; adapters made for that shape; the
+adapter pool's budget grows to hold all of them at once); every line then names that shape.
 Decode tokens/s are timed from the step after the last row's first token (prefill out); each side runs twice,
 interleaved, and keeps its best (the machine is shared). `--part` picks:
 
@@ -17,11 +20,14 @@ interleaved, and keeps its best (the machine is shared). `--part` picks:
   zipf (z): bench/lora_zipf.py, 1,000 adapters on disk loaded on demand by the decoder service, Zipf traffic
       from 64 clients, against the same service without adapters, and vLLM with the same adapter budget.
 
---no-peer skips vLLM. The last line printed holds the ratios, with the CPU.
+--no-peer skips vLLM, --no-peft peft's generate (both slow on the real-size checkpoint). The line before the
+last says of each goal of the issue (decode with distinct adapters >= 0.9 of base at 64 rows and >= 0.85 at 1
+and 4; Zipf traffic >= 0.8) whether it was met; the last line holds the ratios, with the CPU and the model.
 """
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 import time
@@ -31,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import real_checkpoint  # noqa: E402
 from bench.decoder import agreement, prompts  # noqa: E402
 from bench.lora_zipf import zipf_part  # noqa: E402
 from bench.workload import SMOLLM2, run_vllm_peer  # noqa: E402
@@ -47,47 +54,54 @@ RANK = 16
 
 
 def make_adapters(folder: Path, count: int, seed: int = 0, ranks: tuple[int, ...] = (RANK,),
-                  targets: tuple[str, ...] = TARGETS):
-    """`count` random adapters in one PeftModel (for peft's mixed batches), adapter i of rank
-    ranks[i % len(ranks)], each also saved with peft under folder/<name>. lora_A and lora_B are random
+                  targets: tuple[str, ...] = TARGETS, model: Path = SMOLLM2):
+    """`count` random adapters for the checkpoint `model` in one PeftModel (for peft's mixed batches), adapter
+    i of rank ranks[i % len(ranks)], each also saved with peft under folder/<name>. lora_A and lora_B are random
     (peft's B starts at zero: the identity)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     configs = [LoraConfig(r=ranks[i % len(ranks)], lora_alpha=ranks[i % len(ranks)], target_modules=list(targets),
                           lora_dropout=0.0) for i in range(count)]
     names = [f"a{i}" for i in range(count)]
-    model = get_peft_model(base, configs[0], adapter_name=names[0])
+    peft_model = get_peft_model(base, configs[0], adapter_name=names[0])
     for name, config in zip(names[1:], configs[1:], strict=True):
-        model.add_adapter(name, config)
+        peft_model.add_adapter(name, config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for pname, p in model.named_parameters():
+        for pname, p in peft_model.named_parameters():
             if "lora_A" in pname:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
             elif "lora_B" in pname:
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
     folders = {}
     for name in names:
-        model.save_pretrained(folder, selected_adapters=[name])
+        peft_model.save_pretrained(folder, selected_adapters=[name])
         folders[name] = folder / name  # peft writes a non-default adapter into a subfolder of its name
         if not (folders[name] / "adapter_model.safetensors").exists():
             raise SystemExit(f"peft did not write {folders[name]}")
-    return model.eval(), folders
+    return peft_model.eval(), folders
+
+
+def pool_budget(folders: dict[str, Path]) -> int:
+    """The adapter pool's bytes: 1 GiB (--lora-memory-gb's default), or twice the adapters' fp32 files where
+    that is more (the real-size checkpoint's 64 adapters), so that every row's adapter is resident at once."""
+    files = sum((f / "adapter_model.safetensors").stat().st_size for f in folders.values())
+    return max(2**30, 2 * files)
 
 
 class Engine:
-    """The in-process engine as the decoder service runs it on CPU, with its adapter pool (a 1 GiB budget, as
-    --lora-memory-gb's default) when `folders` is given."""
+    """The in-process engine as the decoder service runs it on CPU on the checkpoint `model`, with its adapter
+    pool (pool_budget's bytes) when `folders` is given."""
 
     def __init__(self, folders: dict[str, Path] | None, dtype: str = "fp32", targets: tuple[str, ...] = TARGETS,
-                 rank: int = RANK, num_blocks: int = 2048):
-        self.runner = Runner.from_folder(SMOLLM2, dtype, 16, num_blocks)
+                 rank: int = RANK, num_blocks: int = 2048, model: Path = SMOLLM2):
+        self.runner = Runner.from_folder(model, dtype, 16, num_blocks)
         self.registry = None
         leases = None
         if folders is not None:
-            pool = AdapterPool(self.runner.model, targets, 2**30, rank)
+            pool = AdapterPool(self.runner.model, targets, pool_budget(folders), rank)
             self.runner.attach_lora(pool)
             self.registry = AdapterRegistry(pool, len(folders))
             for name, folder in folders.items():
@@ -138,9 +152,9 @@ def peft_generate(model, batch: list[list[int]], adapters: list[str | None], max
     return outputs, sum(map(len, outputs)) / seconds
 
 
-def run_vllm(batch, adapters, folders, max_tokens: int, threads: int) -> dict:
+def run_vllm(batch, adapters, folders, max_tokens: int, threads: int, model: Path = SMOLLM2) -> dict:
     job = {"prompts": batch, "adapters": adapters, "folders": {n: str(f) for n, f in folders.items()}}
-    return run_vllm_peer("vllm_lora.py", ["--max-tokens", str(max_tokens)], job, threads)
+    return run_vllm_peer("vllm_lora.py", ["--max-tokens", str(max_tokens)], job, threads, model=model)
 
 
 def mixed_part(args) -> list[str]:
@@ -150,10 +164,10 @@ def mixed_part(args) -> list[str]:
     mixed = [names[i % len(names)] for i in range(len(batch))]
     ratios = []
     with tempfile.TemporaryDirectory(prefix="tessera-bench-lora-") as tmp:
-        peft_model, folders = make_adapters(Path(tmp), args.adapters)
-        print(f"{len(batch)} rows over {len(folders)} random rank-{RANK} adapters on {','.join(TARGETS)}; "
-              f"{args.max_tokens} new tokens per row; fp32, {args.threads} threads")
-        lora, base = Engine(folders), Engine(None)
+        peft_model, folders = make_adapters(Path(tmp), args.adapters, model=args.model)
+        print(f"{args.shape}: {len(batch)} rows over {len(folders)} random rank-{RANK} adapters on "
+              f"{','.join(TARGETS)}; {args.max_tokens} new tokens per row; fp32, {args.threads} threads")
+        lora, base = Engine(folders, model=args.model), Engine(None, model=args.model)
         best_lora, best_base = best_of(lora, base, batch, mixed, args.max_tokens)
         mine, e2e, decode = best_lora
         print(f"(a) tessera decode: {decode:.1f} tok/s with {len(names)} adapters mixed, {best_base[2]:.1f} tok/s "
@@ -162,14 +176,19 @@ def mixed_part(args) -> list[str]:
         del base
 
         # (b) peft's mixed-adapter generate on the same rows.
-        theirs, peft_tps = peft_generate(peft_model, batch, mixed, args.max_tokens)
-        print(f"(b) peft mixed-adapter generate: {peft_tps:.1f} tok/s end to end vs tessera {e2e:.1f} tok/s; "
-              f"identical greedy outputs {agreement(mine, theirs):.0%} of rows")
-        ratios.append(f"vs_peft={e2e / peft_tps:.2f}x")
+        if args.no_peft:
+            print("(b) peft skipped (--no-peft)")
+        else:
+            theirs, peft_tps = peft_generate(peft_model, batch, mixed, args.max_tokens)
+            print(f"(b) peft mixed-adapter generate: {peft_tps:.1f} tok/s end to end vs tessera {e2e:.1f} tok/s; "
+                  f"identical greedy outputs {agreement(mine, theirs):.0%} of rows")
+            ratios.append(f"vs_peft={e2e / peft_tps:.2f}x")
         del peft_model, lora
 
-        if not args.no_peer:
-            peer = run_vllm(batch, mixed, folders, args.max_tokens, args.threads)
+        if args.no_peer:
+            print("(c) vLLM skipped (--no-peer)")
+        else:
+            peer = run_vllm(batch, mixed, folders, args.max_tokens, args.threads, args.model)
             print(f"(c) vLLM enable_lora, a LoRARequest per row: {peer['lora']['tok_s']:.1f} tok/s end to end vs "
                   f"tessera {e2e:.1f} tok/s; identical outputs {agreement(mine, peer['lora']['outputs']):.0%} of "
                   f"rows; vLLM's own overhead {peer['lora']['tok_s'] / peer['base']['tok_s']:.2f} "
@@ -212,13 +231,16 @@ def distinct_part(args) -> list[str]:
     ratios = []
     for label, targets, ranks in DISTINCT:
         with tempfile.TemporaryDirectory(prefix="tessera-bench-lora-") as tmp:
-            peft_model, folders = make_adapters(Path(tmp), count, ranks=ranks, targets=targets)
-            print(f"(d) every row on its own adapter: {count} random adapters of rank "
+            peft_model, folders = make_adapters(Path(tmp), count, ranks=ranks, targets=targets, model=args.model)
+            if args.no_peft:
+                del peft_model                # its base and adapters are the largest thing held here
+            print(f"(d) {args.shape}, every row on its own adapter: {count} random adapters of rank "
                   f"{' and '.join(map(str, ranks))} on {','.join(targets)}; {args.max_tokens} new tokens per row; "
                   f"{args.threads} threads")
             mine = e2e = None
             for dtype in ("fp32", "bf16"):
-                lora, base = Engine(folders, dtype, targets, max(ranks)), Engine(None, dtype)
+                lora = Engine(folders, dtype, targets, max(ranks), model=args.model)
+                base = Engine(None, dtype, model=args.model)
                 weights = sum(p.numel() * p.element_size() for p in base.runner.model.parameters()) / 1e6
                 cells = []
                 for rows in (1, 4, 64):
@@ -232,15 +254,21 @@ def distinct_part(args) -> list[str]:
                       f"{adapter_bytes(lora.runner, targets, ranks, count):.0f} MB of adapter rows beside the "
                       f"model's {weights:.0f} MB of weights")
                 del lora, base
-            theirs, peft_tps = peft_generate(peft_model, batch, names, args.max_tokens)
-            print(f"(e) peft mixed-adapter generate, {count} adapters: {peft_tps:.1f} tok/s end to end vs tessera "
-                  f"{e2e:.1f} tok/s; identical greedy outputs {agreement(mine, theirs):.0%} of rows")
-            ratios.append(f"{label}_vs_peft={e2e / peft_tps:.2f}x")
-            del peft_model
-            if not args.no_peer:
+            if args.no_peft:
+                print("(e) peft skipped (--no-peft)")
+            else:
+                theirs, peft_tps = peft_generate(peft_model, batch, names, args.max_tokens)
+                print(f"(e) peft mixed-adapter generate, {count} adapters: {peft_tps:.1f} tok/s end to end vs "
+                      f"tessera {e2e:.1f} tok/s; identical greedy outputs {agreement(mine, theirs):.0%} of rows")
+                ratios.append(f"{label}_vs_peft={e2e / peft_tps:.2f}x")
+                del peft_model
+            if args.no_peer:
+                print("(f) vLLM skipped (--no-peer)")
+            else:
                 job = {"prompts": batch, "adapters": names, "folders": {n: str(f) for n, f in folders.items()},
                        "max_loras": count, "max_cpu_loras": count, "max_lora_rank": max(ranks)}
-                peer = run_vllm_peer("vllm_lora.py", ["--max-tokens", str(args.max_tokens)], job, args.threads)
+                peer = run_vllm_peer("vllm_lora.py", ["--max-tokens", str(args.max_tokens)], job, args.threads,
+                                     model=args.model)
                 print(f"(f) vLLM enable_lora, max_loras {count}: {peer['lora']['tok_s']:.1f} tok/s end to end vs "
                       f"tessera {e2e:.1f}; vLLM's own ratio {peer['lora']['tok_s'] / peer['base']['tok_s']:.2f}; "
                       f"identical outputs {agreement(mine, peer['lora']['outputs']):.0%} of rows")
@@ -257,6 +285,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per row (as bench/decoder.py)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for every engine")
     ap.add_argument("--no-peer", action="store_true", help="skip the vLLM peer")
+    ap.add_argument("--no-peft", action="store_true", help="skip peft's generate ((b) and (e))")
+    ap.add_argument("--real-layers", type=int, default=0,
+                    help="run every part on the Llama-3.2-1B-shaped checkpoint with this many layers "
+                         f"(bench/real_checkpoint.py, {real_checkpoint.LAYERS} is the real depth); 0: SmolLM2")
     ap.add_argument("--registered", type=int, default=1000, help="(z) adapters on disk")
     ap.add_argument("--requests", type=int, default=512, help="(z) requests")
     ap.add_argument("--clients", type=int, default=64, help="(z) concurrent clients")
@@ -265,8 +297,13 @@ def main() -> None:
     ap.add_argument("--lora-memory-gb", type=float, default=1.0, help="(z) the decoder's adapter budget")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.real_layers:
+        args.model = real_checkpoint.write(args.real_layers, SMOLLM2)
+        args.shape = f"Llama-3.2-1B shape, {args.real_layers} layers, random weights ({args.model.name})"
+    else:
+        args.model, args.shape = SMOLLM2, SMOLLM2.name
     cpu = platform_cpu()
-    print(f"CPU: {cpu}")
+    print(f"CPU: {cpu}; model: {args.shape}")
     ratios = []
     if args.part in ("mixed", "all"):
         ratios += mixed_part(args)
@@ -274,7 +311,26 @@ def main() -> None:
         ratios += distinct_part(args)
     if args.part in ("zipf", "all"):
         ratios += zipf_part(args, prompts, run_vllm_peer)
-    print(f"ratios ({cpu}): " + " ".join(ratios))
+    print(f"goals ({cpu}; {args.shape}): " + ("; ".join(verdicts(ratios)) or "none measured by this part"))
+    print(f"ratios ({cpu}; {args.shape}): " + " ".join(ratios))
+
+
+# The issue's goals over the ratios' names: decode with every row on its own adapter at 64 rows, and at 1 and 4;
+# the Zipf traffic over 1,000 adapters.
+GOALS = ((re.compile(r"_(fp32|bf16)_64$"), 0.9), (re.compile(r"_(fp32|bf16)_[14]$"), 0.85),
+         (re.compile(r"^zipf_of_base$"), 0.8))
+
+
+def verdicts(ratios: list[str]) -> list[str]:
+    """'NAME VALUE>=GOAL met' (or '<GOAL missed') for each ratio that a goal names."""
+    out = []
+    for item in ratios:
+        name, _, value = item.partition("=")
+        for pattern, goal in GOALS:
+            if pattern.search(name):
+                got = float(value.rstrip("x"))
+                out.append(f"{name} {got:.2f}>={goal} met" if got >= goal else f"{name} {got:.2f}<{goal} missed")
+    return out
 
 
 def platform_cpu() -> str:

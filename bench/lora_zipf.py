@@ -1,8 +1,9 @@
 """bench/lora.py --part zipf: a thousand adapters on disk, Zipf traffic from 64 concurrent clients.
 
-The decoder service runs as a user starts it (`python -m services.decoder`, SmolLM2-135M-Instruct fp32,
-`--threads` threads), with `--lora-root` holding `--registered` random rank-`--rank` PEFT adapters on q/k/v/o
-(written with safetensors in peft's layout) and nothing registered at start: each adapter is loaded by
+The decoder service runs as a user starts it (`python -m services.decoder`, SmolLM2-135M-Instruct fp32, or
+with --real-layers the Llama-3.2-1B-shaped checkpoint of bench/real_checkpoint.py; `--threads` threads), with
+`--lora-root` holding `--registered` random rank-`--rank` PEFT adapters on q/k/v/o (written with safetensors
+in peft's layout) and nothing registered at start: each adapter is loaded by
 name on its first request. `--clients` closed-loop gRPC clients each send Generate calls one after another
 (greedy, `--max-tokens` new tokens, eos ignored), the adapter of each drawn from a Zipf law (exponent
 `--zipf`) over the registered names. The same service, the same prompts, without adapters, is the base.
@@ -36,16 +37,17 @@ from services.common.pb import decoder_pb2, decoder_pb2_grpc
 ZIPF_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def write_adapters(root: Path, count: int, rank: int, seed: int = 0) -> int:
-    """`count` random PEFT LoRA folders root/z0000... (peft 0.21's key names and config); bytes of one."""
-    cfg = json.loads((SMOLLM2 / "config.json").read_text())
+def write_adapters(root: Path, count: int, rank: int, seed: int = 0, model: Path = SMOLLM2) -> int:
+    """`count` random PEFT LoRA folders root/z0000... for the checkpoint `model` (peft 0.21's key names and
+    config); bytes of one."""
+    cfg = json.loads((model / "config.json").read_text())
     hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = hidden // heads
-    shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv_heads * head_dim),
-              "v_proj": (hidden, kv_heads * head_dim), "o_proj": (hidden, hidden)}
+    head_dim = cfg.get("head_dim") or hidden // heads
+    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
+              "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden)}
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank,
               "target_modules": list(ZIPF_TARGETS), "lora_dropout": 0.0, "bias": "none",
-              "base_model_name_or_path": str(SMOLLM2)}
+              "base_model_name_or_path": str(model)}
     gen = torch.Generator().manual_seed(seed)
     nbytes = 0
     for i in range(count):
@@ -116,8 +118,8 @@ async def drive(port: int, prompts: list[list[int]], adapters: list[str | None],
 
 
 def start_decoder(port: int, root: Path, threads: int, rank: int, registered: int, memory_gb: float,
-                  log: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "services.decoder", "--model", str(SMOLLM2), "--host", "127.0.0.1",
+                  log: Path, model: Path = SMOLLM2) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "services.decoder", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--threads", str(threads), "--insecure-no-auth", "--lora-root", str(root),
             "--lora-on-demand", "--max-cpu-loras", str(registered), "--max-lora-rank", str(rank),
             "--lora-memory-gb", str(memory_gb),
@@ -154,16 +156,17 @@ def zipf_part(args, prompts_of, run_vllm_peer) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="tessera-bench-zipf-") as tmp:
         root = Path(tmp) / "adapters"
         t0 = time.perf_counter()
-        one = write_adapters(root, args.registered, args.rank)
-        print(f"(z) {args.registered} rank-{args.rank} adapters on {','.join(ZIPF_TARGETS)} written under "
-              f"--lora-root in {time.perf_counter() - t0:.0f} s ({one / 2**20:.1f} MiB each); {args.requests} "
-              f"requests, Zipf {args.zipf} over them ({len(set(names))} distinct), {args.clients} clients, "
-              f"{args.max_tokens} new tokens each; --lora-memory-gb {args.lora_memory_gb}")
+        one = write_adapters(root, args.registered, args.rank, model=args.model)
+        print(f"(z) {args.shape}: {args.registered} rank-{args.rank} adapters on {','.join(ZIPF_TARGETS)} "
+              f"written under --lora-root in {time.perf_counter() - t0:.0f} s ({one / 2**20:.1f} MiB each); "
+              f"{args.requests} requests, Zipf {args.zipf} over them ({len(set(names))} distinct), {args.clients} "
+              f"clients, {args.max_tokens} new tokens each; --lora-memory-gb {args.lora_memory_gb}")
         port = free_port()
         proc = start_decoder(port, root, args.threads, args.rank, args.registered, args.lora_memory_gb,
-                             Path(tmp) / "decoder.log")
+                             Path(tmp) / "decoder.log", model=args.model)
         try:
-            asyncio.run(drive(port, prompts[:8], [None] * 8, 8, 4))               # warm
+            warm = prompts[:8]
+            asyncio.run(drive(port, warm, [None] * len(warm), 8, 4))              # warm
             base = asyncio.run(drive(port, prompts, [None] * len(prompts), args.clients, args.max_tokens))
             mine = asyncio.run(drive(port, prompts, names, args.clients, args.max_tokens))
             again = asyncio.run(drive(port, prompts, [None] * len(prompts), args.clients, args.max_tokens))
@@ -185,12 +188,15 @@ def zipf_part(args, prompts_of, run_vllm_peer) -> list[str]:
               f"{percentile(load_ms, 0.5):.0f} ms / max {max(load_ms, default=float('nan')):.0f} ms "
               f"({len(load_ms)} loads)")
         ratios = [f"zipf_of_base={mine.tok_s / base_tok_s:.2f}"]
-        if not args.no_peer:
+        if args.no_peer:
+            print("(z) vLLM skipped (--no-peer)")
+        else:
             budget = max(1, int(args.lora_memory_gb * 2**30 // one))
             job = {"prompts": prompts, "adapters": names,
                    "folders": {n: str(root / n) for n in sorted(set(names))},
                    "max_loras": min(budget, args.clients), "max_cpu_loras": budget, "max_lora_rank": args.rank}
-            peer = run_vllm_peer("vllm_lora.py", ["--max-tokens", str(args.max_tokens)], job, args.threads)
+            peer = run_vllm_peer("vllm_lora.py", ["--max-tokens", str(args.max_tokens)], job, args.threads,
+                                 model=args.model)
             print(f"(z) vLLM enable_lora (max_loras {job['max_loras']}, max_cpu_loras {budget}): "
                   f"{peer['lora']['tok_s']:.1f} tok/s with the Zipf adapters, {peer['base']['tok_s']:.1f} without "
                   f"(its ratio {peer['lora']['tok_s'] / peer['base']['tok_s']:.2f})")

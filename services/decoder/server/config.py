@@ -100,15 +100,23 @@ class DecoderConfig:
                                        f" needs --enable-auto-tool-choice", metavar="NAME")
     # LoRA adapters (services/decoder/lora). --max-loras 0 installs no adapter store at all; on CPU the
     # adapters live in a byte-budgeted pool (lora/pool.py), on CUDA in --max-loras fixed slots (lora/bank.py).
-    max_loras: int = option(4, "CUDA: adapter slots resident on the device (adapters in one batch); CPU: no cap "
-                               "(adapters share the --lora-memory-gb pool); 0 disables LoRA")
+    max_loras: int = option(4, "0 disables LoRA. CUDA: adapter slots on the device, each padded to "
+                               "--max-lora-rank: the most distinct adapters in one batch (a request whose "
+                               "adapter has no slot waits in the queue for one). CPU: any value >= 1 only turns "
+                               "LoRA on; adapters share the --lora-memory-gb pool, with no count per batch")
     max_lora_rank: int = option(16, "largest adapter rank; on CUDA every slot is padded to it, on CPU it only "
                                     "bounds ranks")
     lora_memory_gb: float = option(1.0, "CPU: GiB that resident adapters may take (each adapter costs its rank "
                                         "times (in + out) of every projection it covers, in the serving dtype; "
                                         "idle ones are evicted least recently used first when a request needs "
-                                        "room); unused on CUDA", metavar="GB")
-    max_cpu_loras: int = option(16, "adapters registered on the host (>= --max-loras); the rest wait for a slot")
+                                        "room; a request whose adapter finds no room waits in the queue). "
+                                        "Unused on CUDA (--max-loras slots)", metavar="GB")
+    max_cpu_loras: int = option(16, "most adapters registered at once (--lora, LoadAdapter, --lora-on-demand), "
+                                    "their weights kept in host memory: past it a registration is refused, or "
+                                    "an on-demand load evicts the least recently used idle on-demand adapter. "
+                                    "CUDA: they take turns in the --max-loras slots, so it must be >= "
+                                    "--max-loras; CPU: a registered adapter enters the --lora-memory-gb pool "
+                                    "when a request needs it")
     lora_targets: tuple[str, ...] = option(LORA_TARGETS, "projections that can carry adapters (repeatable)",
                                            metavar="PROJ")
     lora_root: str = option("", "folder that LoadAdapter paths (and --lora-on-demand names) are confined to; "
@@ -165,8 +173,11 @@ class DecoderConfig:
             raise ValueError("max_loras must be >= 0 and max_lora_rank at least 1")
         if not self.lora_memory_gb > 0:
             raise ValueError("lora_memory_gb must be positive")
-        if self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        # The CUDA bank's --max-loras slots are filled from the registry, so fewer registered adapters than
+        # slots would leave slots no adapter can fill; the CPU pool has no slots (--max-loras only turns it on).
+        if self.device.partition(":")[0] != "cpu" and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}) "
+                             f"on {self.device}: a slot for each")
         bad = sorted(set(self.lora_targets) - set(LORA_TARGETS))
         if bad or not self.lora_targets:
             raise ValueError(f"lora_targets {bad or '(empty)'}: choose from {', '.join(LORA_TARGETS)}")

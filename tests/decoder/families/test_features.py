@@ -40,7 +40,15 @@ from services.decoder.runner import Runner
 from tests.decoder.drive import drive, token_ids
 from tests.decoder.families.routing import force_routing, reference_routing
 from tests.decoder.families.tokenizer import SPECIALS, STOP_IDS, char_tokenizer
-from tests.decoder.lora.adapters import Spec, lora_engine, peft_mixed, register, write_adapter
+from tests.decoder.lora.adapters import (
+    Spec,
+    assert_distinct_batch_equals_peft,
+    derived_adapter,
+    lora_engine,
+    peft_mixed,
+    register,
+    write_adapter,
+)
 from tests.decoder.model.checkpoints import CASES, TINY_SHAPE, VOCAB, build, greedy_reference, load_reference
 from tests.decoder.model.test_int4 import dequantized_reference as int4_reference
 from tests.decoder.model.test_quantization import dequantized_reference
@@ -286,6 +294,64 @@ def test_mixed_adapter_batch_equals_peft(folder, adapters, speculative, store):
         assert core.stats().num_accepted_tokens > 0
     core.check_idle()
     assert registry.total_refs == 0
+
+
+# Many adapters in one batch: every row on its own adapter (the CPU pool's promise, docs/adapters.md), ranks 2
+# to 8 mixed, on the attention's projections, the rest, or both; two base rows beside them.
+MANY_ROWS = 64
+MANY_TOKENS = 3
+
+
+def batch_first(reference, modules: tuple[str, ...]) -> tuple[str, ...]:
+    """The modules among `modules` whose input has the batch as its first dimension. peft's mixed batch
+    (adapter_names) splits a module's input by batch row, so it serves only these: not, say, a mixture's shared
+    expert, which sees the tokens flattened."""
+    firsts = {}
+
+    def record(name):
+        def hook(_, args):
+            firsts.setdefault(name, args[0].shape[0])     # returns None: the input goes on unchanged
+        return hook
+    hooks = [reference.get_submodule(m).register_forward_pre_hook(record(m)) for m in modules]
+    with torch.no_grad():
+        reference(input_ids=torch.full((2, 3), 5))
+    for hook in hooks:
+        hook.remove()
+    return tuple(m for m in modules if firsts.get(m) == 2)
+
+
+@pytest.fixture(scope="module")
+def many_adapters(folder, reference, adapters, tmp_path_factory):
+    """(MANY_ROWS adapter folders, peft holding them all): on the attn adapter's targets, the rest adapter's
+    (both of which the adapters fixture fitted to the family) or both, each kept to what peft's mixed batch
+    serves; None when the family declines LoRA."""
+    if adapters is None:
+        return None
+    folders, _ = adapters
+    out = tmp_path_factory.mktemp("features_many")
+    targets = [batch_first(reference, tuple(json.loads((folders[n] / "adapter_config.json").read_text())
+                                            ["target_modules"])) for n in ("attn", "rest")]
+    assert targets[0], "no attention projection that peft's mixed batch serves"
+    specs = [Spec("attn", 8, 8.0, targets[0], 33), Spec("rest", 8, 8.0, targets[1] or targets[0], 34),
+             Spec("both", 8, 8.0, tuple(sorted(set(sum(targets, ())))), 35)]
+    templates = [write_adapter(folder, out, spec) for spec in specs]
+    # alpha / r of 0.5 to 1: a correction beside the base projection's output rather than several times it,
+    # so the shared tolerance (scaled to the logits) bounds the arithmetic, not amplified activations.
+    ranks = [(2, 4, 6, 8)[i % 4] for i in range(MANY_ROWS)]
+    many = {f"m{i:02d}": derived_adapter(templates[i % 3], out / f"m{i:02d}", r, r * (0.5 + 0.25 * (i % 3)), 200 + i)
+            for i, r in enumerate(ranks)}
+    return many, peft_mixed(folder, many)
+
+
+def test_mixed_adapter_batch_of_many_distinct_adapters_equals_peft(folder, many_adapters):
+    """MANY_ROWS rows, each on its own adapter, with two base rows: one forward as peft's mixed batch, and
+    greedy tokens through the engine (all admitted at once) as peft's generate, in the CPU pool."""
+    if many_adapters is None:
+        return                               # declined, and refused with the reason (the adapters fixture checked)
+    folders, peft = many_adapters
+    core, registry = lora_engine(folder, max_rank=8, pool_bytes=2**26, cpu_loras=MANY_ROWS, num_blocks=1024,
+                                 budget=512, max_seqs=MANY_ROWS)
+    assert_distinct_batch_equals_peft(core, registry, folders, peft, MANY_TOKENS, BLOCK)
 
 
 # -- structured outputs -----------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from services.common.pb import decoder_pb2, decoder_pb2_grpc
 from tests.decoder.lora.adapters import Spec, write_adapter
-from tests.decoder.lora.test_service_lora import generate, listed, rpc_error, wait_refs
+from tests.decoder.lora.test_service_lora import PROMPT, generate, listed, rpc_error, wait_refs
 from tests.loops import LoopThread
 
 D = decoder_pb2
@@ -181,6 +181,35 @@ def test_concurrent_requests_share_one_load(stub, server):
     go.set()
     results = [j() for j in joins]
     assert calls == ["two"] and all(r[0] == results[0][0] for r in results)
+
+
+def test_a_request_whose_adapter_loads_holds_no_seat_and_no_kv(stub, server):
+    """While its adapter's read runs, the request is nowhere in the engine: no running or waiting seat, no
+    lease, every KV block free; a base request admitted meanwhile is the engine's only request (its blocks the
+    only ones held) and completes before the load ends."""
+    _, _, on_demand = server
+    go, started, _ = gated(on_demand, {"three"})
+    cold = in_thread(lambda: generate(stub, "three"))
+    assert started.wait(30)
+    wait_for(lambda: on_demand._pins.get("three") == 1)
+
+    def stats():
+        return stub.GetModelInfo(D.GetModelInfoRequest()).stats
+
+    def idle(s):
+        return (s.running, s.waiting, s.adapter_refs, s.free_blocks) == (0, 0, 0, s.total_blocks)
+    assert idle(before := stats()), before
+    base = stub.Generate(D.GenerateRequest(token_ids=PROMPT, sampling=D.SamplingParams(
+        temperature=0, max_tokens=96, ignore_eos=True)))
+    first = next(base)                                       # the base request is in the engine now
+    during = stats()
+    tokens = [*first.token_ids, *(t for m in base for t in m.token_ids)]
+    assert (during.running, during.waiting, during.adapter_refs) == (1, 0, 0), during
+    assert 0 < during.total_blocks - during.free_blocks <= -(-(len(PROMPT.ids) + 96) // 4), during
+    assert len(tokens) == 96 and cold.thread.is_alive()
+    assert idle(after := stats()), after
+    go.set()
+    assert cold()[0] and "three" in listed(stub)
 
 
 def test_a_hot_adapter_does_not_wait_for_a_cold_load(stub, server):

@@ -16,14 +16,29 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Overloaded
 from services.decoder.engine.scheduler import LEASE_PATIENCE
 from services.decoder.engine.step import SamplingParams, StepInput
 from services.decoder.kernels import lora_cpu
-from services.decoder.lora import TARGETS, AdapterPool, AdapterRegistry, adapter_request, prepare_weights
+from services.decoder.lora import (
+    TARGETS,
+    AdapterBank,
+    AdapterPool,
+    AdapterRegistry,
+    adapter_request,
+    prepare_weights,
+)
 from services.decoder.lora.pool import step_rows
 from services.decoder.model.loader import load_model
-from tests.decoder.lora.adapters import Spec, lora_engine, peft_mixed, register, write_adapter
+from services.decoder.server.config import DecoderConfig
+from tests.decoder.lora.adapters import (
+    Spec,
+    assert_distinct_batch_equals_peft,
+    lora_engine,
+    peft_mixed,
+    register,
+    write_adapter,
+)
 from tests.decoder.lora.test_engine_lora import drive, run_one
 from tests.decoder.lora.test_registry import NAMES, RegistryMachine
 from tests.decoder.model.checkpoints import TINY_SHAPE, build
@@ -196,6 +211,22 @@ def test_step_rows_and_activate(model_folder):
         step_rows([(0, 1, 5)], 1, pool._rows_of)
 
 
+def test_cpu_registry_may_hold_fewer_adapters_than_max_loras(model_folder):
+    """On CPU --max-loras only turns LoRA on (the pool has bytes, not slots), so --max-cpu-loras below it is a
+    valid config and the registry counts --max-cpu-loras alone; where slots exist (CUDA's bank) each slot needs
+    a registered adapter to fill it, and both the config and the registry refuse fewer."""
+    cfg = DecoderConfig(model="m", max_loras=8, max_cpu_loras=2)
+    registry = AdapterRegistry(AdapterPool(load_model(model_folder)), cfg.max_cpu_loras)
+    for i, name in enumerate("ab"):
+        registry.register(name, make_weights(registry.bank, i, 4, TARGETS))
+    with pytest.raises(Overloaded, match="--max-cpu-loras"):
+        registry.register("c", make_weights(registry.bank, 2, 4, TARGETS))
+    with pytest.raises(ValueError, match="max_cpu_loras \\(2\\) must be at least max_loras \\(8\\) on cuda"):
+        DecoderConfig(model="m", device="cuda", max_loras=8, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="at least the slot count"):
+        AdapterRegistry(AdapterBank(load_model(model_folder), num_slots=8, max_rank=4), 2)
+
+
 def test_registry_evicts_idle_adapters_until_one_fits(model_folder):
     probe = AdapterPool(load_model(model_folder), budget_bytes=2**30)
     unit = probe.footprint(make_weights(probe, 0, 4, TARGETS))
@@ -353,41 +384,7 @@ def test_64_distinct_adapters_in_one_batch_match_peft(many, stack):
         fused.max_rows = 64         # the pin's largest timing row count may be below the batch
         run = fused._run
         fused._run = lambda *a: (stacked.append(a[-1] is not None), run(*a))[1]
-    digests = {n: register(registry, n, f).digest for n, f in folders.items()}
-    assert registry.slots_in_use == 64
-    names = list(folders)
-    torch.manual_seed(11)
-    prompts = torch.randint(4, 150, (64, 6))
-
-    # One forward of all 64 (plus two base rows) against peft's mixed batch.
-    alloc = BlockAllocator(1024)
-    seqs = [Seq(str(i), prompts[i].tolist(), lora_slot=registry.status(n).slot) for i, n in enumerate(names)]
-    seqs += [Seq("b0", prompts[0].tolist()), Seq("b1", prompts[1].tolist())]
-    got, _ = core.runner.logits(StepInput([s.chunk(6, alloc, 4) for s in seqs]))
-    with torch.no_grad():
-        rows = names + ["__base__", "__base__"]
-        want = peft(input_ids=torch.cat([prompts, prompts[:2]]), adapter_names=rows).logits[:, -1].float()
-    assert_close(got, want, **TINY_SHAPE)
-    assert all(not is_close(want[i], want[64 + i % 2], **TINY_SHAPE) for i in (0, 1))
-
-    # Through the engine: all 64 admitted at once (no request waits for room), greedy tokens as peft's.
-    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    for i, n in enumerate(names):
-        adapter, keys = adapter_request(n, digests[n])
-        core.add_request(str(i), prompts[i].tolist(), greedy, extra_keys=keys, adapter=adapter)
-    tokens = {str(i): [] for i in range(64)}
-    most = 0
-    while core.has_unfinished():
-        for out in core.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-        most = max(most, registry.slots_leased)
-    assert most == 64 and registry.num_evictions == 0
-    with torch.no_grad():
-        out = peft.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=4,
-                            do_sample=False, eos_token_id=None, pad_token_id=0, adapter_names=names)
-    assert [tokens[str(i)] for i in range(64)] == out[:, 6:].tolist()
-    core.check_idle()
-    assert registry.total_refs == 0
+    assert_distinct_batch_equals_peft(core, registry, folders, peft, new_tokens=4)
     assert (stack == "on") == (sum(stacked) >= 3)       # every decode step after the prefill, with adapters
 
 
