@@ -202,10 +202,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.state: Loaded | None = None
 
     def close(self, timeout: float | None = None) -> bool:
-        """Stop the engine, then the grammar compiler (GrammarCompiler.close, waiting up to timeout seconds,
-        default the compile deadline): whether no xgrammar call is left running. A process must not exit
-        while one runs (services/decoder/grammar/pool.py), so the server's close path and every in-process
-        server end with this."""
+        """Stop the engine, then the grammar compiler (waiting up to timeout s, default the compile deadline):
+        whether no xgrammar call is left running, since a process must not exit under one (grammar/pool.py)."""
         if self.state is None:
             return True
         self.state.engine.stop()
