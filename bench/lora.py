@@ -154,6 +154,18 @@ def peft_generate(model, batch: list[list[int]], adapters: list[str | None], max
     return outputs, sum(map(len, outputs)) / seconds
 
 
+def peft_part(args, tag: str, what: str, peft_model, batch, adapters, mine, e2e: float, name: str) -> list[str]:
+    """peft's mixed-adapter generate on the rows tessera ran (outputs `mine`, `e2e` tok/s end to end): prints the
+    line `tag` and returns the ratio [name=tessera/peft], or [] with --no-peft."""
+    if args.no_peft:
+        print(f"{tag} peft skipped (--no-peft)")
+        return []
+    theirs, peft_tps = peft_generate(peft_model, batch, adapters, args.max_tokens)
+    print(f"{tag} peft mixed-adapter generate{what}: {peft_tps:.1f} tok/s end to end vs tessera {e2e:.1f} tok/s; "
+          f"identical greedy outputs {agreement(mine, theirs):.0%} of rows")
+    return [f"{name}={e2e / peft_tps:.2f}x"]
+
+
 def run_vllm(batch, adapters, folders, max_tokens: int, threads: int, model: Path = SMOLLM2) -> dict:
     job = {"prompts": batch, "adapters": adapters, "folders": {n: str(f) for n, f in folders.items()}}
     return run_vllm_peer("vllm_lora.py", ["--max-tokens", str(max_tokens)], job, threads, model=model)
@@ -178,13 +190,7 @@ def mixed_part(args) -> list[str]:
         del base
 
         # (b) peft's mixed-adapter generate on the same rows.
-        if args.no_peft:
-            print("(b) peft skipped (--no-peft)")
-        else:
-            theirs, peft_tps = peft_generate(peft_model, batch, mixed, args.max_tokens)
-            print(f"(b) peft mixed-adapter generate: {peft_tps:.1f} tok/s end to end vs tessera {e2e:.1f} tok/s; "
-                  f"identical greedy outputs {agreement(mine, theirs):.0%} of rows")
-            ratios.append(f"vs_peft={e2e / peft_tps:.2f}x")
+        ratios += peft_part(args, "(b)", "", peft_model, batch, mixed, mine, e2e, "vs_peft")
         del peft_model, lora
 
         if args.no_peer:
@@ -270,14 +276,9 @@ def distinct_part(args) -> list[str]:
                       f"{adapter_bytes(lora.runner, targets, ranks, count):.0f} MB of adapter rows beside the "
                       f"model's {weights:.0f} MB of weights")
                 del lora, base
-            if args.no_peft:
-                print("(e) peft skipped (--no-peft)")
-            else:
-                theirs, peft_tps = peft_generate(peft_model, batch, names, args.max_tokens)
-                print(f"(e) peft mixed-adapter generate, {count} adapters: {peft_tps:.1f} tok/s end to end vs "
-                      f"tessera {e2e:.1f} tok/s; identical greedy outputs {agreement(mine, theirs):.0%} of rows")
-                ratios.append(f"{label}_vs_peft={e2e / peft_tps:.2f}x")
-                del peft_model
+            ratios += peft_part(args, "(e)", f", {count} adapters", None if args.no_peft else peft_model, batch,
+                                names, mine, e2e, f"{label}_vs_peft")
+            peft_model = None
             if args.no_peer:
                 print("(f) vLLM skipped (--no-peer)")
             else:
