@@ -57,6 +57,9 @@ PATHS: dict[str, tuple[str, ...]] = {
     "attention": ("cpp", "torch"),
     # decoder: every layer of a few-row decode step in one C++ call (services/decoder/runner/fused_decode.py)
     "decode_stack": ("off", "on"),
+    # decoder: the CPU adapter rows' least work per thread, coarse (a few rows' corrections on one thread) or fine
+    # (split over the threads) (services/decoder/lora/pool.py, kernels/lora_cpu.py GRAINS); timed with adapters
+    "lora_split": ("coarse", "fine"),
     # decoder: greedy rows through a bf16 screen of an fp32 head (services/decoder/model/screen.py)
     "screen": ("off", "on"),
     # decoder: how grammar masks are applied to the logits (services/decoder/grammar/mask.py)
@@ -74,7 +77,7 @@ PATHS: dict[str, tuple[str, ...]] = {
 
 # The paths each service runs.
 DECODER = ("linear", "gemv", "int8_gemm", "gemv_bf16_row", "grouped_matmul", "glue", "attention", "decode_stack",
-           "screen", "grammar_mask", "huge_pages", "malloc", "speculation")
+           "screen", "grammar_mask", "huge_pages", "malloc", "speculation", "lora_split")
 POOLING = ("linear", "encoder_attention", "malloc")
 
 

@@ -241,6 +241,12 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // The LoRA rows' least work per task (lora_rows.h COARSE or FINE, as the execution plan chose). Between steps.
+  void set_lora_grain(int64_t grain) {
+    TORCH_CHECK(grain > 0, "decode_stack.set_lora_grain: grain must be positive, got ", grain);
+    lora_grain_ = grain;
+  }
+
   // Target t's arena of `layer` (t in lora.weights.TARGETS order): A [P, K], Bt [P, N] contiguous in the model's
   // dtype, K and N its projection's (columns()); None clears it. Between steps only (the step reads them).
   void set_lora(int64_t layer, int64_t target, c10::optional<at::Tensor> A, c10::optional<at::Tensor> Bt) {
@@ -300,6 +306,7 @@ class DecodeStack {
   at::ScalarType dtype_;
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
+  int64_t lora_grain_ = tessera_lora::COARSE;
 
   tessera_lora::Columns columns(int t) const { return tessera_lora::columns(t, H_, KVH_, D_, hidden_, inter_); }
 
@@ -388,12 +395,15 @@ class DecodeStack {
           for (int64_t i = m * width; i < (m + 1) * width; ++i) buf[i] = rnd<BF16>(tessera_vec::widen(src[i]));
         });
       });
+      tessera_lora::Job<T, T, float> jobs[tessera_lora::TARGETS];
+      int count = 0;
       for (int t = t0; t < t1; ++t) {
         if (!step.active[t]) continue;
         const tessera_lora::Columns c = columns(t);
-        tessera_lora::rows<BF16>(in, c.k, buf + c.col, width, L.lora.a[t].data_ptr<T>(), L.lora.bt[t].data_ptr<T>(),
-                                 c.k, c.n, step.offsets + t * M, step.ranks + t * M, M);
+        jobs[count++] = {in, c.k, buf + c.col, width, L.lora.a[t].data_ptr<T>(), L.lora.bt[t].data_ptr<T>(),
+                         c.k, c.n, step.offsets + t * M, step.ranks + t * M, M};
       }
+      tessera_lora::rows<BF16>(jobs, count, lora_grain_);  // the targets' blocks in one parallel region
       return {buf, nullptr};
     };
     for (const Layer& L : layers_) {
@@ -458,6 +468,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_layers", &DecodeStack::num_layers)
       .def("set_lora", &DecodeStack::set_lora, "a layer's arena for one LoRA target (None, None: none)",
            pybind11::arg("layer"), pybind11::arg("target"), pybind11::arg("A"), pybind11::arg("Bt"))
+      .def("set_lora_grain", &DecodeStack::set_lora_grain, "the LoRA rows' least work per task (lora_rows.h)",
+           pybind11::arg("grain"))
       .def("forward", &DecodeStack::forward, "every layer of a few-row decode step, x in place",
            pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("slots"),
            pybind11::arg("block_tables"), pybind11::arg("context_lens"), pybind11::arg("lora_offsets") = pybind11::none(),

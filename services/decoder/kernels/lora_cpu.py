@@ -8,21 +8,28 @@ the torch computation it must match.
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
-from services.common import native
+from services.common import native, plan
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 BLOCK = 8             # rows on one adapter that share one read of its rows (lora_rows.h)
 DTYPES = (torch.float32, torch.bfloat16)
+# A call's least work per thread, in arena weights (lora_rows.h COARSE, FINE): below twice it the call runs on one
+# thread. Which is faster depends on the CPU and the dtype; the adapter pool times both at load (lora/pool.py).
+GRAINS = {"coarse": 1 << 16, "fine": 1 << 14}
+# time_grains: rows on distinct adapters of this rank (where the grains differ: a few rows' work lies between
+# them), streamed from an arena of about this many bytes, more than a cache holds (a step's adapter rows are).
+TIMING_ROWS, TIMING_RANK, TIMING_BYTES = 4, 16, 64 << 20
 OPERATOR = native.Operator("lora_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
 
 
 def lora_rows(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, offsets: torch.Tensor,
-              ranks: torch.Tensor) -> torch.Tensor:
+              ranks: torch.Tensor, grain: int = GRAINS["coarse"]) -> torch.Tensor:
     """y += each row's LoRA correction, in place; returns y.
 
     y [M, N], x [M, K] (rows unit-strided, e.g. contiguous), A [P, K] and Bt [P, N] contiguous, all one dtype,
@@ -32,11 +39,33 @@ def lora_rows(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tenso
 
     Sums in fp32 (bf16 on a CPU with avx512_bf16: its dot product, exact products, subnormals as zero); in
     bf16 rounded where the torch path stores (see lora_rows_ref). Rows with one (offset, rank), consecutive or
-    not, share reads of their rows in blocks of BLOCK; the blocks run on the threads (when there is enough work).
-    Each row's result is the same bit for bit whatever the other rows and the thread count.
+    not, share reads of their rows in blocks of BLOCK; the blocks run on the threads when there is at least twice
+    `grain` work (GRAINS). Each row's result is the same bit for bit whatever the other rows, the thread count
+    and the grain.
     """
-    load().lora_rows(y, x, A, Bt, offsets, ranks)
+    load().lora_rows(y, x, A, Bt, offsets, ranks, grain)
     return y
+
+
+@functools.cache
+def time_grains(width: int, dtype: torch.dtype) -> dict[str, float]:
+    """{grain name: seconds} of 32 lora_rows calls on a [width -> width] projection, TIMING_ROWS rows each on its
+    own rank-TIMING_RANK adapter, every call on fresh arena rows (plan.fastest); once per process and shape."""
+    span = TIMING_ROWS * TIMING_RANK
+    P = max(32 * span, TIMING_BYTES // (2 * width * dtype.itemsize) // span * span)
+    gen = torch.Generator().manual_seed(0)
+    A = (torch.rand(P, width, generator=gen) - 0.5).to(dtype)
+    Bt = (torch.rand(P, width, generator=gen) - 0.5).to(dtype)
+    x, y = torch.rand(TIMING_ROWS, width, generator=gen).to(dtype), torch.zeros(TIMING_ROWS, width, dtype=dtype)
+    ranks = torch.full((TIMING_ROWS,), TIMING_RANK, dtype=torch.int32)
+    steps = [torch.arange(o, o + span, TIMING_RANK, dtype=torch.int32) for o in range(0, P, span)]
+    cursor = dict.fromkeys(GRAINS, 0)
+
+    def call(name: str) -> None:
+        for _ in range(32):
+            lora_rows(y, x, A, Bt, steps[cursor[name]], ranks, GRAINS[name])
+            cursor[name] = (cursor[name] + 1) % len(steps)
+    return plan.fastest({name: (lambda name=name: call(name)) for name in GRAINS})
 
 
 def lora_rows_torch(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, offsets: torch.Tensor,

@@ -345,16 +345,48 @@ inline void with_count(int64_t count, F&& f) {
 }
 
 
-constexpr int64_t GRAIN = 1 << 16;  // arena weights (read, and multiplied by a block's rows) per task at least
+// A task's least work, in arena weights read (and multiplied by a block's rows): below twice it a call runs on one
+// thread. Which of the two wins depends on the CPU and the dtype (a split adds the threads' wake-up, a lone thread
+// streams the rows at one core's bandwidth), so the execution plan times both at load (lora_cpu.py GRAINS).
+constexpr int64_t COARSE = 1 << 16, FINE = 1 << 14;
 
-// y[m, :N] += (x[m, :K] @ A[o:o+r]^T) @ Bt[o:o+r] for every row m with r = ranks[m] > 0, o = offsets[m]; x rows
-// ldx apart, y rows ldy apart; A [P, K], Bt [P, N] contiguous. Sums in fp32; ROUND (bf16): h, the delta and the
-// sum each rounded to bf16 as torch stores them. Y may be fp32 holding bf16 values (the decode stack's buffers).
+// One projection's corrections: y[m, :N] += (x[m, :K] @ A[o:o+r]^T) @ Bt[o:o+r] for every row m < M with
+// r = ranks[m] > 0, o = offsets[m]; x rows ldx apart, y rows ldy apart; A [P, K], Bt [P, N] contiguous.
+template <typename X, typename W, typename Y>
+struct Job {
+  const X* x;
+  int64_t ldx;
+  Y* y;
+  int64_t ldy;
+  const W* A;
+  const W* Bt;
+  int64_t K, N;
+  const int32_t* offsets;
+  const int32_t* ranks;
+  int64_t M;
+};
+
+// Every job's corrections, their blocks in one parallel region (the targets of one projection share it, so a
+// few rows on several targets still fill the threads). Sums in fp32; ROUND (bf16): h, the delta and the sum each
+// rounded to bf16 as torch stores them. Y may be fp32 holding bf16 values (the decode stack's buffers). The jobs'
+// outputs must not overlap. grain: COARSE or FINE (or any positive count of weights).
 template <bool ROUND, typename X, typename W, typename Y>
-void rows(const X* x, int64_t ldx, Y* y, int64_t ldy, const W* A, const W* Bt, int64_t K, int64_t N,
-          const int32_t* offsets, const int32_t* ranks, int64_t M) {
-  const std::vector<Block> blocks = make_blocks(offsets, ranks, M);
-  if (blocks.empty()) return;
+void rows(const Job<X, W, Y>* jobs, int count, int64_t grain) {
+  struct Task {
+    Block block;
+    int job;
+  };
+  std::vector<Task> tasks;
+  int64_t work = 0, widest = 0;
+  for (int j = 0; j < count; ++j) {
+    const Job<X, W, Y>& J = jobs[j];
+    for (const Block& b : make_blocks(J.offsets, J.ranks, J.M)) {
+      tasks.push_back(Task{b, j});
+      work += b.rank * (J.K + J.N) * (1 + b.count / 4);  // reads, and the rows' FMAs
+    }
+    widest = std::max(widest, J.K);
+  }
+  if (tasks.empty()) return;
   // x as it is (fp32; or bf16 over bf16 arenas where the CPU has the bf16 dot product), else widened per block.
 #ifdef TESSERA_LORA_DOT_BF16
   constexpr bool RAW = std::is_same_v<X, float> || (std::is_same_v<X, c10::BFloat16> && std::is_same_v<W, X>);
@@ -362,21 +394,21 @@ void rows(const X* x, int64_t ldx, Y* y, int64_t ldy, const W* A, const W* Bt, i
   constexpr bool RAW = std::is_same_v<X, float>;
 #endif
   using XR = std::conditional_t<RAW, X, float>;
-  int64_t work = 0;
-  for (const Block& b : blocks) work += b.rank * (K + N) * (1 + b.count / 4);  // reads, and the rows' FMAs
-  const int64_t nb = static_cast<int64_t>(blocks.size());
-  const int64_t grain = work < 2 * GRAIN ? nb : std::max<int64_t>(1, nb * GRAIN / work);
-  at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
+  const int64_t nb = static_cast<int64_t>(tasks.size());
+  const int64_t per_task = work < 2 * grain ? nb : std::max<int64_t>(1, nb * grain / work);
+  at::parallel_for(0, nb, per_task, [&](int64_t b0, int64_t b1) {
     int64_t most = 0;
-    for (int64_t i = b0; i < b1; ++i) most = std::max(most, blocks[i].rank);
-    std::vector<float> h(BLOCK * most), d(BLOCK * 128), wide(RAW ? 0 : BLOCK * K);
+    for (int64_t i = b0; i < b1; ++i) most = std::max(most, tasks[i].block.rank);
+    std::vector<float> h(BLOCK * most), d(BLOCK * 128), wide(RAW ? 0 : BLOCK * widest);
     std::vector<uint32_t> hp(BLOCK * (most + 1) / 2);
     for (int64_t i = b0; i < b1; ++i) {
-      const Block& b = blocks[i];
+      const Block& b = tasks[i].block;
+      const Job<X, W, Y>& J = jobs[tasks[i].job];
+      const int64_t K = J.K, N = J.N;
       const XR* xs[BLOCK];
       Y* ys[BLOCK];
       for (int64_t m = 0; m < b.count; ++m) {
-        const X* xr = x + b.rows[m] * ldx;
+        const X* xr = J.x + b.rows[m] * J.ldx;
         if constexpr (RAW) {
           xs[m] = xr;
         } else {
@@ -385,18 +417,31 @@ void rows(const X* x, int64_t ldx, Y* y, int64_t ldy, const W* A, const W* Bt, i
           for (int64_t k = 0; k < K; ++k) w[k] = widen(xr[k]);
           xs[m] = w;
         }
-        ys[m] = y + b.rows[m] * ldy;
+        ys[m] = J.y + b.rows[m] * J.ldy;
       }
-      prefetch(Bt + b.offset * N, b.rank * N * sizeof(W));
-      const W* a = A + b.offset * K;
-      const W* bt = Bt + b.offset * N;
-      const W* next = i + 1 < b1 ? A + blocks[i + 1].offset * K : nullptr;
-      const int64_t next_bytes = i + 1 < b1 ? blocks[i + 1].rank * K * sizeof(W) : 0;
+      prefetch(J.Bt + b.offset * N, b.rank * N * sizeof(W));
+      const W* a = J.A + b.offset * K;
+      const W* bt = J.Bt + b.offset * N;
+      const W* next = nullptr;
+      int64_t next_bytes = 0;
+      if (i + 1 < b1) {
+        const Job<X, W, Y>& NJ = jobs[tasks[i + 1].job];
+        next = NJ.A + tasks[i + 1].block.offset * NJ.K;
+        next_bytes = tasks[i + 1].block.rank * NJ.K * sizeof(W);
+      }
       with_count(b.count, [&](auto R) {
         block<R.value, ROUND>(xs, ys, a, bt, K, N, b.rank, h.data(), d.data(), hp.data(), next, next_bytes);
       });
     }
   });
+}
+
+// One projection's corrections (see Job).
+template <bool ROUND, typename X, typename W, typename Y>
+void rows(const X* x, int64_t ldx, Y* y, int64_t ldy, const W* A, const W* Bt, int64_t K, int64_t N,
+          const int32_t* offsets, const int32_t* ranks, int64_t M, int64_t grain) {
+  const Job<X, W, Y> job{x, ldx, y, ldy, A, Bt, K, N, offsets, ranks, M};
+  rows<ROUND>(&job, 1, grain);
 }
 
 // For the decode stack: a layer's arenas per target, and one step's spans.

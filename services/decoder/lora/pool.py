@@ -21,9 +21,11 @@ cover), which every wrapped projection's `PoolLayer.correct` passes to kernels/l
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from services.common import native
+from services.common.plan import AUTO, ExecutionPlan, Timing, pick
 from services.decoder.kernels import lora_cpu
 from services.decoder.lora.store import RowSpan
 from services.decoder.lora.store import projections as wrapped
@@ -181,6 +184,7 @@ class AdapterPool:
             raise ValueError("the adapter pool serves CPU models; use the adapter bank on CUDA")
         self.step = PoolStep(_rows_operator())
         self.backend = "cpu" if self.step.rows is lora_cpu.lora_rows else "torch"
+        self.grain = lora_cpu.GRAINS["coarse"]  # the operator's least work per thread (choose_grain)
         self.layers: dict[str, PoolLayer] = {}
         self.kinds: dict[int, KindRows] = {}
         for name, module in projections:
@@ -296,6 +300,25 @@ class AdapterPool:
             for layer in rows.layers:
                 out[layer.name] = (layer.A[offset:offset + r].clone(), layer.Bt[offset:offset + r].t().clone())
         return out
+
+    def choose_grain(self, record: ExecutionPlan) -> int:
+        """How the C++ operator splits a step's adapter rows over the threads (the plan's lora_split, lora_cpu.GRAINS):
+        as pinned, else the faster of both at this model's width and dtype (lora_cpu.time_grains, plan.pick).
+        Sets and returns self.grain, which the fused decode stack takes too."""
+        pin = record.pinned("lora_split")
+        if self.backend != "cpu":
+            chosen = record.record("lora_split", "coarse", reason="adapter rows run in torch, on its threads").chosen
+        elif pin != AUTO:
+            chosen = record.record("lora_split", pin).chosen
+        else:
+            width = Counter(layer.in_features for layer in self.layers.values()).most_common(1)[0][0]  # hidden
+            seconds = lora_cpu.time_grains(width, self.dtype)
+            chosen = record.record("lora_split", pick(seconds, "coarse"), [
+                Timing(name, s, lora_cpu.TIMING_ROWS) for name, s in seconds.items()]).chosen
+        self.grain = lora_cpu.GRAINS[chosen]
+        if self.backend == "cpu":
+            self.step.rows = functools.partial(lora_cpu.lora_rows, grain=self.grain)
+        return self.grain
 
     # -- the fused decode stack ---------------------------------------------------------------
 

@@ -113,6 +113,7 @@ class FusedDecode:
         steps on the layers."""
         if isinstance(store, AdapterPool):
             self.pool, self.pool_version = store, -1
+            self.stack.set_lora_grain(store.grain)
 
     def applies(self, batch: StepBatch) -> bool:
         plan = batch.plan

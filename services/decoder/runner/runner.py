@@ -21,6 +21,7 @@ from services.common.errors import InvalidArgument, TesseraError, Unsupported
 from services.common.plan import DECODER as DECODER_PATHS
 from services.common.plan import ExecutionPlan, Pins
 from services.decoder.engine.step import ScheduledChunk, StepInput, StepOutput
+from services.decoder.lora.pool import AdapterPool
 from services.decoder.model.decoder import CausalLM
 from services.decoder.model.glue import choose as choose_glue
 from services.decoder.model.linear import pack_linears, quantize_linears
@@ -117,6 +118,9 @@ class Runner:
         if self.model.get_submodule(name).lora is not slots:
             raise ValueError("the adapter store is not installed on this runner's model")
         self.lora = bank
+        if isinstance(bank, AdapterPool):
+            # How its adapter rows split over the threads, timed here (lora/pool.py); the decode stack's the same.
+            bank.choose_grain(self.plan)
         if self.fused_decode is not None:
             self.fused_decode.attach_lora(bank)
 

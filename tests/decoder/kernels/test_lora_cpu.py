@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from services.decoder.kernels.lora import grouped_lora_ref
-from services.decoder.kernels.lora_cpu import lora_rows, lora_rows_ref, lora_rows_torch
+from services.decoder.kernels.lora_cpu import GRAINS, lora_rows, lora_rows_ref, lora_rows_torch, time_grains
 from tests.tolerance import assert_close
 
 pytestmark = pytest.mark.numerics
@@ -89,13 +89,15 @@ def test_every_rank_from_1_to_16_at_any_offset(kind):
 
 
 @pytest.mark.parametrize("kind", DTYPES)
-def test_a_row_is_independent_of_the_others_and_the_thread_count_bit_for_bit(kind):
-    """Each row alone on one thread equals the same row inside runs of 17 (split in blocks) on two threads."""
+@pytest.mark.parametrize("grain", [*GRAINS, "every block"])
+def test_a_row_is_independent_of_the_others_and_the_thread_count_bit_for_bit(kind, grain):
+    """Each row alone on one thread equals the same row inside runs of 17 (split in blocks) on two threads, with
+    each grain the plan chooses from (and one that gives every block its own task)."""
     y, x, A, Bt, offsets, ranks = case(kind, LAYOUTS["runs"], 576, 576, seed=9)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(max(2, threads))
-        together = lora_rows(y.clone(), x, A, Bt, offsets, ranks)
+        together = lora_rows(y.clone(), x, A, Bt, offsets, ranks, GRAINS.get(grain, 1))
         torch.set_num_threads(1)
         alone = torch.cat([lora_rows(y[i:i + 1].clone(), x[i:i + 1], A, Bt, offsets[i:i + 1], ranks[i:i + 1])
                            for i in range(len(y))])
@@ -162,6 +164,8 @@ def test_refusals():
 
     with pytest.raises(RuntimeError, match="share one dtype"):
         call(A=A.bfloat16())
+    with pytest.raises(RuntimeError, match="grain must be positive"):
+        lora_rows(*good, 0)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         call(y=y.double(), x=x.double(), A=A.double(), Bt=Bt.double())
     with pytest.raises(RuntimeError, match=r"A must be \[P, 32\]"):
@@ -174,3 +178,9 @@ def test_refusals():
         call(offsets=torch.tensor([39, 0, 0], dtype=torch.int32), ranks=torch.tensor([3, 1, 0], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="row 1 has rank -1"):
         call(ranks=torch.tensor([1, -1, 0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("kind", DTYPES)
+def test_time_grains_times_every_grain(kind):
+    seconds = time_grains(64, DTYPES[kind])
+    assert set(seconds) == set(GRAINS) and all(0 < s < 1 for s in seconds.values())

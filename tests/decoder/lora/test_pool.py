@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from services.common.errors import InvalidArgument, Overloaded
+from services.common.plan import DECODER, ExecutionPlan
 from services.decoder.engine.scheduler import LEASE_PATIENCE
 from services.decoder.engine.step import SamplingParams, StepInput
 from services.decoder.kernels import lora_cpu
@@ -211,6 +212,27 @@ def test_step_rows_and_activate(model_folder):
         step_rows([(0, 1, 5)], 1, pool._rows_of)
 
 
+@pytest.mark.parametrize("pin", ["auto", "coarse", "fine"])
+def test_the_grain_is_timed_unless_pinned_and_reaches_the_operator(model_folder, pin):
+    pool = AdapterPool(load_model(model_folder), budget_bytes=2**22)
+    record = ExecutionPlan(f"lora_split={pin}", DECODER)
+    grain = pool.choose_grain(record)
+    choice = record.get("lora_split")
+    assert grain == pool.grain == lora_cpu.GRAINS[choice.chosen] == pool.step.rows.keywords["grain"]
+    if pin == "auto":
+        assert {t.candidate for t in choice.timings} == set(lora_cpu.GRAINS) and not choice.reason
+    else:
+        assert choice.chosen == pin and not choice.timings and "pinned" in choice.reason
+
+
+def test_rows_in_torch_keep_the_coarse_grain(model_folder):
+    pool = AdapterPool(load_model(model_folder), budget_bytes=2**22)
+    pool.backend, pool.step.rows = "torch", lora_cpu.lora_rows_torch      # as where the operator cannot be built
+    record = ExecutionPlan("lora_split=fine", DECODER)
+    assert pool.choose_grain(record) == lora_cpu.GRAINS["coarse"] and pool.step.rows is lora_cpu.lora_rows_torch
+    assert "torch" in record.get("lora_split").reason
+
+
 def test_cpu_registry_may_hold_fewer_adapters_than_max_loras(model_folder):
     """On CPU --max-loras only turns LoRA on (the pool has bytes, not slots), so --max-cpu-loras below it is a
     valid config and the registry counts --max-cpu-loras alone; where slots exist (CUDA's bank) each slot needs
@@ -370,13 +392,15 @@ def many(tmp_path_factory):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("stack", ["on", "off"])
-def test_64_distinct_adapters_in_one_batch_match_peft(many, stack):
+@pytest.mark.parametrize("stack,split", [("on", "coarse"), ("on", "fine"), ("off", "fine")])
+def test_64_distinct_adapters_in_one_batch_match_peft(many, stack, split):
     """With the C++ decode stack pinned on, decode steps with adapter rows run in it (counted); pinned off,
-    in the model's layers: both match peft."""
+    in the model's layers: both match peft, with either grain of the adapter rows (lora_split)."""
     folder, folders, peft = many
     core, registry = lora_engine(folder, max_rank=16, pool_bytes=2**26, cpu_loras=64, num_blocks=1024,
-                                 budget=512, max_seqs=64, fast_paths=f"screen=on,attention=cpp,decode_stack={stack}")
+                                 budget=512, max_seqs=64,
+                                 fast_paths=f"screen=on,attention=cpp,decode_stack={stack},lora_split={split}")
+    assert core.runner.plan.chosen("lora_split") == split
     fused = core.runner.fused_decode
     assert (fused is not None) == (stack == "on")
     stacked = []
