@@ -82,6 +82,10 @@ class DraftRecord:
     pause: int = 0              # steps of its last pause (doubles while drafting keeps not paying)
     scan_s: float = 0.0         # seconds the last proposal's scan took, until its verify is seen
     num_pauses: int = 0
+    # Each draft token's chance of acceptance once the ones before it were accepted, as decayed counts (KEEP):
+    # hits (tokens accepted) over trials (those, plus the first rejected token of each verify).
+    hits: float = 0.0
+    trials: float = 0.0
 
 
 class DraftGate:
@@ -109,9 +113,26 @@ class DraftGate:
     def wants(record: DraftRecord, step: int) -> bool:
         return step >= record.resume_at
 
+    def length(self, record: DraftRecord, limit: int) -> int:
+        """How many drafts to propose, at most `limit`: the k >= 1 with the most expected net tokens, p + p^2 +
+        ... + p^k - extra_steps(k), for p the request's acceptance so far (1 before any verify). Where verify
+        rows cost little (a 2-row step about a 1-row one), a request that drafts badly keeps drafting one or two
+        tokens cheaply rather than four; the pause still stops one whose drafts do not pay at all."""
+        p = record.hits / record.trials if record.trials else 1.0
+        best, best_gain, expected = 1, -float("inf"), 0.0
+        for k in range(1, limit + 1):
+            expected += p ** k
+            gain = expected - self.cost.extra_steps(k)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
+
     def observe(self, record: DraftRecord, step: int, drafted: int, accepted: int, scan_s: float) -> None:
         """One attempt at scheduler step `step`: `drafted` drafts proposed (0: the scan found none), `accepted`
         of them accepted, the scan taking scan_s seconds."""
+        if drafted:
+            record.hits = self.KEEP * record.hits + accepted
+            record.trials = self.KEEP * record.trials + accepted + (accepted < drafted)
         net = accepted - self.cost.extra_steps(drafted) - self.cost.steps(scan_s)
         record.gain = net if record.attempts == 0 else self.KEEP * record.gain + (1 - self.KEEP) * net
         record.attempts += 1

@@ -215,6 +215,8 @@ class Scheduler:
             limit = min(limit, sampling.min_tokens - req.num_output_tokens - 1)
         if limit < 1 or (self.gate is not None and not self.gate.wants(req.drafting, self.num_steps)):
             return []
+        if self.gate is not None:
+            limit = self.gate.length(req.drafting, limit)
         self.num_draft_scans += 1
         started = time.perf_counter()
         draft = self.drafter.propose(req.all_token_ids, limit, frozenset(self._stop_ids(req)))

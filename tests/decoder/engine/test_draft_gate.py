@@ -100,6 +100,22 @@ def test_the_gate_pauses_longer_each_time_and_resumes():
     assert record.pause == 0 and gate.wants(record, step + 1) and gate.num_pauses == 2
 
 
+def test_the_draft_length_follows_the_acceptance_and_the_verify_costs():
+    """Full length before any verify; after rejections, fewer drafts where each extra verify row costs more than
+    the next draft is likely to gain; after acceptances, full length again."""
+    gate = DraftGate(VerifyCost((1.0, 1.05, 1.15, 1.45, 1.5)))     # as timed on a 2-core CPU: 4 rows cost much more
+    record = DraftRecord()
+    assert gate.length(record, 4) == 4 and gate.length(record, 2) == 2
+    for step in range(3):
+        gate.observe(record, step, 4, 0, 1e-6)                     # nothing accepted: p = 0
+    assert gate.length(record, 4) == 1
+    for step in range(3, 12):
+        gate.observe(record, step, 1, 1, 1e-6)                     # every draft accepted
+    assert gate.length(record, 4) == 4
+    record.hits, record.trials = 1.0, 2.0                          # p = 1/2: a third draft gains 1/8 for 0.3
+    assert gate.length(record, 4) == 2
+
+
 @pytest.mark.parametrize("seconds", [(), (1.0, 0.0), (-1.0,)])
 def test_verify_costs_must_be_positive(seconds):
     with pytest.raises(ValueError, match="positive"):
