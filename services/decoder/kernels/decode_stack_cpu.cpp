@@ -13,14 +13,14 @@
 // torch path stores a bf16 tensor (after each matmul, norm, rotary product, add and SiLU), so the
 // results track that path; the matmul and attention sums are fp32 in both, as there.
 //
-// LoRA adapters (lora_rows.h): per layer and target one arena (set_lora), per step each row's span in it.
+// LoRA adapters (lora_rows.h, lora_step.h): per layer and target one arena (set_lora), per step each row's span in it.
 // A projection with adapter rows in the step has its output widened into an fp32 buffer, rounded as stored,
 // the corrections added there (bf16: rnd(rnd(base) + rnd(delta))), and the layer goes on from that buffer;
 // rounding is idempotent, so a row without adapters comes out bit for bit as in a step without them.
 #include "gemv.h"
 #include "gemv_grouped.h"
 #include "glue.h"
-#include "lora_rows.h"
+#include "lora_step.h"
 #include "paged_attention.h"
 #include "tile_gemm.h"
 
