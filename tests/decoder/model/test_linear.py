@@ -80,6 +80,18 @@ def test_gemv_rows_follow_the_measurements(quantized):
 
 
 
+def test_a_near_tie_at_few_rows_does_not_keep_the_kernel_from_more_rows():
+    """The library 5 % faster at 2 rows, the kernel 3x faster at 3 and 4: rows<=4 (the least summed time over
+    1..MAX_ROWS rows); the library far faster at 4: rows<=3; the kernel 10 % faster at 1 row only, no sum well
+    below that threshold's: rows<=1, the largest count up to which it won at every count."""
+    costs = {96: {1: (1.0, 0.9), 2: (1.0, 1.05), 3: (3.0, 1.0), 4: (3.0, 1.0)},
+             32: {1: (1.0, 0.5), 2: (1.0, 0.5), 3: (1.0, 0.5), 4: (1.0, 9.0)},
+             160: {1: (1.0, 0.9), 2: (1.0, 1.2), 3: (1.0, 1.2), 4: (1.4, 1.3)}}
+    model = nn.Sequential(Linear(64, 96), Linear(96, 32), Linear(32, 160))
+    assert choose_gemv(model, ExecutionPlan(), lambda group, rows: costs[group[0].out_features][rows]) == \
+        "gemv rows<=4 on 96x64; rows<=3 on 32x96; rows<=1 on 160x32"
+
+
 def test_an_unavailable_kernel_is_reported_and_never_used(monkeypatch, caplog):
     def broken(build=True):
         raise native.BuildError("compiling gemv_cpu.cpp failed: boom")
