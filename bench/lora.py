@@ -248,7 +248,7 @@ def distinct_part(args) -> list[str]:
         with tempfile.TemporaryDirectory(prefix="tessera-bench-lora-") as tmp:
             peft_model, folders = make_adapters(Path(tmp), count, ranks=ranks, targets=targets, model=args.model)
             if args.no_peft:
-                del peft_model                # its base and adapters are the largest thing held here
+                peft_model = None             # its base and adapters are the largest thing held here
             print(f"(d) {args.shape}, every row on its own adapter: {count} random adapters of rank "
                   f"{' and '.join(map(str, ranks))} on {','.join(targets)}; {args.max_tokens} new tokens per row; "
                   f"{args.threads} threads")
@@ -276,8 +276,8 @@ def distinct_part(args) -> list[str]:
                       f"{adapter_bytes(lora.runner, targets, ranks, count):.0f} MB of adapter rows beside the "
                       f"model's {weights:.0f} MB of weights")
                 del lora, base
-            ratios += peft_part(args, "(e)", f", {count} adapters", None if args.no_peft else peft_model, batch,
-                                names, mine, e2e, f"{label}_vs_peft")
+            ratios += peft_part(args, "(e)", f", {count} adapters", peft_model, batch, names, mine, e2e,
+                                f"{label}_vs_peft")
             peft_model = None
             if args.no_peer:
                 print("(f) vLLM skipped (--no-peer)")

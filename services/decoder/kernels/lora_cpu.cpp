@@ -9,9 +9,9 @@ namespace tessera_lora {
 template <typename T>
 void typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bt, const int32_t* offsets,
            const int32_t* ranks, int64_t grain) {
-  rows<std::is_same_v<T, c10::BFloat16>>(x.data_ptr<T>(), x.stride(0), y.data_ptr<T>(), y.stride(0),
-                                         A.data_ptr<T>(), Bt.data_ptr<T>(), A.size(1), Bt.size(1), offsets, ranks,
-                                         y.size(0), grain);
+  const Job<T, T, T> job{x.data_ptr<T>(), x.stride(0), y.data_ptr<T>(), y.stride(0), A.data_ptr<T>(),
+                         Bt.data_ptr<T>(), A.size(1), Bt.size(1), offsets, ranks, y.size(0)};
+  rows<std::is_same_v<T, c10::BFloat16>>(&job, 1, grain);
 }
 
 // y [M, N] += per row (x [M, K] @ A[o:o+r]^T) @ Bt[o:o+r]; see lora_cpu.lora_rows.

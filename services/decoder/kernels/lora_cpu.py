@@ -58,7 +58,7 @@ def time_grains(width: int, dtype: torch.dtype) -> dict[str, float]:
     Bt = (torch.rand(P, width, generator=gen) - 0.5).to(dtype)
     x, y = torch.rand(TIMING_ROWS, width, generator=gen).to(dtype), torch.zeros(TIMING_ROWS, width, dtype=dtype)
     ranks = torch.full((TIMING_ROWS,), TIMING_RANK, dtype=torch.int32)
-    steps = [torch.arange(o, o + span, TIMING_RANK, dtype=torch.int32) for o in range(0, P, span)]
+    steps = torch.arange(0, P, TIMING_RANK, dtype=torch.int32).view(-1, TIMING_ROWS)   # [P / span, rows] offsets
     cursor = dict.fromkeys(GRAINS, 0)
 
     def call(name: str) -> None:

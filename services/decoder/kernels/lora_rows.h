@@ -436,12 +436,4 @@ void rows(const Job<X, W, Y>* jobs, int count, int64_t grain) {
   });
 }
 
-// One projection's corrections (see Job).
-template <bool ROUND, typename X, typename W, typename Y>
-void rows(const X* x, int64_t ldx, Y* y, int64_t ldy, const W* A, const W* Bt, int64_t K, int64_t N,
-          const int32_t* offsets, const int32_t* ranks, int64_t M, int64_t grain) {
-  const Job<X, W, Y> job{x, ldx, y, ldy, A, Bt, K, N, offsets, ranks, M};
-  rows<ROUND>(&job, 1, grain);
-}
-
 }  // namespace tessera_lora
