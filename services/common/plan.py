@@ -48,9 +48,9 @@ PATHS: dict[str, tuple[str, ...]] = {
     "int8_gemm": ("int8pack", "dequant", "dynamic"),
     # decoder: the few-row kernel's loop for bf16 x over bf16 weights (services/decoder/model/matmul_choice.py)
     "gemv_bf16_row": ("rowwise", "interleave4"),
-    # decoder: many rows over grouped 4-bit weights: dequantized for the library matmul, or torch's 4-bit
-    # kernel (services/decoder/model/matmul_choice.py, choose_grouped_matmul)
-    "grouped_matmul": ("dequant", "int4pack"),
+    # decoder: many rows over grouped 4/8-bit weights: dequantized for the library matmul, torch's 4-bit kernel,
+    # or widened block by block in cache (services/decoder/model/matmul_choice.py, choose_grouped_matmul)
+    "grouped_matmul": ("dequant", "int4pack", "tiles"),
     # decoder: RMSNorm and SiLU(gate) * up by torch's ops or the C++ row ops (services/decoder/model/glue.py)
     "glue": ("torch", "cpp"),
     # decoder: decode attention (services/decoder/runner/attention.py)

@@ -22,8 +22,9 @@ Storage (`GroupedWeight`):
   range), so one storage serves every format the GGUF loader maps here.
 
 `quantize` is what `--quantization int4` does to a checkpoint's float weights: asymmetric min/max per
-group. `dequantize` is the torch reference the kernels are tested against; `grouped_linear` is the
-matmul by whichever path the caller names (model/matmul_choice.py chooses one per shape at load).
+group. `dequantize` is the torch reference the kernels are tested against, `expand` the same values from the
+C++ kernel in one pass; `grouped_linear` is the matmul by whichever path the caller names
+(model/matmul_choice.py chooses one per shape at load).
 
 torch's 4-bit kernel computes w = (code - 8) * scale + zero with scale and zero in x's dtype: zero is
 offset + 8 * scale here. For fp32 x that is the same weight; for bf16 x, scale and zero are rounded to
@@ -36,14 +37,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.decoder.kernels import gemv_grouped_cpu
+from services.common import native
+from services.decoder.kernels import gemm_grouped_cpu, gemv_grouped_cpu
 
 BITS = (4, 8)
 GROUPS = (16, 32)
 # The matmul paths over a grouped weight: the few-row kernel (kernels/gemv_grouped_cpu, up to its MAX_ROWS),
-# and for more rows the weight dequantized to x's dtype and the library matmul, or torch's own 4-bit kernel
-# (aten._weight_int4pack_mm_for_cpu) over its packing of the weight (`Int4Pack`), where the weight fits it.
-PATHS = ("gemv", "dequant", "int4pack")
+# and for more rows the weight dequantized to x's dtype and the library matmul, torch's own 4-bit kernel
+# (aten._weight_int4pack_mm_for_cpu) over its packing of the weight (`Int4Pack`) where the weight fits it, or
+# the weight widened block by block in cache (kernels/gemm_grouped_cpu) where the CPU runs that kernel.
+PATHS = ("gemv", "dequant", "int4pack", "tiles")
 # What torch's 4-bit kernel takes: groups of 32 (or more), out_features a multiple of 16.
 INT4PACK_GROUP, INT4PACK_N = 32, 16
 
@@ -112,8 +115,20 @@ def unpack_codes(gw: GroupedWeight) -> torch.Tensor:
 
 
 def dequantize(gw: GroupedWeight) -> torch.Tensor:
-    """fp32 [N, K]: scale * code + offset per group, in fp32 from the fp16 scale and offset."""
+    """fp32 [N, K]: scale * code + offset per group, in fp32 from the fp16 scale and offset (the torch reference)."""
     return gemv_grouped_cpu.dequantize(gw.codes, gw.scale, gw.offset, gw.bits, gw.group)
+
+
+def expand(gw: GroupedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize(gw).to(dtype): for fp32 and bf16 by the C++ kernel in one pass over the codes (bit for bit the
+    same); by the torch reference for other dtypes and where the kernels are not built (the load-time gemv choice
+    logs that as a WARNING)."""
+    if dtype in gemm_grouped_cpu.DTYPES:
+        try:
+            return gemm_grouped_cpu.dequantize(gw.codes, gw.scale, gw.offset, gw.bits, gw.group, dtype)
+        except native.BuildError:
+            pass
+    return dequantize(gw).to(dtype)
 
 
 @torch.no_grad()
@@ -148,7 +163,7 @@ def grouped_linear_ref(x: torch.Tensor, gw: GroupedWeight, bias: torch.Tensor | 
 
 def dequantized_linear(x: torch.Tensor, gw: GroupedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Many rows: the weight dequantized to x's dtype, then the library matmul. x [M, K] -> [M, N]."""
-    return F.linear(x, dequantize(gw).to(x.dtype), None if bias is None else bias.to(x.dtype))
+    return F.linear(x, expand(gw, x.dtype), None if bias is None else bias.to(x.dtype))
 
 
 @dataclass(frozen=True)
@@ -178,11 +193,14 @@ def int4pack(gw: GroupedWeight, dtype: torch.dtype) -> Int4Pack:
 def grouped_linear(x: torch.Tensor, gw: GroupedWeight, bias: torch.Tensor | None = None, path: str = "dequant",
                    packed: Int4Pack | None = None) -> torch.Tensor:
     """x [M, K] (fp32 or bf16) -> [M, N] in x's dtype = x @ w^T + bias, by `path` (PATHS): gemv (M <= 4 rows; x
-    rounded to int8 per group, kernels/gemv_grouped_cpu), dequant, or int4pack (packed = int4pack(gw, x.dtype))."""
+    rounded to int8 per group, kernels/gemv_grouped_cpu), dequant, int4pack (packed = int4pack(gw, x.dtype)) or
+    tiles (kernels/gemm_grouped_cpu; where it is `available`)."""
     if path == "gemv":
         return gemv_grouped_cpu.gemv_grouped(x, gw.codes, gw.scale, gw.offset, gw.bits, gw.group, bias)
     if path == "dequant":
         return dequantized_linear(x, gw, bias)
+    if path == "tiles":
+        return gemm_grouped_cpu.gemm_grouped(x, gw.codes, gw.scale, gw.offset, gw.bits, gw.group, bias)
     if path == "int4pack":
         if packed is None:
             raise ValueError("grouped_linear: the int4pack path needs the weight's Int4Pack")

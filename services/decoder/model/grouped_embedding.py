@@ -28,7 +28,7 @@ class GroupedEmbedding(nn.Embedding):
         t = self.table
         rows = GroupedWeight(t.bits, t.group, input_ids.numel(), t.in_features, t.codes[input_ids],
                              t.scale[input_ids], t.offset[input_ids])
-        return grouped.dequantize(rows).to(self.weight.dtype)
+        return grouped.expand(rows, self.weight.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.table.describe()}"

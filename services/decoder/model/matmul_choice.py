@@ -11,8 +11,9 @@ one of quantization.GEMMS, `int8_gemm`, which `choose_int8_gemm` times per shape
 
 A Linear may instead hold a grouped 4/8-bit weight (model/grouped.py: `--quantization int4`, or a GGUF
 file's blocks through `set_grouped`): few rows run kernels/gemv_grouped_cpu (choose_gemv times it as it
-times gemv_cpu), more rows the weight dequantized for the library matmul or torch's own 4-bit kernel,
-whichever `choose_grouped_matmul` measured faster at load for the shape (`grouped_path`).
+times gemv_cpu), more rows the weight dequantized for the library matmul, torch's own 4-bit kernel, or the
+weight widened block by block in cache (kernels/gemm_grouped_cpu), whichever `choose_grouped_matmul` measured
+fastest at load for the shape (`grouped_path`).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from torch import nn
 
 from services.common import native
 from services.common import plan as execution
-from services.decoder.kernels import gemv_cpu, gemv_grouped_cpu
+from services.decoder.kernels import gemm_grouped_cpu, gemv_cpu, gemv_grouped_cpu
 from services.decoder.model import grouped, moe, quantization
 from services.decoder.model.linear import Linear
 from services.decoder.model.moe import Experts
@@ -285,66 +286,89 @@ def choose_bf16_row(model: nn.Module, record: execution.ExecutionPlan, timer: Bf
     return f"gemv bf16 loop: {chosen} ({reason})"
 
 
-# (modules of one shape, each path's call over all of them) -> {path: seconds for one pass}.
+# (modules of one shape, each path's call on its first module) -> {path: seconds for one call}.
 GroupedTimer = Callable[[list[Linear], dict[str, Callable[[], object]]], dict[str, float]]
-# Rows of x the many-row paths are timed at: a prefill chunk's order of magnitude, above the few-row kernel.
-GROUPED_ROWS = 64
+# Rows of x the many-row paths are timed at, above the few-row kernel: a decode batch and a prefill chunk's
+# order of magnitude. The path with the least time per row summed over them runs every count above gemv_rows.
+GROUPED_ROWS = (32, 256)
+# Output rows timed, as INT8_GEMM_OUT: a 128256-row LM head is timed on its first GROUPED_OUT (rows of a grouped
+# weight are contiguous, so the slice is a view).
+GROUPED_OUT = 3072
 
 
-def _grouped_calls(group: list[Linear], paths: tuple[str, ...]) -> dict[str, Callable[[], object]]:
-    """One call of each path on the shape's first module: at GROUPED_ROWS rows the arithmetic, not the
-    streaming of weights, decides, and a pass over all 16 layers of a 1B model took minutes at load."""
-    x = torch.randn(GROUPED_ROWS, group[0].in_features, dtype=group[0].weight.dtype)
-    m = group[0]
-    return {path: (lambda path=path: grouped.grouped_linear(x, m.grouped, m.bias, path, m.int4pack))
-            for path in paths}
+def grouped_paths(gw: grouped.GroupedWeight, dtype: torch.dtype) -> tuple[str, ...]:
+    """The many-row paths (plan.PATHS["grouped_matmul"]) that take gw with x of dtype: dequant always, int4pack
+    where torch's 4-bit kernel takes the weight, tiles where gemm_grouped_cpu runs for dtype."""
+    fits = {"dequant": True, "int4pack": grouped.int4pack_fits(gw), "tiles": gemm_grouped_cpu.available(dtype)}
+    return tuple(p for p in execution.PATHS["grouped_matmul"] if fits[p])
+
+
+def _grouped_calls(group: list[Linear], paths: tuple[str, ...], rows: int) -> dict[str, Callable[[], object]]:
+    """One call of each path at `rows` rows on the shape's first module (its first GROUPED_OUT output rows): at
+    these counts the arithmetic, not the streaming of weights, decides, and a pass over all 16 layers of a 1B
+    model took minutes at load."""
+    m, n = group[0], min(group[0].out_features, GROUPED_OUT)
+    gw = m.grouped
+    part = grouped.GroupedWeight(gw.bits, gw.group, n, gw.in_features, gw.codes[:n], gw.scale[:n], gw.offset[:n])
+    bias = None if m.bias is None else m.bias[:n]
+    packed = grouped.int4pack(part, m.weight.dtype) if "int4pack" in paths else None
+    x = torch.randn(rows, m.in_features, dtype=m.weight.dtype)
+    return {path: (lambda path=path: grouped.grouped_linear(x, part, bias, path, packed)) for path in paths}
 
 
 @torch.inference_mode()
 def time_grouped(group: list[Linear], calls: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Each path's call on the shape's first module (_grouped_calls), by the plan's timer."""
-    return execution.fastest(calls)
+    """Each path's call (_grouped_calls), by the plan's timer: the fastest of INT8_GEMM_REPS rounds."""
+    return execution.fastest(calls, reps=INT8_GEMM_REPS)
 
 
 def choose_grouped_matmul(model: nn.Module, record: execution.ExecutionPlan, timer: GroupedTimer | None = None) -> str:
     """Set grouped_path (and int4pack) on every Linear holding a grouped weight, per shape (the `grouped_matmul`
-    path of record): pinned, that path where the weight fits it (int4pack: grouped.int4pack_fits; else dequant);
-    auto, int4pack where it fits and beats dequant (plan.beats) at GROUPED_ROWS rows. A summary."""
-    default, challenger = execution.PATHS["grouped_matmul"]
-    pin = record.pinned("grouped_matmul")
+    path of record): pinned, that path where the shape takes it (grouped_paths; else dequant, with the reason);
+    auto, each path the shape takes timed at GROUPED_ROWS rows and the least time per row summed over them kept
+    if it beats dequant (plan.pick). A summary."""
+    name = "grouped_matmul"
+    default = execution.PATHS[name][0]
+    pin = record.pinned(name)
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.grouped is not None]
     if not linears:
-        record.record("grouped_matmul", default, reason="no grouped weights")
+        record.record(name, default, reason="no grouped weights")
         return "grouped matmul: none (no grouped weights)"
     shapes: dict[tuple, list[Linear]] = {}
     for m in linears:
         gw = m.grouped
         shapes.setdefault((gw.out_features, gw.in_features, gw.describe(), m.weight.dtype, m.bias is not None),
                           []).append(m)
-    fits = {key: grouped.int4pack_fits(group[0].grouped) for key, group in shapes.items()}
-    if pin == challenger and not any(fits.values()):
-        raise ValueError(f"--fast-paths grouped_matmul={challenger}: no grouped weight fits torch's 4-bit kernel "
-                         f"(4-bit, groups of {grouped.INT4PACK_GROUP}, "
-                         f"out_features a multiple of {grouped.INT4PACK_N})")
+    usable = {key: grouped_paths(group[0].grouped, key[3]) for key, group in shapes.items()}
+    if pin not in (execution.AUTO, default) and not any(pin in paths for paths in usable.values()):
+        why = {"int4pack": f"no grouped weight fits torch's 4-bit kernel (4-bit, groups of {grouped.INT4PACK_GROUP}, "
+                           f"out_features a multiple of {grouped.INT4PACK_N})",
+               "tiles": "this CPU or build has no gemm_grouped_cpu kernel for the model's dtype (it needs AVX-512, "
+                        "and for bf16 the bf16 dot product)"}[pin]
+        raise ValueError(f"--fast-paths {name}={pin}: {why}")
     chosen: dict[str, list[str]] = {}
-    for (out, inp, kind, dtype, bias), group in shapes.items():
-        name = f"grouped_matmul {out}x{inp}{'+b' if bias else ''} {kind}"
-        timings, reason = [], ""
-        if not fits[(out, inp, kind, dtype, bias)]:
-            path, reason = default, "torch's 4-bit kernel does not take this weight"
+    for key, group in shapes.items():
+        out, inp, kind, dtype, bias = key
+        paths, timings, reason = usable[key], [], ""
+        if pin != execution.AUTO:
+            path = pin if pin in paths else default
+            reason = (f"pinned by --fast-paths {name}={pin}" if path == pin
+                      else f"pinned {pin}, which does not take this weight")
+        elif len(paths) == 1:
+            path, reason = default, "no other path takes this weight"
         else:
-            for m in group:
-                m.int4pack = grouped.int4pack(m.grouped, dtype)
-            if pin != execution.AUTO:
-                path, reason = pin, f"pinned by --fast-paths grouped_matmul={pin}"
-            else:
-                best = (timer or time_grouped)(group, _grouped_calls(group, (default, challenger)))
-                timings = [execution.Timing(p, best[p], GROUPED_ROWS) for p in (default, challenger)]
-                path = challenger if execution.beats(best[challenger], best[default]) else default
+            per_row = dict.fromkeys(paths, 0.0)
+            for rows in GROUPED_ROWS:
+                best = (timer or time_grouped)(group, _grouped_calls(group, paths, rows))
+                timings += [execution.Timing(p, best[p], rows) for p in paths]
+                for p in paths:
+                    per_row[p] += best[p] / rows
+            path = execution.pick(per_row, default)
         for m in group:
             m.grouped_path = path
-            if path != challenger:
-                m.int4pack = None
-        record.record(name, path, timings, reason)
+            m.int4pack = grouped.int4pack(m.grouped, dtype) if path == "int4pack" else None
+        if path == "tiles":
+            reason = "; ".join(filter(None, (reason, f"products in {gemm_grouped_cpu.products_for(dtype)}")))
+        record.record(f"{name} {out}x{inp}{'+b' if bias else ''} {kind}", path, timings, reason)
         chosen.setdefault(path, []).append(f"{out}x{inp}")
     return "grouped matmul " + "; ".join(f"{p} on {','.join(s)}" for p, s in chosen.items())

@@ -10,7 +10,8 @@ from torch import nn
 from services.common import plan as execution
 from services.common.plan import ExecutionPlan
 from services.decoder.engine.step import StepInput
-from services.decoder.model import grouped, load_model
+from services.decoder.kernels import gemm_grouped_cpu
+from services.decoder.model import grouped, load_model, matmul_choice
 from services.decoder.model.grouped import dequantize, grouped_linear, grouped_linear_ref, int4pack, quantize
 from services.decoder.model.linear import Linear, quantize_linears
 from services.decoder.model.matmul_choice import choose_gemv, choose_grouped_matmul
@@ -72,26 +73,47 @@ def grouped_model() -> nn.Sequential:
     return model
 
 
-@pytest.mark.parametrize("ms,expected", [((4.0, 2.0), "int4pack"), ((2.0, 4.0), "dequant"), ((2.0, 1.95), "dequant")])
-def test_the_many_row_path_follows_the_timings(ms, expected):
+@pytest.mark.parametrize("ms,expected", [
+    ({"dequant": 4.0, "int4pack": 2.0, "tiles": 3.0}, ("int4pack", "tiles")),
+    ({"dequant": 2.0, "int4pack": 4.0, "tiles": 1.0}, ("tiles", "tiles")),
+    ({"dequant": 2.0, "int4pack": 1.95, "tiles": 3.0}, ("dequant", "dequant")),
+])
+def test_the_many_row_path_follows_the_timings(ms, expected, monkeypatch):
+    """Each shape's usable paths timed at every GROUPED_ROWS count; the least summed time per row kept where it
+    beats dequant. The 40-row weight does not fit torch's 4-bit kernel, so it is timed without it."""
+    monkeypatch.setattr(gemm_grouped_cpu, "available", lambda dtype: True)    # the timings decide, not this CPU
     model, record, calls = grouped_model(), ExecutionPlan(), []
 
     def timer(group, paths):
         calls.append((len(group), tuple(paths)))
-        return {p: t * 1e-3 for p, t in zip(paths, ms, strict=True)}
+        return {p: ms[p] * 1e-3 for p in paths}
     summary = choose_grouped_matmul(model, record, timer)
-    assert [m.grouped_path for m in model[:4]] == [expected, expected, expected, "dequant"]
-    assert [m.int4pack is not None for m in model[:4]] == [expected == "int4pack"] * 3 + [False]
-    assert calls == [(2, ("dequant", "int4pack")), (1, ("dequant", "int4pack"))]
-    assert record.chosen("grouped_matmul 96x64+b int4/g32") == expected
-    assert record.get("grouped_matmul 40x96+b int4/g32").reason == "torch's 4-bit kernel does not take this weight"
+    assert [m.grouped_path for m in model[:4]] == [expected[0]] * 3 + [expected[1]]
+    assert [m.int4pack is not None for m in model[:4]] == [expected[0] == "int4pack"] * 3 + [False]
+    counts = len(matmul_choice.GROUPED_ROWS)
+    every = ("dequant", "int4pack", "tiles")
+    assert calls == [(2, every)] * counts + [(1, every)] * counts + [(1, ("dequant", "tiles"))] * counts
+    assert record.chosen("grouped_matmul 96x64+b int4/g32") == expected[0]
+    assert record.chosen("grouped_matmul 40x96+b int4/g32") == expected[1]
     assert summary.startswith("grouped matmul ") and "40x96" in summary
+
+
+def test_a_shape_only_dequant_takes_is_not_timed(monkeypatch):
+    monkeypatch.setattr(gemm_grouped_cpu, "available", lambda dtype: False)
+    model = nn.Sequential(Linear(96, 40))
+    quantize_linears(model, "int4")
+    record = ExecutionPlan()
+    choose_grouped_matmul(model, record, lambda *a: pytest.fail("one path: nothing to time"))
+    assert model[0].grouped_path == "dequant"
+    assert record.get("grouped_matmul 40x96+b int4/g32").reason == "no other path takes this weight"
 
 
 @pytest.mark.parametrize("pin", execution.PATHS["grouped_matmul"])
 @pytest.mark.parametrize("gemv", execution.PATHS["gemv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_pinned_path_matches_the_reference(pin, gemv, dtype):
+    if pin == "tiles" and not gemm_grouped_cpu.available(dtype):
+        pytest.skip(f"this CPU has no gemm_grouped_cpu kernel for {dtype} (test_gemm_grouped_cpu checks where)")
     """Every row count from 1 to past the few-row kernel, with each path pinned: the forward equals the path's
     own function, and that is the dequantized reference (x rounded per group on the few-row kernel)."""
     model = grouped_model().to(dtype)
@@ -107,7 +129,9 @@ def test_each_pinned_path_matches_the_reference(pin, gemv, dtype):
         with torch.no_grad():
             y = m(x)
         assert torch.equal(y, grouped_linear(x, m.grouped, None, "gemv" if few else pin, m.int4pack))
-        assert_close(y, grouped_linear_ref(x, m.grouped, rounded=few), dtype=dtype, k=96)
+        # tiles multiply fp32 x in bf16 where the CPU has the bf16 dot product (gemm_grouped_cpu.products_for)
+        bound = gemm_grouped_cpu.products_for(dtype) if pin == "tiles" and not few else dtype
+        assert_close(y, grouped_linear_ref(x, m.grouped, rounded=few), dtype=bound, k=96)
 
 
 def test_pinning_int4pack_needs_a_weight_it_takes():
@@ -115,6 +139,13 @@ def test_pinning_int4pack_needs_a_weight_it_takes():
     quantize_linears(model, "int4")
     with pytest.raises(ValueError, match="grouped_matmul=int4pack: no grouped weight fits"):
         choose_grouped_matmul(model, ExecutionPlan("grouped_matmul=int4pack", execution.DECODER))
+
+
+def test_pinning_tiles_needs_the_kernel(monkeypatch):
+    model = grouped_model()
+    monkeypatch.setattr(gemm_grouped_cpu, "available", lambda dtype: False)
+    with pytest.raises(ValueError, match="grouped_matmul=tiles: this CPU or build has no gemm_grouped_cpu kernel"):
+        choose_grouped_matmul(model, ExecutionPlan("grouped_matmul=tiles", execution.DECODER))
 
 
 def test_quantize_linears_int4():
@@ -167,7 +198,10 @@ def test_model_matches_transformers_on_dequantized_weights(folders):
     assert not is_close(logits, unquantized, **TINY_SHAPE)     # the 4-bit weights really run
 
 
-@pytest.mark.parametrize("pins", ["grouped_matmul=dequant,gemv=on", "grouped_matmul=int4pack,gemv=off", ""])
+@pytest.mark.parametrize("pins", ["grouped_matmul=dequant,gemv=on", "grouped_matmul=int4pack,gemv=off",
+                                  pytest.param("grouped_matmul=tiles,gemv=off", marks=pytest.mark.skipif(
+                                      not gemm_grouped_cpu.available(torch.float32),
+                                      reason="no gemm_grouped_cpu kernel for fp32 on this CPU")), ""])
 def test_runner_decodes_with_int4_weights(folders, pins):
     """The runner's real paths (prefill on the many-row path, decode steps on the few-row kernel, whose x is
     rounded to int8 per group: the int8 bound of tests/tolerance.py) against the dequantized model; greedy

@@ -1,0 +1,238 @@
+// Many-row matmul over grouped weights (services/decoder/model/grouped.py): y[m, n] = sum_k x[m, k] * w[n, k]
+// (+ bias[n]) with w[n, k] = scale[n, g] * code[n, k] + offset[n, g], g = k / G, codes of 4 or 8 bits.
+//
+// Why: a prefill chunk or a decode step of many rows is bound by arithmetic, not by the weight's bytes, so
+// the weight is widened to x's dtype and multiplied there. Widening the whole weight before a library matmul
+// writes and reads it again in memory at 2-4 bytes a weight; here each thread widens a block of BLOCK weight
+// rows into a buffer that stays in its cache and multiplies every row of x against it. The buffer holds
+// exactly what `dequantize` writes (scale * code + offset in fp32, then x's dtype), so the sums differ from
+// the library's over the dequantized weight only in their order.
+//
+// The product is in dot-product form: a tile of up to MR rows of x and NR rows of the buffer keeps MR x NR
+// accumulators of 16 fp32 lanes along k (bf16: vdpbf16ps, a pair of products a lane, exact in fp32; fp32:
+// FMA), each reduced to its sum once at the end. x and the buffer are interleaved by vectors of STEP inputs
+// (a tile's rows' k-th vectors side by side), so a tile reads both in order: rows of x and of the weight
+// 4 KiB apart (K = 2048 in bf16) fell into the same L1 sets and ran the tile at a third of its speed.
+// Rows of x past M and buffer rows past N are zeros whose sums are dropped, as are inputs past K.
+// A row's sums are the same whatever the other rows of x and the thread count.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include <immintrin.h>
+
+namespace tessera_grouped_gemm {
+
+constexpr int64_t BLOCK = 32;  // weight rows a thread widens at a time (bf16, K = 8192: 512 KiB, in L2)
+constexpr int NR = 4;          // buffer rows per tile
+constexpr int MR = 6;          // rows of x per tile: 24 accumulators, 4 weight vectors and 1 of x in registers
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr bool AVAILABLE_F32 = true;
+#else
+constexpr bool AVAILABLE_F32 = false;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+constexpr bool AVAILABLE_BF16 = true;
+#else
+constexpr bool AVAILABLE_BF16 = false;
+#endif
+
+inline bool available(at::ScalarType t) {
+  return t == at::kBFloat16 ? AVAILABLE_BF16 : t == at::kFloat && AVAILABLE_F32;
+}
+
+// fp32 -> bf16 by round to nearest even, as c10::BFloat16 rounds (the values here are finite).
+inline uint16_t to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 codes (bytes) -> scale * code + offset in fp32 (exact product: a code has at most 8 bits, an fp16 scale
+// 11), stored as T.
+template <typename T>
+inline void widen16(__m128i codes, __m512 s, __m512 o, T* dst) {
+  const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)), s, o);
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(dst, v);
+  } else {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+  }
+}
+#endif
+
+// Inputs per vector of T (the interleaving's unit): 16 fp32 or 32 bf16.
+template <typename T>
+constexpr int64_t STEP = std::is_same_v<T, float> ? 16 : 32;
+
+// One weight row (K inputs, groups of G, `bits`-bit codes in grouped.py's layout) dequantized: input k goes to
+// dst[(k / STEP) * stride + k % STEP] (stride STEP: a plain row).
+template <typename T>
+inline void dequantize_row(const uint8_t* wn, const at::Half* sn, const at::Half* on, int64_t K, int64_t G,
+                           int64_t bits, T* dst, int64_t stride) {
+  constexpr int64_t S = STEP<T>;
+  const int64_t gb = G * bits / 8;
+  for (int64_t g = 0; g < K / G; ++g) {
+    const float s = static_cast<float>(sn[g]), o = static_cast<float>(on[g]);
+    const uint8_t* b = wn + g * gb;
+    const int64_t k0 = g * G;
+    auto at = [&](int64_t i) { return dst + (k0 + i) / S * stride + (k0 + i) % S; };  // i: a multiple of 16
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512 vs = _mm512_set1_ps(s), vo = _mm512_set1_ps(o);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    if (bits == 8) {
+      for (int64_t i = 0; i < G; i += 16)
+        widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)), vs, vo, at(i));
+    } else if (G == 32) {  // 16 bytes: codes 0..15 in the low nibbles, 16..31 in the high ones
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+      widen16(_mm_and_si128(raw, low), vs, vo, at(0));
+      widen16(_mm_and_si128(_mm_srli_epi16(raw, 4), low), vs, vo, at(16));
+    } else {  // G == 16: 8 bytes, codes 0..7 low, 8..15 high
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
+      widen16(_mm_unpacklo_epi64(_mm_and_si128(raw, low), _mm_and_si128(_mm_srli_epi16(raw, 4), low)), vs, vo,
+              at(0));
+    }
+#else
+    for (int64_t i = 0; i < G; i += 16) {
+      T* d = at(i);
+      for (int64_t u = 0; u < 16; ++u) {
+        const int64_t c = i + u;
+        const int code = bits == 8 ? b[c] : (c < G / 2 ? b[c] & 0x0F : b[c - G / 2] >> 4);
+        const float v = static_cast<float>(code) * s + o;
+        if constexpr (std::is_same_v<T, float>) d[u] = v;
+        else d[u] = c10::BFloat16(to_bf16_bits(v), c10::BFloat16::from_bits());
+      }
+    }
+#endif
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Sums [R, NR] of a tile: x's rows and the weight's, interleaved (xt: steps of MR vectors, wt: steps of NR).
+template <int R, typename T>
+inline void tile(const T* xt, const T* wt, int64_t steps, float (*sums)[NR]) {
+  constexpr int64_t S = STEP<T>;
+  __m512 acc[R][NR];
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < steps; ++s) {
+    const T* w = wt + s * NR * S;
+    const T* x = xt + s * MR * S;
+    if constexpr (std::is_same_v<T, float>) {
+      __m512 wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_ps(w + j * S);
+      for (int m = 0; m < R; ++m) {
+        const __m512 xv = _mm512_loadu_ps(x + m * S);
+        for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+      }
+    } else {
+#ifdef __AVX512BF16__
+      __m512bh wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * S);
+      for (int m = 0; m < R; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * S);
+        for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+      }
+#endif
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < NR; ++j) sums[m][j] = _mm512_reduce_add_ps(acc[m][j]);
+}
+
+template <typename T>
+inline void tile_rows(int64_t rows, const T* xt, const T* wt, int64_t steps, float (*sums)[NR]) {
+  switch (rows) {
+    case 1: return tile<1>(xt, wt, steps, sums);
+    case 2: return tile<2>(xt, wt, steps, sums);
+    case 3: return tile<3>(xt, wt, steps, sums);
+    case 4: return tile<4>(xt, wt, steps, sums);
+    case 5: return tile<5>(xt, wt, steps, sums);
+    default: return tile<MR>(xt, wt, steps, sums);
+  }
+}
+#endif
+
+template <typename T>
+inline T from_float(float v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return c10::BFloat16(to_bf16_bits(v), c10::BFloat16::from_bits());
+}
+
+// y [M, N] in X = x [M, K] @ w^T (+ bias [N] fp32), X float or BFloat16, the products in T (X, or BFloat16
+// for float x: x and the weight rounded to bf16, for the bf16 dot product's speed); fp32 sums, one rounding to X.
+template <typename X, typename T>
+inline void gemm(const X* x, int64_t M, const uint8_t* codes, const at::Half* scale, const at::Half* offset,
+                 int64_t N, int64_t K, int64_t G, int64_t bits, const float* bias, X* y) {
+  TORCH_CHECK(available(c10::CppTypeToScalarType<T>::value), "gemm_grouped: this build has no kernel for ",
+              c10::CppTypeToScalarType<T>::value, " products");
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  constexpr int64_t S = STEP<T>;
+  const int64_t rb = K * bits / 8, ng = K / G, steps = (K + S - 1) / S, tiles = (M + MR - 1) / MR;
+  // x interleaved: tile t, step s, row r of the tile -> xp[((t * steps + s) * MR + r) * S ...], zeros past M and K.
+  std::vector<T> xp(tiles * steps * MR * S);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t s = 0; s < steps; ++s)
+        for (int64_t r = 0; r < MR; ++r) {
+          T* d = xp.data() + ((t * steps + s) * MR + r) * S;
+          const int64_t m = t * MR + r, n = m < M ? std::min(S, K - s * S) : 0;
+          const X* src = x + m * K + s * S;
+          if constexpr (std::is_same_v<X, T>) std::memcpy(d, src, n * sizeof(T));
+          else for (int64_t i = 0; i < n; ++i) d[i] = from_float<T>(static_cast<float>(src[i]));
+          std::fill(d + n, d + S, from_float<T>(0.f));
+        }
+  });
+  at::parallel_for(0, (N + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
+    // The block interleaved by NR rows: row group q, step s, row j of the group -> buf[((q * steps + s) * NR + j) * S].
+    static thread_local std::vector<T> buf;
+    buf.resize(BLOCK * steps * S);
+    float sums[MR][NR];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * BLOCK, rows = std::min(BLOCK, N - n0);
+      if (rows < BLOCK || K % S) std::fill(buf.begin(), buf.end(), from_float<T>(0.f));
+      for (int64_t r = 0; r < rows; ++r)
+        dequantize_row(codes + (n0 + r) * rb, scale + (n0 + r) * ng, offset + (n0 + r) * ng, K, G, bits,
+                       buf.data() + (r / NR * steps * NR + r % NR) * S, NR * S);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t m0 = t * MR, mr = std::min<int64_t>(MR, M - m0);
+        for (int64_t j0 = 0; j0 < rows; j0 += NR) {
+          tile_rows(mr, xp.data() + t * steps * MR * S, buf.data() + j0 * steps * S, steps, sums);
+          for (int64_t m = 0; m < mr; ++m)
+            for (int64_t j = 0; j < NR && j0 + j < rows; ++j) {
+              const int64_t n = n0 + j0 + j;
+              y[(m0 + m) * N + n] = from_float<X>(sums[m][j] + (bias ? bias[n] : 0.f));
+            }
+        }
+      }
+    }
+  });
+#endif
+}
+
+// out [N, K] in T = the whole weight dequantized (grouped.dequantize's values, rounded once to T).
+template <typename T>
+inline void dequantize(const uint8_t* codes, const at::Half* scale, const at::Half* offset, int64_t N, int64_t K,
+                       int64_t G, int64_t bits, T* out) {
+  const int64_t rb = K * bits / 8, ng = K / G;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      dequantize_row(codes + n * rb, scale + n * ng, offset + n * ng, K, G, bits, out + n * K, STEP<T>);
+  });
+}
+
+}  // namespace tessera_grouped_gemm

@@ -1,0 +1,78 @@
+"""Many-row matmul on CPU over grouped 4/8-bit weights (model/grouped.py's layout), and the weight's
+dequantization to fp32 or bf16: a C++ operator.
+
+The kernel is gemm_grouped_cpu.cpp next to this file (gemm_grouped.h), compiled once per machine by
+native.load (`make kernels`); the matmul needs AVX-512 (for products in bf16 also the bf16 dot product:
+`products_for`), the dequantization runs everywhere. Their torch references are gemv_grouped_cpu.dequantize
+(the weight in fp32, then rounded to the dtype: equal bit for bit) and F.linear over it with x in the products'
+dtype (the matmul: the same products, fp32 sums in another order). Whether a shape's many-row matmul runs
+here, through the library over the dequantized weight or through torch's 4-bit kernel is measured at load
+(model/matmul_choice.py); this module only computes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from services.common import native
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+DTYPES = (torch.float32, torch.bfloat16)    # the activations and dequantized weights it takes
+OPERATOR = native.Operator("gemm_grouped_cpu", SOURCE)
+load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
+
+
+def runs(products: torch.dtype) -> bool:
+    """Whether this build computes the matmul's products in `products` (fp32: AVX-512; bf16: also the bf16 dot
+    product)."""
+    if products not in DTYPES:
+        return False
+    try:
+        return load().available(products == torch.bfloat16)
+    except native.BuildError:
+        return False
+
+
+def products_for(dtype: torch.dtype) -> torch.dtype | None:
+    """What the matmul multiplies x of `dtype` in here: bf16 x in bf16; fp32 x in bf16 where the CPU has the bf16
+    dot product (x and the weight rounded to bf16, relative 2**-9, against a 4-bit step of 1/15 of the group's
+    range; twice the products a cycle), else in fp32; None where the kernel does not run for it."""
+    if dtype == torch.bfloat16 or (dtype == torch.float32 and runs(torch.bfloat16)):
+        return torch.bfloat16 if runs(torch.bfloat16) else None
+    return torch.float32 if dtype == torch.float32 and runs(torch.float32) else None
+
+
+def available(dtype: torch.dtype) -> bool:
+    """Whether the many-row matmul runs here for x of dtype (products_for)."""
+    return products_for(dtype) is not None
+
+
+def gemm_grouped(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+                 group: int, bias: torch.Tensor | None = None, products: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] (fp32 or bf16) -> [M, N] in x's dtype = x @ w^T + bias, w [N, K] given by codes uint8
+    [N, K * bits // 8], scale and offset fp16 [N, K // group]: x and w (as dequantize(..., products) gives it) in
+    `products` (default products_for(x.dtype); fp32 x may pin fp32 or bf16), fp32 sums, one rounding to x's dtype.
+    Each row's result is the same whatever the other rows of x and the thread count."""
+    products = products or products_for(x.dtype)
+    if products is None or (x.dtype == torch.bfloat16 and products != torch.bfloat16):
+        raise ValueError(f"gemm_grouped: no kernel here for {x.dtype} x (products {products})")
+    out = torch.empty((x.shape[0], codes.shape[0]), dtype=x.dtype)
+    load().gemm_grouped(out, x.contiguous(), codes, scale, offset, bits, group,
+                        None if bias is None else bias.float().contiguous(), products == torch.bfloat16)
+    return out
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, group: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, K] in dtype (fp32 or bf16): scale * code + offset per group in fp32, rounded once to dtype; equal to
+    gemv_grouped_cpu.dequantize(...).to(dtype), in one pass over the codes."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dequantize: dtype {dtype}: expected one of {', '.join(map(str, DTYPES))}")
+    out = torch.empty((codes.shape[0], codes.shape[1] * 8 // bits), dtype=dtype)
+    load().dequantize(out, codes, scale, offset, bits, group)
+    return out
+
+
+if __name__ == "__main__":
+    OPERATOR.main()

@@ -1,0 +1,113 @@
+"""The many-row C++ matmul over grouped weights and their dequantization (kernels/gemm_grouped.h) against the
+torch references (the dequantized weight; F.linear over it), bit-for-bit batch and thread invariance, and its
+refusals."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.decoder.kernels import gemm_grouped_cpu, gemv_grouped_cpu
+from services.decoder.kernels.gemm_grouped_cpu import gemm_grouped
+from services.decoder.model import grouped
+from services.decoder.model.grouped import quantize
+from tests.tolerance import assert_close
+
+pytestmark = pytest.mark.numerics
+
+FLAGS = set(Path("/proc/cpuinfo").read_text().split())
+# What the matmul needs per products' dtype: AVX-512 (with byte ops), and for bf16 the bf16 dot product.
+NEEDS = {torch.float32: {"avx512f", "avx512bw"}, torch.bfloat16: {"avx512f", "avx512bw", "avx512_bf16"}}
+RUNS = {dtype: needs <= FLAGS for dtype, needs in NEEDS.items()}
+# (x's dtype, the products'): every pair the kernel computes, each where this CPU runs it.
+PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)]
+each_pair = pytest.mark.parametrize("dtype,products", [
+    pytest.param(d, p, marks=pytest.mark.skipif(not RUNS[p], reason=f"no {p} products on this CPU: see the "
+                                                "availability test")) for d, p in PAIRS])
+# Odd out widths (a last block of fewer rows, and fewer than a tile's). Groups of 16 take K + 16: a multiple of
+# the group but not of a bf16 vector's 32 inputs (a masked tail).
+SHAPES = [(7, 96, True), (130, 1536, False), (33, 160, True), (64, 32, False)]
+
+
+def call(x, gw, bias=None, products=None):
+    return gemm_grouped(x, gw.codes, gw.scale, gw.offset, gw.bits, gw.group, bias, products)
+
+
+@pytest.mark.parametrize("products", NEEDS)
+def test_runs_exactly_where_the_cpu_has_what_it_needs(products):
+    # Not a skip: on a CPU without them this is the test that runs, and the load-time choice never offers the
+    # path there (model/matmul_choice.grouped_paths).
+    assert gemm_grouped_cpu.runs(products) == RUNS[products]
+    bf16 = torch.bfloat16 if RUNS[torch.bfloat16] else None
+    expected = {torch.bfloat16: bf16, torch.float32: bf16 or (torch.float32 if RUNS[torch.float32] else None)}
+    assert {d: gemm_grouped_cpu.products_for(d) for d in expected} == expected
+    assert not gemm_grouped_cpu.available(torch.float16)
+
+
+@pytest.mark.parametrize("dtype", gemm_grouped_cpu.DTYPES)
+@pytest.mark.parametrize("bits", grouped.BITS)
+@pytest.mark.parametrize("group", grouped.GROUPS)
+def test_dequantize_is_the_reference_bit_for_bit(dtype, bits, group):
+    g = torch.Generator().manual_seed(bits + group)
+    gw = quantize(torch.randn(37, 1536 + (16 if group == 16 else 0), generator=g) * 3, bits, group)
+    ref = gemv_grouped_cpu.dequantize(gw.codes, gw.scale, gw.offset, bits, group).to(dtype)
+    got = gemm_grouped_cpu.dequantize(gw.codes, gw.scale, gw.offset, bits, group, dtype)
+    assert got.dtype == dtype and torch.equal(got, ref)
+    assert torch.equal(grouped.expand(gw, dtype), ref)
+
+
+@each_pair
+@pytest.mark.parametrize("bits", grouped.BITS)
+@pytest.mark.parametrize("group", grouped.GROUPS)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13])
+@pytest.mark.parametrize("n,k,bias", SHAPES)
+def test_matches_reference(dtype, products, bits, group, rows, n, k, bias):
+    """Against F.linear over the same products (x and the dequantized weight in `products`): fp32's bound, the
+    sums' order alone; against the exact fp32 reference: the products' dtype's bound."""
+    k += 16 if group == 16 else 0
+    g = torch.Generator().manual_seed(rows * 1000 + n + k + bits + group)
+    gw = quantize(torch.randn(n, k, generator=g), bits, group)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g) if bias else None
+    y = call(x, gw, b, products)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    same = F.linear(x.to(products).float(), grouped.expand(gw, products).float(), b)
+    assert_close(y, same, dtype=dtype, k=k)
+    assert_close(y, grouped.grouped_linear_ref(x, gw, b), dtype=products, k=k)
+
+
+@each_pair
+@pytest.mark.parametrize("bits", grouped.BITS)
+def test_each_row_is_its_own_one_row_result_bit_for_bit(dtype, products, bits):
+    """100 weight rows (four blocks; two threads split them): every row of x, in a call of 1 to 13 rows on 1 or 2
+    threads, equals that row alone on one thread."""
+    g = torch.Generator().manual_seed(bits)
+    gw = quantize(torch.randn(100, 544, generator=g), bits, 32)
+    x = torch.randn(13, 544, generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([call(x[i:i + 1], gw, None, products) for i in range(13)])
+        torch.set_num_threads(max(2, threads))
+        for rows in (2, 6, 7, 13):
+            assert torch.equal(call(x[:rows], gw, None, products), alone[:rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_refusals():
+    gw = quantize(torch.randn(8, 64), 4, 32)
+    with pytest.raises(RuntimeError, match=r"x must be a contiguous \[M, 64\]"):
+        call(torch.randn(1, 96), gw)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        gemm_grouped(torch.randn(1, 64), gw.codes, gw.scale, gw.offset, 5, 32)
+    with pytest.raises(RuntimeError, match="both be float32 or both bfloat16"):
+        call(torch.randn(1, 64).half(), gw, None, torch.float32)
+    with pytest.raises(RuntimeError, match=r"scale and offset must be float16 \[N, 2\]"):
+        gemm_grouped(torch.randn(1, 64), gw.codes, gw.scale.float(), gw.offset, 4, 32)
+    with pytest.raises(ValueError, match="no kernel here for torch.bfloat16 x"):
+        call(torch.randn(1, 64).bfloat16(), gw, None, torch.float32)
+    with pytest.raises(ValueError, match="dtype torch.float16"):
+        gemm_grouped_cpu.dequantize(gw.codes, gw.scale, gw.offset, 4, 32, torch.float16)
