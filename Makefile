@@ -14,7 +14,7 @@ KERNEL_SOURCES := $(wildcard services/decoder/kernels/*.cpp services/decoder/ker
 	services/decoder/kernels/paged_attention_cpu.py services/decoder/kernels/gemv_cpu.py \
 	services/decoder/kernels/decode_stack_cpu.py services/decoder/kernels/glue_cpu.py \
 	services/decoder/kernels/screen_cpu.py services/decoder/kernels/tile_gemm_cpu.py \
-	services/decoder/kernels/gemv_grouped_cpu.py services/decoder/kernels/gemm_grouped_cpu.py
+	services/decoder/kernels/gemv_grouped_cpu.py services/decoder/kernels/widen_gemm_cpu.py
 PYTEST_ARGS ?=
 # The numerics-marked tests run a second time under other kernels on the same CPU: AVX2 for
 # ATen and oneDNN (as on an AVX2-only machine) and MKL's compatible code path (another summation
@@ -68,7 +68,7 @@ $(KERNELS_STAMP): $(KERNEL_SOURCES) $(STAMP)
 		$(PY) -m services.decoder.kernels.decode_stack_cpu && $(PY) -m services.decoder.kernels.glue_cpu && \
 		$(PY) -m services.decoder.kernels.tile_gemm_cpu && $(PY) -m services.decoder.kernels.screen_cpu && \
 		$(PY) -m services.decoder.kernels.lora_cpu && $(PY) -m services.decoder.kernels.gemv_grouped_cpu && \
-		$(PY) -m services.decoder.kernels.gemm_grouped_cpu && $(PY) -m services.pooling.attention_cpu; then touch $@; \
+		$(PY) -m services.decoder.kernels.widen_gemm_cpu && $(PY) -m services.pooling.attention_cpu; then touch $@; \
 	else echo "WARNING: C++ kernels not built (reason above); the decoder and pooling will use their torch paths"; fi
 
 lint: $(STAMP)

@@ -45,7 +45,7 @@ PATHS: dict[str, tuple[str, ...]] = {
     "gemv": ("off", "on"),
     # decoder: the matmul over int8 weights above the few-row kernel's rows, per weight shape
     # (services/decoder/model/quantization.py GEMMS, chosen in services/decoder/model/matmul_choice.py)
-    "int8_gemm": ("int8pack", "dequant", "dynamic"),
+    "int8_gemm": ("int8pack", "dequant", "dynamic", "tiles"),
     # decoder: the few-row kernel's loop for bf16 x over bf16 weights (services/decoder/model/matmul_choice.py)
     "gemv_bf16_row": ("rowwise", "interleave4"),
     # decoder: many rows over grouped 4/8-bit weights: dequantized for the library matmul, torch's 4-bit kernel,

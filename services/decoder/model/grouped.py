@@ -38,14 +38,14 @@ import torch
 import torch.nn.functional as F
 
 from services.common import native
-from services.decoder.kernels import gemm_grouped_cpu, gemv_grouped_cpu
+from services.decoder.kernels import gemv_grouped_cpu, widen_gemm_cpu
 
 BITS = (4, 8)
 GROUPS = (16, 32)
 # The matmul paths over a grouped weight: the few-row kernel (kernels/gemv_grouped_cpu, up to its MAX_ROWS),
 # and for more rows the weight dequantized to x's dtype and the library matmul, torch's own 4-bit kernel
 # (aten._weight_int4pack_mm_for_cpu) over its packing of the weight (`Int4Pack`) where the weight fits it, or
-# the weight widened block by block in cache (kernels/gemm_grouped_cpu) where the CPU runs that kernel.
+# the weight widened block by block in cache (kernels/widen_gemm_cpu) where the CPU runs that kernel.
 PATHS = ("gemv", "dequant", "int4pack", "tiles")
 # What torch's 4-bit kernel takes: groups of 32 (or more), out_features a multiple of 16.
 INT4PACK_GROUP, INT4PACK_N = 32, 16
@@ -123,9 +123,9 @@ def expand(gw: GroupedWeight, dtype: torch.dtype) -> torch.Tensor:
     """dequantize(gw).to(dtype): for fp32 and bf16 by the C++ kernel in one pass over the codes (bit for bit the
     same); by the torch reference for other dtypes and where the kernels are not built (the load-time gemv choice
     logs that as a WARNING)."""
-    if dtype in gemm_grouped_cpu.DTYPES:
+    if dtype in widen_gemm_cpu.DTYPES:
         try:
-            return gemm_grouped_cpu.dequantize(gw.codes, gw.scale, gw.offset, gw.bits, gw.group, dtype)
+            return widen_gemm_cpu.dequantize(gw.codes, gw.scale, gw.offset, gw.bits, gw.group, dtype)
         except native.BuildError:
             pass
     return dequantize(gw).to(dtype)
@@ -194,13 +194,13 @@ def grouped_linear(x: torch.Tensor, gw: GroupedWeight, bias: torch.Tensor | None
                    packed: Int4Pack | None = None) -> torch.Tensor:
     """x [M, K] (fp32 or bf16) -> [M, N] in x's dtype = x @ w^T + bias, by `path` (PATHS): gemv (M <= 4 rows; x
     rounded to int8 per group, kernels/gemv_grouped_cpu), dequant, int4pack (packed = int4pack(gw, x.dtype)) or
-    tiles (kernels/gemm_grouped_cpu; where it is `available`)."""
+    tiles (kernels/widen_gemm_cpu; where it is `available`)."""
     if path == "gemv":
         return gemv_grouped_cpu.gemv_grouped(x, gw.codes, gw.scale, gw.offset, gw.bits, gw.group, bias)
     if path == "dequant":
         return dequantized_linear(x, gw, bias)
     if path == "tiles":
-        return gemm_grouped_cpu.gemm_grouped(x, gw.codes, gw.scale, gw.offset, gw.bits, gw.group, bias)
+        return widen_gemm_cpu.gemm_grouped(x, gw.codes, gw.scale, gw.offset, gw.bits, gw.group, bias)
     if path == "int4pack":
         if packed is None:
             raise ValueError("grouped_linear: the int4pack path needs the weight's Int4Pack")

@@ -12,7 +12,7 @@ one of quantization.GEMMS, `int8_gemm`, which `choose_int8_gemm` times per shape
 A Linear may instead hold a grouped 4/8-bit weight (model/grouped.py: `--quantization int4`, or a GGUF
 file's blocks through `set_grouped`): few rows run kernels/gemv_grouped_cpu (choose_gemv times it as it
 times gemv_cpu), more rows the weight dequantized for the library matmul, torch's own 4-bit kernel, or the
-weight widened block by block in cache (kernels/gemm_grouped_cpu), whichever `choose_grouped_matmul` measured
+weight widened block by block in cache (kernels/widen_gemm_cpu), whichever `choose_grouped_matmul` measured
 fastest at load for the shape (`grouped_path`).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import nn
 
 from services.common import native
 from services.common import plan as execution
-from services.decoder.kernels import gemm_grouped_cpu, gemv_cpu, gemv_grouped_cpu
+from services.decoder.kernels import gemv_cpu, gemv_grouped_cpu, widen_gemm_cpu
 from services.decoder.model import grouped, moe, quantization
 from services.decoder.model.linear import Linear
 from services.decoder.model.moe import Experts
@@ -57,7 +57,7 @@ def time_int8_gemm(m: Linear, rows: int) -> dict[str, float]:
     bias = None if m.bias is None else m.bias[:INT8_GEMM_OUT]
     x = torch.randn(rows, m.in_features, dtype=m.weight.dtype)
     return execution.fastest({name: (lambda f=f: f(x, q, scale, bias))
-                              for name, f in quantization.usable_gemms().items()}, reps=INT8_GEMM_REPS)
+                              for name, f in quantization.usable_gemms(x.dtype).items()}, reps=INT8_GEMM_REPS)
 
 
 def choose_int8_gemm(model: nn.Module, record: execution.ExecutionPlan, timer: Int8GemmTimer | None = None) -> str:
@@ -74,10 +74,10 @@ def choose_int8_gemm(model: nn.Module, record: execution.ExecutionPlan, timer: I
         if pin != execution.AUTO:
             record.record(name, pin, reason=f"pinned by --fast-paths {name}={pin}; no int8 weights")
         return "int8 gemm: none (no int8 weights)"
-    usable = quantization.usable_gemms()
+    dtype = linears[0].weight.dtype
+    usable = quantization.usable_gemms(dtype)
     if pin != execution.AUTO and pin not in usable:
-        raise ValueError(f"--fast-paths {name}={pin}: torch._int_mm's int32 sums are not exact on this CPU's "
-                         "dispatch (AVX2 byte multiply-adds saturate); pin int8pack or dequant")
+        raise ValueError(f"--fast-paths {name}={pin}: {quantization.unusable(pin, dtype)}; pin int8pack or dequant")
     candidates = tuple(c for c in candidates if c in usable)
     if pin != execution.AUTO:
         for m in linears:
@@ -298,8 +298,8 @@ GROUPED_OUT = 3072
 
 def grouped_paths(gw: grouped.GroupedWeight, dtype: torch.dtype) -> tuple[str, ...]:
     """The many-row paths (plan.PATHS["grouped_matmul"]) that take gw with x of dtype: dequant always, int4pack
-    where torch's 4-bit kernel takes the weight, tiles where gemm_grouped_cpu runs for dtype."""
-    fits = {"dequant": True, "int4pack": grouped.int4pack_fits(gw), "tiles": gemm_grouped_cpu.available(dtype)}
+    where torch's 4-bit kernel takes the weight, tiles where widen_gemm_cpu runs for dtype."""
+    fits = {"dequant": True, "int4pack": grouped.int4pack_fits(gw), "tiles": widen_gemm_cpu.available(dtype)}
     return tuple(p for p in execution.PATHS["grouped_matmul"] if fits[p])
 
 
@@ -343,7 +343,7 @@ def choose_grouped_matmul(model: nn.Module, record: execution.ExecutionPlan, tim
     if pin not in (execution.AUTO, default) and not any(pin in paths for paths in usable.values()):
         why = {"int4pack": f"no grouped weight fits torch's 4-bit kernel (4-bit, groups of {grouped.INT4PACK_GROUP}, "
                            f"out_features a multiple of {grouped.INT4PACK_N})",
-               "tiles": "this CPU or build has no gemm_grouped_cpu kernel for the model's dtype (it needs AVX-512, "
+               "tiles": "this CPU or build has no widen_gemm_cpu kernel for the model's dtype (it needs AVX-512, "
                         "and for bf16 the bf16 dot product)"}[pin]
         raise ValueError(f"--fast-paths {name}={pin}: {why}")
     chosen: dict[str, list[str]] = {}
@@ -368,7 +368,7 @@ def choose_grouped_matmul(model: nn.Module, record: execution.ExecutionPlan, tim
             m.grouped_path = path
             m.int4pack = grouped.int4pack(m.grouped, dtype) if path == "int4pack" else None
         if path == "tiles":
-            reason = "; ".join(filter(None, (reason, f"products in {gemm_grouped_cpu.products_for(dtype)}")))
+            reason = "; ".join(filter(None, (reason, f"products in {widen_gemm_cpu.products_for(dtype)}")))
         record.record(f"{name} {out}x{inp}{'+b' if bias else ''} {kind}", path, timings, reason)
         chosen.setdefault(path, []).append(f"{out}x{inp}")
     return "grouped matmul " + "; ".join(f"{p} on {','.join(s)}" for p, s in chosen.items())

@@ -16,7 +16,7 @@ says how many did. Decode steps of a few rows may instead run kernels/gemv_cpu.c
 same int8 weights and scales, where it was measured faster at load (model/matmul_choice.py,
 choose_gemv); it rounds the activations to int8 in blocks of 32 (gemv_cpu.round_blocks).
 
-Steps of more rows run one of three matmuls over the same int8 weights (`GEMMS`, the `int8_gemm`
+Steps of more rows run one of four matmuls over the same int8 weights (`GEMMS`, the `int8_gemm`
 path of the execution plan, chosen per weight shape at load by model/matmul_choice.py, choose_int8_gemm):
 - `int8pack`: aten._weight_int8pack_mm, as above. On a 2-core Zen 4 it made SmolLM2-135M at 64
   chats slower in int8 than in fp32 (237.7 tok/s against 365.6).
@@ -28,6 +28,10 @@ path of the execution plan, chosen per weight shape at load by model/matmul_choi
   the remainder's at a 254x finer one), both summed exactly in int32 by torch's int8 GEMM (torch._int_mm:
   oneDNN, VNNI or AMX) in one call over twice the rows, then multiplied by the rows' and the output
   channels' scales. The activations lose less than bf16 rounding loses (`dynamic_linear`).
+- `tiles`: kernels/widen_gemm_cpu, where the CPU has AVX-512: each thread widens 32 rows of the weight at a
+  time into a buffer in its cache and multiplies every activation row against it (in bf16 where the CPU has
+  the bf16 dot product, as `dequant`; else in fp32), the fp32 sums times the rows' scales. No library call
+  per tile, and no bf16 rounding of the sums before the scales.
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from services.decoder.kernels import widen_gemm_cpu
 
 MODES = ("none", "int8", "int4")      # the --quantization choices (server/config.py repeats them torch-free)
 # int4 (model/grouped.py): 4-bit codes with an fp16 scale and offset per group of this many inputs; a Linear
@@ -146,8 +152,14 @@ def int_mm_exact() -> bool:
     return True
 
 
+def tiles_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [N, in] -> [N, out] = x @ dequantize(q, scale)^T + bias in x's dtype, by kernels/widen_gemm_cpu (where
+    widen_gemm_cpu.available(x.dtype))."""
+    return widen_gemm_cpu.gemm_int8(x, q, scale, bias)
+
+
 # The int8_gemm path's candidates (services/common/plan.py lists the same names; the first is the default).
-GEMMS = {"int8pack": int8_linear, "dequant": dequant_linear, "dynamic": dynamic_linear}
+GEMMS = {"int8pack": int8_linear, "dequant": dequant_linear, "dynamic": dynamic_linear, "tiles": tiles_linear}
 
 
 def int8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -155,6 +167,17 @@ def int8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias:
     return F.linear(x.float(), dequantize(q, scale), None if bias is None else bias.float())
 
 
-def usable_gemms() -> dict:
-    """GEMMS this CPU computes right: without `dynamic` where torch._int_mm is not exact (int_mm_exact)."""
-    return {name: f for name, f in GEMMS.items() if name != "dynamic" or int_mm_exact()}
+def unusable(name: str, dtype: torch.dtype) -> str:
+    """Why GEMMS[name] cannot run here for activations of dtype, or "" where it can: `dynamic` where torch._int_mm
+    is not exact (int_mm_exact), `tiles` where kernels/widen_gemm_cpu does not run."""
+    if name == "dynamic" and not int_mm_exact():
+        return ("torch._int_mm's int32 sums are not exact on this CPU's dispatch (AVX2 byte multiply-adds "
+                "saturate)")
+    if name == "tiles" and not widen_gemm_cpu.available(dtype):
+        return f"this CPU or build has no widen_gemm_cpu kernel for {dtype} (it needs AVX-512)"
+    return ""
+
+
+def usable_gemms(dtype: torch.dtype = torch.float32) -> dict:
+    """GEMMS this CPU computes right for activations of dtype (see unusable)."""
+    return {name: f for name, f in GEMMS.items() if not unusable(name, dtype)}

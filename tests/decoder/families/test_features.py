@@ -35,7 +35,7 @@ from services.decoder.model import load_model
 from services.decoder.model.decoder import DECLINABLE
 from services.decoder.model.families import MODELS
 from services.decoder.model.moe_decoder import MoeCausalLM
-from services.decoder.model.quantization import GEMMS, usable_gemms
+from services.decoder.model.quantization import GEMMS, unusable
 from services.decoder.runner import Runner
 from tests.decoder.drive import drive, token_ids
 from tests.decoder.families.routing import force_routing, reference_routing
@@ -453,9 +453,8 @@ INT8_PLANS = ["", *(f"int8_gemm={gemm}" for gemm in GEMMS)]
 
 @pytest.mark.parametrize("pins", INT8_PLANS)
 def test_int8_matches_the_dequantized_reference(folder, declined, pins):
-    if "int8_gemm=" in pins and pins.rsplit("=", 1)[1] not in usable_gemms():
-        pytest.skip("torch._int_mm is not exact under this CPU dispatch (AVX2: int16 saturation), so dynamic is "
-                    "refused at load (tests/decoder/model/test_quantization.py)")
+    if "int8_gemm=" in pins and (why := unusable(pins.rsplit("=", 1)[1], torch.float32)):
+        pytest.skip(f"{pins} is refused at load here: {why}")
     if refuses(folder, declined, "int8"):
         return
     runner = Runner.from_folder(folder, "fp32", BLOCK, 64, quantization="int8", fast_paths=pins)

@@ -10,7 +10,7 @@ from torch import nn
 from services.common import plan as execution
 from services.common.plan import ExecutionPlan
 from services.decoder.engine.step import StepInput
-from services.decoder.kernels import gemm_grouped_cpu
+from services.decoder.kernels import widen_gemm_cpu
 from services.decoder.model import grouped, load_model, matmul_choice
 from services.decoder.model.grouped import dequantize, grouped_linear, grouped_linear_ref, int4pack, quantize
 from services.decoder.model.linear import Linear, quantize_linears
@@ -81,7 +81,7 @@ def grouped_model() -> nn.Sequential:
 def test_the_many_row_path_follows_the_timings(ms, expected, monkeypatch):
     """Each shape's usable paths timed at every GROUPED_ROWS count; the least summed time per row kept where it
     beats dequant. The 40-row weight does not fit torch's 4-bit kernel, so it is timed without it."""
-    monkeypatch.setattr(gemm_grouped_cpu, "available", lambda dtype: True)    # the timings decide, not this CPU
+    monkeypatch.setattr(widen_gemm_cpu, "available", lambda dtype: True)    # the timings decide, not this CPU
     model, record, calls = grouped_model(), ExecutionPlan(), []
 
     def timer(group, paths):
@@ -99,7 +99,7 @@ def test_the_many_row_path_follows_the_timings(ms, expected, monkeypatch):
 
 
 def test_a_shape_only_dequant_takes_is_not_timed(monkeypatch):
-    monkeypatch.setattr(gemm_grouped_cpu, "available", lambda dtype: False)
+    monkeypatch.setattr(widen_gemm_cpu, "available", lambda dtype: False)
     model = nn.Sequential(Linear(96, 40))
     quantize_linears(model, "int4")
     record = ExecutionPlan()
@@ -112,8 +112,8 @@ def test_a_shape_only_dequant_takes_is_not_timed(monkeypatch):
 @pytest.mark.parametrize("gemv", execution.PATHS["gemv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_pinned_path_matches_the_reference(pin, gemv, dtype):
-    if pin == "tiles" and not gemm_grouped_cpu.available(dtype):
-        pytest.skip(f"this CPU has no gemm_grouped_cpu kernel for {dtype} (test_gemm_grouped_cpu checks where)")
+    if pin == "tiles" and not widen_gemm_cpu.available(dtype):
+        pytest.skip(f"this CPU has no widen_gemm_cpu kernel for {dtype} (test_widen_gemm_cpu checks where)")
     """Every row count from 1 to past the few-row kernel, with each path pinned: the forward equals the path's
     own function, and that is the dequantized reference (x rounded per group on the few-row kernel)."""
     model = grouped_model().to(dtype)
@@ -129,8 +129,8 @@ def test_each_pinned_path_matches_the_reference(pin, gemv, dtype):
         with torch.no_grad():
             y = m(x)
         assert torch.equal(y, grouped_linear(x, m.grouped, None, "gemv" if few else pin, m.int4pack))
-        # tiles multiply fp32 x in bf16 where the CPU has the bf16 dot product (gemm_grouped_cpu.products_for)
-        bound = gemm_grouped_cpu.products_for(dtype) if pin == "tiles" and not few else dtype
+        # tiles multiply fp32 x in bf16 where the CPU has the bf16 dot product (widen_gemm_cpu.products_for)
+        bound = widen_gemm_cpu.products_for(dtype) if pin == "tiles" and not few else dtype
         assert_close(y, grouped_linear_ref(x, m.grouped, rounded=few), dtype=bound, k=96)
 
 
@@ -143,8 +143,8 @@ def test_pinning_int4pack_needs_a_weight_it_takes():
 
 def test_pinning_tiles_needs_the_kernel(monkeypatch):
     model = grouped_model()
-    monkeypatch.setattr(gemm_grouped_cpu, "available", lambda dtype: False)
-    with pytest.raises(ValueError, match="grouped_matmul=tiles: this CPU or build has no gemm_grouped_cpu kernel"):
+    monkeypatch.setattr(widen_gemm_cpu, "available", lambda dtype: False)
+    with pytest.raises(ValueError, match="grouped_matmul=tiles: this CPU or build has no widen_gemm_cpu kernel"):
         choose_grouped_matmul(model, ExecutionPlan("grouped_matmul=tiles", execution.DECODER))
 
 
@@ -200,8 +200,8 @@ def test_model_matches_transformers_on_dequantized_weights(folders):
 
 @pytest.mark.parametrize("pins", ["grouped_matmul=dequant,gemv=on", "grouped_matmul=int4pack,gemv=off",
                                   pytest.param("grouped_matmul=tiles,gemv=off", marks=pytest.mark.skipif(
-                                      not gemm_grouped_cpu.available(torch.float32),
-                                      reason="no gemm_grouped_cpu kernel for fp32 on this CPU")), ""])
+                                      not widen_gemm_cpu.available(torch.float32),
+                                      reason="no widen_gemm_cpu kernel for fp32 on this CPU")), ""])
 def test_runner_decodes_with_int4_weights(folders, pins):
     """The runner's real paths (prefill on the many-row path, decode steps on the few-row kernel, whose x is
     rounded to int8 per group: the int8 bound of tests/tolerance.py) against the dequantized model; greedy

@@ -10,6 +10,7 @@ from torch import nn
 from services.common import plan as execution
 from services.common.plan import ExecutionPlan
 from services.decoder.engine.step import StepInput
+from services.decoder.kernels import widen_gemm_cpu
 from services.decoder.model import load_model, matmul_choice, quantization
 from services.decoder.model.linear import Linear, quantize_linears
 from services.decoder.model.matmul_choice import choose_int8_gemm
@@ -60,18 +61,20 @@ def test_every_matmul_is_a_candidate_of_the_plan():
 
 @pytest.fixture
 def int_mm_exact(monkeypatch):
-    """The choice's logic with all three candidates, whatever this dispatch's torch._int_mm computes (the
-    exclusion is test_dynamic_is_left_out_where_int_mm_is_not_exact)."""
+    """The choice's logic with every candidate, whatever this dispatch's torch._int_mm computes and whether this
+    CPU runs the tiles kernel (the exclusions: test_dynamic_is_left_out_where_int_mm_is_not_exact,
+    test_tiles_are_left_out_where_the_kernel_does_not_run)."""
     monkeypatch.setattr(quantization, "int_mm_exact", lambda: True)
+    monkeypatch.setattr(widen_gemm_cpu, "available", lambda dtype: True)
 
 @pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,out,k,bias", [(1, 160, 64, False), (3, 7, 48, True), (17, 96, 576, False),
                                              (64, 33, 32, True), (130, 1000, 576, True), (33, 200, 1552, False)])
 def test_int8_matmuls_match_dequantized_reference(gemm, dtype, rows, out, k, bias):
-    if gemm not in quantization.usable_gemms():
-        pytest.skip("torch._int_mm is not exact under this CPU dispatch (AVX2: int16 saturation); the load-time "
-                    "choice leaves dynamic out (test_dynamic_is_left_out_where_int_mm_is_not_exact)")
+    if why := quantization.unusable(gemm, dtype):
+        pytest.skip(f"the load-time choice leaves {gemm} out here ({why}; test_dynamic_is_left_out_where_int_mm_is_"
+                    "not_exact, tests/decoder/kernels/test_widen_gemm_cpu.py)")
     g = torch.Generator().manual_seed(rows * k)
     w, x = torch.randn(out, k, generator=g), torch.randn(rows, k, generator=g).to(dtype)
     b = torch.randn(out, generator=g).to(dtype) if bias else None
@@ -120,8 +123,10 @@ def timer_of(ms: dict[tuple[int, int], dict[str, float]], calls: list):
     return timer
 
 
-def timings(at32: tuple[float, float, float], at128: tuple[float, float, float]) -> dict[int, dict[str, float]]:
-    return {32: dict(zip(GEMMS, at32, strict=True)), 128: dict(zip(GEMMS, at128, strict=True))}
+def timings(at32: tuple[float, ...], at128: tuple[float, ...]) -> dict[int, dict[str, float]]:
+    """Milliseconds per GEMMS name at 32 and 128 rows; tiles, when not given, far the slowest."""
+    return {32: dict(zip(GEMMS, (*at32, 99.0)[:len(GEMMS)], strict=True)),
+            128: dict(zip(GEMMS, (*at128, 99.0)[:len(GEMMS)], strict=True))}
 
 
 @pytest.mark.parametrize("at96,at64,expected", [
@@ -131,6 +136,9 @@ def timings(at32: tuple[float, float, float], at128: tuple[float, float, float])
     (timings((1.0, 0.9, 0.3), (4.0, 3.0, 1.0)), timings((1.0, 0.97, 2.0), (4.0, 3.9, 9.0)), ("dynamic", "int8pack")),
     # int8pack fastest on one shape, dequant (by more than the tie) on the other
     (timings((0.5, 1.0, 1.0), (2.0, 4.0, 4.0)), timings((1.0, 0.5, 2.0), (4.0, 2.0, 9.0)), ("int8pack", "dequant")),
+    # tiles the least per row on one shape; on the other dequant, tiles faster at 32 rows only
+    (timings((1.0, 0.5, 0.9, 0.3), (4.0, 2.0, 1.9, 1.2)), timings((1.0, 0.5, 2.0, 0.45), (4.0, 2.0, 9.0, 3.0)),
+     ("tiles", "dequant")),
 ])
 def test_the_matmul_follows_the_timings_per_shape(at96, at64, expected, int_mm_exact):
     model, record, calls = int8_model(), ExecutionPlan(), []
@@ -238,9 +246,8 @@ def test_runner_decodes_with_int8_weights(folders, pins):
     (dynamic: to int8 per row), the decode steps' few-row kernel to int8 blocks (gemv_cpu.round_blocks),
     whose bound (int8 in tests/tolerance.py) is the widest. The kernel alone is held to fp32's bound
     against the same rounding in tests/decoder/kernels/test_gemv_cpu.py."""
-    if "int8_gemm=" in pins and pins.rsplit("=", 1)[1] not in quantization.usable_gemms():
-        pytest.skip("torch._int_mm is not exact under this CPU dispatch (AVX2: int16 saturation), so dynamic is "
-                    "refused at load (tests/decoder/model/test_quantization.py)")
+    if "int8_gemm=" in pins and (why := quantization.unusable(pins.rsplit("=", 1)[1], torch.float32)):
+        pytest.skip(f"{pins} is refused at load here: {why}")
     name = "llama_gqa4_tied_sharded"
     runner = Runner.from_folder(folders[name], "fp32", block_size=4, num_blocks=32, quantization="int8",
                                 fast_paths=pins)
@@ -267,6 +274,17 @@ def test_runner_decodes_with_int8_weights(folders, pins):
 def test_quantization_is_cpu_only():
     with pytest.raises(ValueError, match="runs on CPU only \\(the weights are on meta\\)"):
         quantize_linears(nn.Sequential(Linear(32, 8, device="meta")), "int8")
+
+
+def test_tiles_are_left_out_where_the_kernel_does_not_run(monkeypatch):
+    monkeypatch.setattr(widen_gemm_cpu, "available", lambda dtype: False)
+    model = nn.Sequential(Linear(64, 96))
+    quantize_linears(model, "int8")
+    record = ExecutionPlan()
+    choose_int8_gemm(model, record, lambda m, rows: {"int8pack": 1.0, "dequant": 0.9, "dynamic": 1.0, "tiles": 0.01})
+    assert model[0].int8_gemm == "dequant"
+    with pytest.raises(ValueError, match="int8_gemm=tiles: this CPU or build has no widen_gemm_cpu kernel"):
+        choose_int8_gemm(model, ExecutionPlan("int8_gemm=tiles", execution.DECODER))
 
 
 def test_dynamic_is_left_out_where_int_mm_is_not_exact(monkeypatch):

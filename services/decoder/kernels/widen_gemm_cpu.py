@@ -1,12 +1,13 @@
-"""Many-row matmul on CPU over grouped 4/8-bit weights (model/grouped.py's layout), and the weight's
-dequantization to fp32 or bf16: a C++ operator.
+"""Many-row matmul on CPU over quantized weights widened block by block in cache: grouped 4/8-bit weights
+(model/grouped.py's layout) and int8 weights with a scale per output row (model/quantization.py); and a grouped
+weight's dequantization to fp32 or bf16. A C++ operator.
 
-The kernel is gemm_grouped_cpu.cpp next to this file (gemm_grouped.h), compiled once per machine by
+The kernel is widen_gemm_cpu.cpp next to this file (widen_gemm.h), compiled once per machine by
 native.load (`make kernels`); the matmul needs AVX-512 (for products in bf16 also the bf16 dot product:
 `products_for`), the dequantization runs everywhere. Their torch references are gemv_grouped_cpu.dequantize
 (the weight in fp32, then rounded to the dtype: equal bit for bit) and F.linear over it with x in the products'
-dtype (the matmul: the same products, fp32 sums in another order). Whether a shape's many-row matmul runs
-here, through the library over the dequantized weight or through torch's 4-bit kernel is measured at load
+dtype (the matmul: the same products, fp32 sums in another order); for int8, F.linear over the codes, times
+the scales. Whether a shape's many-row matmul runs here or on another path is measured at load
 (model/matmul_choice.py); this module only computes.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from services.common import native
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 DTYPES = (torch.float32, torch.bfloat16)    # the activations and dequantized weights it takes
-OPERATOR = native.Operator("gemm_grouped_cpu", SOURCE)
+OPERATOR = native.Operator("widen_gemm_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
 
 
@@ -48,18 +49,37 @@ def available(dtype: torch.dtype) -> bool:
     return products_for(dtype) is not None
 
 
+def _products(x: torch.Tensor, products: torch.dtype | None) -> torch.dtype:
+    """The products' dtype for x: as given (fp32 x may pin fp32 or bf16) or products_for(x.dtype); a ValueError
+    where no kernel here computes them."""
+    products = products or products_for(x.dtype)
+    if products is None or not runs(products) or (x.dtype == torch.bfloat16 and products != torch.bfloat16):
+        raise ValueError(f"widen_gemm: no kernel here for {x.dtype} x (products {products})")
+    return products
+
+
 def gemm_grouped(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
                  group: int, bias: torch.Tensor | None = None, products: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] (fp32 or bf16) -> [M, N] in x's dtype = x @ w^T + bias, w [N, K] given by codes uint8
     [N, K * bits // 8], scale and offset fp16 [N, K // group]: x and w (as dequantize(..., products) gives it) in
     `products` (default products_for(x.dtype); fp32 x may pin fp32 or bf16), fp32 sums, one rounding to x's dtype.
     Each row's result is the same whatever the other rows of x and the thread count."""
-    products = products or products_for(x.dtype)
-    if products is None or (x.dtype == torch.bfloat16 and products != torch.bfloat16):
-        raise ValueError(f"gemm_grouped: no kernel here for {x.dtype} x (products {products})")
+    products = _products(x, products)
     out = torch.empty((x.shape[0], codes.shape[0]), dtype=x.dtype)
     load().gemm_grouped(out, x.contiguous(), codes, scale, offset, bits, group,
                         None if bias is None else bias.float().contiguous(), products == torch.bfloat16)
+    return out
+
+
+def gemm_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+              products: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] (fp32 or bf16) -> [M, N] in x's dtype = (x @ q^T) * scale + bias, q int8 [N, K], scale [N]: x and
+    q (exact in either) in `products` (as gemm_grouped), fp32 sums times the row's fp32 scale, one rounding to
+    x's dtype."""
+    products = _products(x, products)
+    out = torch.empty((x.shape[0], q.shape[0]), dtype=x.dtype)
+    load().gemm_int8(out, x.contiguous(), q, scale.float().contiguous(),
+                     None if bias is None else bias.float().contiguous(), products == torch.bfloat16)
     return out
 
 

@@ -1,6 +1,6 @@
-"""The many-row C++ matmul over grouped weights and their dequantization (kernels/gemm_grouped.h) against the
-torch references (the dequantized weight; F.linear over it), bit-for-bit batch and thread invariance, and its
-refusals."""
+"""The many-row C++ matmul over grouped and int8 weights, and grouped weights' dequantization
+(kernels/widen_gemm.h), against the torch references (the dequantized weight; F.linear over it), bit-for-bit
+batch and thread invariance, and their refusals."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.decoder.kernels import gemm_grouped_cpu, gemv_grouped_cpu
-from services.decoder.kernels.gemm_grouped_cpu import gemm_grouped
-from services.decoder.model import grouped
+from services.decoder.kernels import gemv_grouped_cpu, widen_gemm_cpu
+from services.decoder.kernels.widen_gemm_cpu import gemm_grouped
+from services.decoder.model import grouped, quantization
 from services.decoder.model.grouped import quantize
 from tests.tolerance import assert_close
 
@@ -39,21 +39,21 @@ def call(x, gw, bias=None, products=None):
 def test_runs_exactly_where_the_cpu_has_what_it_needs(products):
     # Not a skip: on a CPU without them this is the test that runs, and the load-time choice never offers the
     # path there (model/matmul_choice.grouped_paths).
-    assert gemm_grouped_cpu.runs(products) == RUNS[products]
+    assert widen_gemm_cpu.runs(products) == RUNS[products]
     bf16 = torch.bfloat16 if RUNS[torch.bfloat16] else None
     expected = {torch.bfloat16: bf16, torch.float32: bf16 or (torch.float32 if RUNS[torch.float32] else None)}
-    assert {d: gemm_grouped_cpu.products_for(d) for d in expected} == expected
-    assert not gemm_grouped_cpu.available(torch.float16)
+    assert {d: widen_gemm_cpu.products_for(d) for d in expected} == expected
+    assert not widen_gemm_cpu.available(torch.float16)
 
 
-@pytest.mark.parametrize("dtype", gemm_grouped_cpu.DTYPES)
+@pytest.mark.parametrize("dtype", widen_gemm_cpu.DTYPES)
 @pytest.mark.parametrize("bits", grouped.BITS)
 @pytest.mark.parametrize("group", grouped.GROUPS)
 def test_dequantize_is_the_reference_bit_for_bit(dtype, bits, group):
     g = torch.Generator().manual_seed(bits + group)
     gw = quantize(torch.randn(37, 1536 + (16 if group == 16 else 0), generator=g) * 3, bits, group)
     ref = gemv_grouped_cpu.dequantize(gw.codes, gw.scale, gw.offset, bits, group).to(dtype)
-    got = gemm_grouped_cpu.dequantize(gw.codes, gw.scale, gw.offset, bits, group, dtype)
+    got = widen_gemm_cpu.dequantize(gw.codes, gw.scale, gw.offset, bits, group, dtype)
     assert got.dtype == dtype and torch.equal(got, ref)
     assert torch.equal(grouped.expand(gw, dtype), ref)
 
@@ -97,6 +97,25 @@ def test_each_row_is_its_own_one_row_result_bit_for_bit(dtype, products, bits):
         torch.set_num_threads(threads)
 
 
+@each_pair
+@pytest.mark.parametrize("rows", [1, 7, 13])
+@pytest.mark.parametrize("n,k,bias", [(7, 96, True), (130, 1552, False), (33, 16, True)])
+def test_int8_matches_reference(dtype, products, rows, n, k, bias):
+    """Against F.linear over the codes in `products` with x there too, times the scales: fp32's bound (the sums'
+    order); against the dequantized fp32 reference: the products' bound."""
+    g = torch.Generator().manual_seed(rows + n + k)
+    q, scale = quantization.quantize(torch.randn(n, k, generator=g))
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g) if bias else None
+    y = widen_gemm_cpu.gemm_int8(x, q, scale, b, products)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    same = F.linear(x.to(products).float(), q.float()) * scale + (0 if b is None else b)
+    assert_close(y, same, dtype=dtype, k=k)
+    assert_close(y, quantization.int8_linear_ref(x, q, scale, b), dtype=products, k=k)
+    one = torch.cat([widen_gemm_cpu.gemm_int8(x[i:i + 1], q, scale, b, products) for i in range(rows)])
+    assert torch.equal(y, one)
+
+
 def test_refusals():
     gw = quantize(torch.randn(8, 64), 4, 32)
     with pytest.raises(RuntimeError, match=r"x must be a contiguous \[M, 64\]"):
@@ -107,7 +126,10 @@ def test_refusals():
         call(torch.randn(1, 64).half(), gw, None, torch.float32)
     with pytest.raises(RuntimeError, match=r"scale and offset must be float16 \[N, 2\]"):
         gemm_grouped(torch.randn(1, 64), gw.codes, gw.scale.float(), gw.offset, 4, 32)
-    with pytest.raises(ValueError, match="no kernel here for torch.bfloat16 x"):
+    with pytest.raises(ValueError, match="widen_gemm: no kernel here for torch.bfloat16 x"):
         call(torch.randn(1, 64).bfloat16(), gw, None, torch.float32)
+    with pytest.raises(RuntimeError, match=r"gemm_int8: scale must be float32 \[8\]"):
+        widen_gemm_cpu.load().gemm_int8(torch.empty(1, 8), torch.randn(1, 64), torch.zeros(8, 64, dtype=torch.int8),
+                                        torch.ones(4), None, False)
     with pytest.raises(ValueError, match="dtype torch.float16"):
-        gemm_grouped_cpu.dequantize(gw.codes, gw.scale, gw.offset, 4, 32, torch.float16)
+        widen_gemm_cpu.dequantize(gw.codes, gw.scale, gw.offset, 4, 32, torch.float16)

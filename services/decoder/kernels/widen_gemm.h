@@ -1,12 +1,15 @@
-// Many-row matmul over grouped weights (services/decoder/model/grouped.py): y[m, n] = sum_k x[m, k] * w[n, k]
-// (+ bias[n]) with w[n, k] = scale[n, g] * code[n, k] + offset[n, g], g = k / G, codes of 4 or 8 bits.
+// Many-row matmul over quantized weights widened in cache: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), w
+// either grouped (services/decoder/model/grouped.py: w[n, k] = scale[n, g] * code[n, k] + offset[n, g], g = k / G,
+// codes of 4 or 8 bits) or int8 with a scale per output row (services/decoder/model/quantization.py: w[n, k] =
+// q[n, k] * scale[n], the scale applied to the row's sums, as its library path does).
 //
 // Why: a prefill chunk or a decode step of many rows is bound by arithmetic, not by the weight's bytes, so
-// the weight is widened to x's dtype and multiplied there. Widening the whole weight before a library matmul
-// writes and reads it again in memory at 2-4 bytes a weight; here each thread widens a block of BLOCK weight
-// rows into a buffer that stays in its cache and multiplies every row of x against it. The buffer holds
-// exactly what `dequantize` writes (scale * code + offset in fp32, then x's dtype), so the sums differ from
-// the library's over the dequantized weight only in their order.
+// the weight is widened to the products' dtype and multiplied there. Widening the whole weight before a library
+// matmul writes and reads it again in memory at 2-4 bytes a weight; here each thread widens a block of BLOCK
+// weight rows into a buffer that stays in its cache and multiplies every row of x against it. A grouped
+// buffer holds exactly what `dequantize` writes (scale * code + offset in fp32, then the products' dtype), an
+// int8 one the codes themselves (exact in bf16), so the sums differ from the library's over the same values
+// only in their order.
 //
 // The product is in dot-product form: a tile of up to MR rows of x and NR rows of the buffer keeps MR x NR
 // accumulators of 16 fp32 lanes along k (bf16: vdpbf16ps, a pair of products a lane, exact in fp32; fp32:
@@ -30,7 +33,7 @@
 
 #include <immintrin.h>
 
-namespace tessera_grouped_gemm {
+namespace tessera_widen {
 
 constexpr int64_t BLOCK = 32;  // weight rows a thread widens at a time (bf16, K = 8192: 512 KiB, in L2)
 constexpr int NR = 4;          // buffer rows per tile
@@ -62,8 +65,7 @@ inline uint16_t to_bf16_bits(float f) {
 // 16 codes (bytes) -> scale * code + offset in fp32 (exact product: a code has at most 8 bits, an fp16 scale
 // 11), stored as T.
 template <typename T>
-inline void widen16(__m128i codes, __m512 s, __m512 o, T* dst) {
-  const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)), s, o);
+inline void store16(__m512 v, T* dst) {
   if constexpr (std::is_same_v<T, float>) {
     _mm512_storeu_ps(dst, v);
   } else {
@@ -72,6 +74,11 @@ inline void widen16(__m128i codes, __m512 s, __m512 o, T* dst) {
     const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
   }
+}
+
+template <typename T>
+inline void widen16(__m128i codes, __m512 s, __m512 o, T* dst) {
+  store16(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)), s, o), dst);
 }
 #endif
 
@@ -173,16 +180,54 @@ inline T from_float(float v) {
   else return c10::BFloat16(to_bf16_bits(v), c10::BFloat16::from_bits());
 }
 
-// y [M, N] in X = x [M, K] @ w^T (+ bias [N] fp32), X float or BFloat16, the products in T (X, or BFloat16
-// for float x: x and the weight rounded to bf16, for the bf16 dot product's speed); fp32 sums, one rounding to X.
-template <typename X, typename T>
-inline void gemm(const X* x, int64_t M, const uint8_t* codes, const at::Half* scale, const at::Half* offset,
-                 int64_t N, int64_t K, int64_t G, int64_t bits, const float* bias, X* y) {
-  TORCH_CHECK(available(c10::CppTypeToScalarType<T>::value), "gemm_grouped: this build has no kernel for ",
+// A grouped weight as gemm reads it: row n widened into dst (input k at dst[(k / STEP) * stride + k % STEP]);
+// its sums need no scale.
+struct Grouped {
+  const uint8_t* codes;
+  const at::Half *scale, *offset;
+  int64_t K, G, bits;
+  template <typename T>
+  void row(int64_t n, T* dst, int64_t stride) const {
+    const int64_t ng = K / G;
+    dequantize_row(codes + n * (K * bits / 8), scale + n * ng, offset + n * ng, K, G, bits, dst, stride);
+  }
+  float row_scale(int64_t) const { return 1.f; }
+};
+
+// An int8 weight with a scale per row: the codes widened (exact in bf16 and fp32), the scale on the sums.
+struct Int8Rows {
+  const int8_t* q;
+  const float* scale;
+  int64_t K;
+  template <typename T>
+  void row(int64_t n, T* dst, int64_t stride) const {
+    constexpr int64_t S = STEP<T>;
+    const int8_t* qn = q + n * K;
+    for (int64_t k0 = 0; k0 < K; k0 += S) {
+      T* d = dst + k0 / S * stride;
+      const int64_t n_in = std::min(S, K - k0);
+      int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      for (; i + 16 <= n_in; i += 16)
+        store16(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + k0 + i)))),
+                d + i);
+#endif
+      for (; i < n_in; ++i) d[i] = from_float<T>(static_cast<float>(qn[k0 + i]));
+    }
+  }
+  float row_scale(int64_t n) const { return scale[n]; }
+};
+
+// y [M, N] in X = x [M, K] @ w^T (* the rows' scales) (+ bias [N] fp32), X float or BFloat16, w one of the
+// sources above, the products in T (X, or BFloat16 for float x: x and the weight rounded to bf16, for the bf16
+// dot product's speed); fp32 sums, one rounding to X.
+template <typename X, typename T, typename Source>
+inline void gemm(const X* x, int64_t M, const Source& w, int64_t N, int64_t K, const float* bias, X* y) {
+  TORCH_CHECK(available(c10::CppTypeToScalarType<T>::value), "widen_gemm: this build has no kernel for ",
               c10::CppTypeToScalarType<T>::value, " products");
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   constexpr int64_t S = STEP<T>;
-  const int64_t rb = K * bits / 8, ng = K / G, steps = (K + S - 1) / S, tiles = (M + MR - 1) / MR;
+  const int64_t steps = (K + S - 1) / S, tiles = (M + MR - 1) / MR;
   // x interleaved: tile t, step s, row r of the tile -> xp[((t * steps + s) * MR + r) * S ...], zeros past M and K.
   std::vector<T> xp(tiles * steps * MR * S);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -205,9 +250,7 @@ inline void gemm(const X* x, int64_t M, const uint8_t* codes, const at::Half* sc
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * BLOCK, rows = std::min(BLOCK, N - n0);
       if (rows < BLOCK || K % S) std::fill(buf.begin(), buf.end(), from_float<T>(0.f));
-      for (int64_t r = 0; r < rows; ++r)
-        dequantize_row(codes + (n0 + r) * rb, scale + (n0 + r) * ng, offset + (n0 + r) * ng, K, G, bits,
-                       buf.data() + (r / NR * steps * NR + r % NR) * S, NR * S);
+      for (int64_t r = 0; r < rows; ++r) w.row(n0 + r, buf.data() + (r / NR * steps * NR + r % NR) * S, NR * S);
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t m0 = t * MR, mr = std::min<int64_t>(MR, M - m0);
         for (int64_t j0 = 0; j0 < rows; j0 += NR) {
@@ -215,7 +258,7 @@ inline void gemm(const X* x, int64_t M, const uint8_t* codes, const at::Half* sc
           for (int64_t m = 0; m < mr; ++m)
             for (int64_t j = 0; j < NR && j0 + j < rows; ++j) {
               const int64_t n = n0 + j0 + j;
-              y[(m0 + m) * N + n] = from_float<X>(sums[m][j] + (bias ? bias[n] : 0.f));
+              y[(m0 + m) * N + n] = from_float<X>(sums[m][j] * w.row_scale(n) + (bias ? bias[n] : 0.f));
             }
         }
       }
@@ -235,4 +278,4 @@ inline void dequantize(const uint8_t* codes, const at::Half* scale, const at::Ha
   });
 }
 
-}  // namespace tessera_grouped_gemm
+}  // namespace tessera_widen
