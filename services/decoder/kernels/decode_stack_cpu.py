@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from services.common import native
 
-from . import gemv_cpu
+from . import gemv_cpu, widen_gemm_cpu
 from .gemv_cpu import gemv_ref
 from .gemv_grouped_cpu import gemv_grouped_ref
 from .lora_cpu import lora_rows_ref
@@ -31,6 +31,7 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 KERNEL_ROWS = 4       # gemv_cpu's most rows; above (or above a projection's gemv_rows), the library's matmul
 # LoRA targets in lora.weights.TARGETS order (q, k, v, o, gate, up, down): the rows of lora_offsets/lora_ranks.
 NUM_TARGETS = 7
+WIDEN = (None, torch.float32, torch.bfloat16)     # Projection.widen as the operator takes it (its index)
 OPERATOR = native.Operator("decode_stack_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
 
@@ -52,10 +53,13 @@ class Projection:
     # bf16 x over a bf16 weight: which of gemv_cpu.BF16_ROWS the few-row kernel runs (its Linear's choice).
     bf16_row: str = gemv_cpu.BF16_ROWS[0]
     # A grouped weight (model/grouped.py's layout): weight its uint8 codes [out, in * bits // 8], scale and offset
-    # fp16 [out, in // group]; gemv_grouped_cpu runs it (always: refused above KERNEL_ROWS, as int8).
+    # fp16 [out, in // group]; gemv_grouped_cpu runs it up to KERNEL_ROWS rows, as int8.
     offset: torch.Tensor | None = None
     bits: int = 0
     group: int = 0
+    # Above KERNEL_ROWS, an int8 or grouped weight runs widen_gemm_cpu with products in this dtype (its Linear's
+    # many-row path is `tiles`), or is refused (None).
+    widen: torch.dtype | None = None
 
 
 @dataclass
@@ -118,7 +122,8 @@ def make_stack(shape: Shape, layers: list[LayerWeights], final_norm: torch.Tenso
 
 def _projection(p: Projection):
     return load().Projection(p.weight, p.scale, p.bias, p.packed, list(p.rule[0]), list(p.rule[1]), p.gemv_rows,
-                             p.tiles, gemv_cpu.BF16_ROWS.index(p.bf16_row), p.offset, p.bits, p.group)
+                             p.tiles, gemv_cpu.BF16_ROWS.index(p.bf16_row), p.offset, p.bits, p.group,
+                             WIDEN.index(p.widen))
 
 
 def decode_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -131,7 +136,7 @@ def decode_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s
     first half negated). Every layer writes the rows' K/V into its cache at `slots`, as the model's
     own layers do; see decode_stack_ref for the computation. Each projection runs gemv_cpu up to its
     gemv_rows rows, else tile_gemm_cpu above KERNEL_ROWS (if it has tiles), else its packed or plain
-    library matmul (int8 and grouped weights: refused above KERNEL_ROWS).
+    library matmul (int8 and grouped weights: widen_gemm_cpu where they have `widen`, else refused).
     lora_offsets, lora_ranks [NUM_TARGETS, M] int32 (or None: no adapters): each row's span per target in the
     arenas set on the stack (set_arenas); a row of rank 0 for every target comes out bit for bit as without them.
     """
@@ -155,7 +160,9 @@ def decode_stack_ref(shape: Shape, layers: list[LayerWeights], final_norm: torch
 
     def linear(t: torch.Tensor, p: Projection, layer: int, targets: tuple[tuple[int, int, int], ...]) -> torch.Tensor:
         """targets: (target index, first column, columns) of each LoRA target on this projection's output."""
-        if p.offset is not None:
+        if p.widen is not None and t.shape[0] > KERNEL_ROWS:
+            out = widen_gemm_cpu.gemm_ref(t, p.weight, p.scale, p.offset, p.bits, p.group, p.bias, p.widen).to(dtype)
+        elif p.offset is not None:
             out = gemv_grouped_ref(t, p.weight, p.scale, p.offset, p.bits, p.group, p.bias).to(dtype)
         else:
             out = gemv_ref(t, p.weight, p.scale, p.bias).to(dtype)     # fp32 sums, one rounding

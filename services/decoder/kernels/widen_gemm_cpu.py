@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from services.common import native
 
@@ -81,6 +82,18 @@ def gemm_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
     load().gemm_int8(out, x.contiguous(), q, scale.float().contiguous(),
                      None if bias is None else bias.float().contiguous(), products == torch.bfloat16)
     return out
+
+
+def gemm_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
+             group: int, bias: torch.Tensor | None, products: torch.dtype) -> torch.Tensor:
+    """The torch reference, fp32 [M, N], of gemm_grouped (offset given: weight its codes, scale and offset) or
+    gemm_int8 (offset None: weight int8, scale [N]) with products in `products`: F.linear over the same values."""
+    xp = x.to(products).float()
+    if offset is not None:
+        y = F.linear(xp, dequantize(weight, scale, offset, bits, group, products).float())
+    else:
+        y = F.linear(xp, weight.to(products).float()) * scale.float()
+    return y if bias is None else y + bias.float()
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, group: int,

@@ -38,7 +38,7 @@ import torch
 
 from services.common import native
 from services.common import plan as execution
-from services.decoder.kernels import decode_stack_cpu, tile_gemm_cpu
+from services.decoder.kernels import decode_stack_cpu, tile_gemm_cpu, widen_gemm_cpu
 from services.decoder.lora.pool import AdapterPool, PoolStep
 from services.decoder.lora.store import AdapterStore
 from services.decoder.model import glue
@@ -65,8 +65,10 @@ class FusedDecode:
         self.max_rows = 0
         self.pool: AdapterPool | None = None    # the adapter store whose arenas the stack holds
         self.pool_version = -1                  # the pool's version when the stack last took its arenas
-        # int8 and grouped projections run in the few-row kernels only (the library paths above them differ).
-        few = any(m.qweight is not None or m.grouped is not None for m in model.modules() if isinstance(m, Linear))
+        # The layers' int8 and grouped projections run in the few-row kernels only, unless their many-row path is
+        # widen_gemm's tiles (the library paths above them differ; the LM head is not the stack's).
+        few = any(_widen(m) is None for m in model.model.layers.modules()
+                  if isinstance(m, Linear) and (m.qweight is not None or m.grouped is not None))
         self.timing_rows = tuple(r for r in TIMING_ROWS if not few or r <= decode_stack_cpu.KERNEL_ROWS)
 
     @classmethod
@@ -236,16 +238,22 @@ def _projection(linear: Linear, tiles: bool) -> decode_stack_cpu.Projection:
     """The stack's view of a Linear; with tiles, a weight that fits gets its tile_gemm_cpu panels for
     every row count above the few-row kernel's."""
     if linear.qweight is not None:
-        return decode_stack_cpu.Projection(linear.qweight, linear.qscale, linear.bias)
+        return decode_stack_cpu.Projection(linear.qweight, linear.qscale, linear.bias, widen=_widen(linear))
     if linear.grouped is not None:
         gw = linear.grouped
         return decode_stack_cpu.Projection(gw.codes, gw.scale, linear.bias, offset=gw.offset, bits=gw.bits,
-                                           group=gw.group)
+                                           group=gw.group, widen=_widen(linear))
     rule = linear.rule
     panels = tile_gemm_cpu.pack(linear.weight) if tiles and tile_gemm_cpu.fits(linear.weight) else None
     return decode_stack_cpu.Projection(linear.weight, None, linear.bias, linear.gemv_rows, linear.packed,
                                        (rule.starts, rule.packed) if rule is not None else ((1,), (False,)),
                                        panels, linear.bf16_row)
+
+
+def _widen(linear: Linear) -> torch.dtype | None:
+    """The products' dtype of an int8 or grouped Linear whose many-row path is widen_gemm_cpu's tiles, else None."""
+    tiles = linear.int8_gemm == "tiles" if linear.qweight is not None else linear.grouped_path == "tiles"
+    return widen_gemm_cpu.products_for(linear.weight.dtype) if tiles else None
 
 
 def _layers(model: CausalLM, cache: KVCache, tiles: bool = False) -> list[decode_stack_cpu.LayerWeights]:

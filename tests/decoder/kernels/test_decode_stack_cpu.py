@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from services.common import linear_path
+from services.decoder.kernels import widen_gemm_cpu
 from services.decoder.kernels.decode_stack_cpu import (
     KERNEL_ROWS,
     NUM_TARGETS,
@@ -34,15 +35,17 @@ LAYERS = 2
 def projection(kind: str, out: int, inp: int, bias: bool, g: torch.Generator, library: str,
                gemv_rows: int = KERNEL_ROWS) -> Projection:
     """library: how rows above gemv_rows run: "plain", "packed", "both" (packed from 8 rows on), or
-    "widened" (packed, from a copy widened to fp32: linear_path's per-shape choice for bf16)."""
+    "widened" (packed, from a copy widened to fp32: linear_path's per-shape choice for bf16); for int8 and grouped
+    weights "widen" (widen_gemm_cpu above the few-row kernel) or anything else (refused there)."""
     w = torch.randn(out, inp, generator=g) / inp ** 0.5
     b = torch.randn(out, generator=g).to(DTYPES[kind]) * 0.1 if bias else None
+    widen = widen_gemm_cpu.products_for(DTYPES[kind]) if library == "widen" else None
     if kind == "int8":
         q, scale = quantize(w)
-        return Projection(q, scale, b)
+        return Projection(q, scale, b, widen=widen)
     if kind in GROUPED:
         gw = grouped.quantize(w, *GROUPED[kind])
-        return Projection(gw.codes, gw.scale, b, offset=gw.offset, bits=gw.bits, group=gw.group)
+        return Projection(gw.codes, gw.scale, b, offset=gw.offset, bits=gw.bits, group=gw.group, widen=widen)
     w = w.to(DTYPES[kind])
     if library == "plain":
         return Projection(w, None, b, gemv_rows)
@@ -118,7 +121,8 @@ def check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias, libr
     # alike; but an input the two compute an ulp apart can round to neighbouring steps where it sits on a tie
     # (seen here once in ~50 cases), so their bound is int8's (tests/tolerance.py). The kernel alone is held to
     # fp32's bound against the same rounding in tests/decoder/kernels/test_gemv_grouped_cpu.py.
-    bound = torch.int8 if kind in GROUPED else DTYPES[kind]
+    # Above the few-row kernel, widen_gemm may round x to bf16, where an ulp apart can land on neighbouring steps too.
+    bound = torch.int8 if kind in GROUPED or library == "widen" else DTYPES[kind]
     assert_close(got, expected, dtype=bound, k=shape.intermediate, depth=depth)
     for mine, ref in zip(layers, ref_layers, strict=True):   # the same K/V written at the same slots
         assert_close(mine.k_cache, ref.k_cache, dtype=bound, k=shape.intermediate, depth=depth)
@@ -155,6 +159,17 @@ def test_rows_past_gemv_rows_run_the_library_matmuls(kind, rows, gemv_rows, libr
     if library != "plain" and linear_path.pack_dtype(DTYPES[kind]) is None:
         pytest.skip(linear_path.pack_error(DTYPES[kind]))     # oneDNN cannot pack this dtype on this CPU
     check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias, library, gemv_rows)
+
+
+@pytest.mark.parametrize("kind", ["int8", *GROUPED])
+@pytest.mark.parametrize("rows", [KERNEL_ROWS + 1, 13])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,qk_norm,bias", SHAPES[:2])
+def test_quantized_rows_past_the_kernel_run_widen_gemm(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm,
+                                                       bias):
+    if not widen_gemm_cpu.available(DTYPES[kind]):
+        pytest.skip("no widen_gemm_cpu kernel on this CPU (test_widen_gemm_cpu checks where); such weights are "
+                    "refused above the few-row kernel (test_refusals)")
+    check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias, library="widen")
 
 
 @pytest.mark.parametrize("kind,loop", [("fp32", BF16_ROWS[0])] + [("bf16", loop) for loop in BF16_ROWS]

@@ -8,9 +8,8 @@ import torch
 
 from services.common.plan import ExecutionPlan
 from services.decoder.engine.step import StepInput
-from services.decoder.kernels import decode_stack_cpu, tile_gemm_cpu
+from services.decoder.kernels import decode_stack_cpu, tile_gemm_cpu, widen_gemm_cpu
 from services.decoder.model.linear import Linear
-from services.decoder.model.quantization import GEMMS
 from services.decoder.runner import Runner, attention
 from services.decoder.runner.batch import StepBatch
 from services.decoder.runner.fused_decode import FusedDecode
@@ -22,8 +21,13 @@ pytestmark = pytest.mark.numerics
 
 BLOCK, BLOCKS = 4, 320
 CASES = ["llama_gqa4_tied_sharded", "qwen2_gqa2_odd_tied", "qwen3_odd3_gqa3_qknorm"]
-VARIANTS = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "int8": ("fp32", "int8"), "int4": ("fp32", "int4")}
-QUANTIZED = ("int8", "int4")     # their weights run in the few-row kernels only
+VARIANTS = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "int8": ("fp32", "int8"), "int4": ("fp32", "int4"),
+            "int8_tiles": ("fp32", "int8"), "int4_tiles": ("fp32", "int4")}
+# Each quantized variant's many-row matmul, pinned so that both runners of a comparison run the same one.
+MANY_ROWS = {"int8": "int8_gemm=int8pack", "int4": "grouped_matmul=dequant", "int8_tiles": "int8_gemm=tiles",
+             "int4_tiles": "grouped_matmul=tiles"}
+QUANTIZED = tuple(MANY_ROWS)
+FEW = ("int8", "int4")     # their weights run in the stack's few-row kernels only; the tiles ones above them too
 
 
 @pytest.fixture(scope="module")
@@ -44,25 +48,26 @@ def stack_wins(path: str, rows: int, fn) -> float:
 
 def runners(folder, variant: str) -> tuple[Runner, Runner]:
     dtype, quantization = VARIANTS[variant]
+    if variant.endswith("_tiles") and not widen_gemm_cpu.available(torch.float32):
+        pytest.skip("no widen_gemm_cpu kernel on this CPU (test_widen_gemm_cpu checks where)")
+    pins = ",".join(filter(None, (PINS, MANY_ROWS.get(variant))))
     fused = Runner.from_folder(folder, dtype, block_size=BLOCK, num_blocks=BLOCKS, quantization=quantization,
-                               fast_paths=PINS)
-    fused.fused_decode, fused.decode_stack = FusedDecode.build(fused.model, fused.cache, fused.attention_backend,
-                                                               ExecutionPlan(), timer=stack_wins)
+                               fast_paths=pins)
     layers = Runner.from_folder(folder, dtype, block_size=BLOCK, num_blocks=BLOCKS, quantization=quantization,
-                               fast_paths=PINS)
+                                fast_paths=pins)
     layers.fused_decode = None
-    # Both runners take the same elementwise glue and, for int8, the same few-row path and many-row matmul.
-    # Each is chosen by timing at load, and int8's many-row matmuls round activations differently: two
+    # Both runners take the same elementwise glue and, quantized, the same few-row path (and the pinned many-row
+    # matmul). Each is chosen by timing at load, and the quantized matmuls round activations differently: two
     # runners that chose differently under a parallel load compared two roundings (a C++ against a torch
     # RMSNorm in front of that rounding failed this test every time), not the stack against the layers.
     for runner in (fused, layers):
         runner.model.use_native_glue(norm=True, act=True)
-        if quantization in QUANTIZED:
+        if variant in QUANTIZED:
             for m in runner.model.modules():
                 if isinstance(m, Linear) and (m.qweight is not None or m.grouped is not None):
                     m.gemv_rows = decode_stack_cpu.KERNEL_ROWS
-                    if m.qweight is not None:
-                        m.int8_gemm = next(iter(GEMMS))
+    fused.fused_decode, fused.decode_stack = FusedDecode.build(fused.model, fused.cache, fused.attention_backend,
+                                                               ExecutionPlan(), timer=stack_wins)
     return fused, layers
 
 
@@ -70,13 +75,15 @@ def runners(folder, variant: str) -> tuple[Runner, Runner]:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decode_steps_match_the_layers(folders, name, variant):
     fused, layers = runners(folders[name], variant)
-    widest = 4 if variant in QUANTIZED else 64
+    widest = 4 if variant in FEW else 64
     assert fused.decode_stack.startswith(f"cpp rows<={widest}; timed 1 row 1000.0 vs 2000.0 ms")
     # Steps above 4 rows run the panels wherever the CPU runs them for the dtype and a projection fits
     # (every case has one: a 64-wide hidden or a 192-wide gate_up), so the comparison below covers them;
-    # int8 and grouped weights never take them.
+    # int8 and grouped weights never take them (above 4 rows, the tiles variants run widen_gemm instead).
     dtype = fused.cache.k[0].dtype
-    tiles = variant not in QUANTIZED and tile_gemm_cpu.available(dtype)
+    dense = [m.weight for m in fused.model.model.layers.modules()
+             if isinstance(m, Linear) and m.qweight is None and m.grouped is None]
+    tiles = variant not in FEW and tile_gemm_cpu.available(dtype) and any(map(tile_gemm_cpu.fits, dense))
     assert fused.fused_decode.tiles == tiles
     assert fused.decode_stack.endswith(f"tiles {'on' if tiles else 'n/a'})")
     g = random.Random(5)
@@ -86,7 +93,7 @@ def test_decode_steps_match_the_layers(folders, name, variant):
     calls = []                    # what applies() said per step of the fused runner
     applies = fused.fused_decode.applies
     fused.fused_decode.applies = lambda batch: calls.append(applies(batch)) or calls[-1]
-    for rows in (4, 1, 3, 2, 16, 4) if variant not in QUANTIZED else (4, 1, 3, 2, 4):
+    for rows in (4, 1, 3, 2, 16, 4) if variant not in FEW else (4, 1, 3, 2, 4):
         for _ in range(3):
             out = {}
             # The whole rest of each sequence: a whole prompt (start 0, at most 33 tokens, so it runs as
