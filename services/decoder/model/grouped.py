@@ -114,6 +114,19 @@ def unpack_codes(gw: GroupedWeight) -> torch.Tensor:
     return gemv_grouped_cpu.unpack_codes(gw.codes, gw.bits, gw.group)
 
 
+def regroup(gw: GroupedWeight, bits: int, group: int) -> GroupedWeight:
+    """gw in a format at least as fine (bits >= gw.bits, group dividing gw.group), holding the same weights exactly:
+    the codes as they are, each group's scale and offset repeated over its parts. What lets projections stored in
+    different formats (a GGUF file's Q4_K q and k beside a Q6_K v) be fused into one matmul."""
+    if (bits, group) == (gw.bits, gw.group):
+        return gw
+    if bits < gw.bits or gw.group % group:
+        raise ValueError(f"grouped weight: {gw.describe()} cannot be held as int{bits}/g{group} exactly")
+    parts = gw.group // group
+    return pack(unpack_codes(gw), gw.scale.repeat_interleave(parts, dim=1), gw.offset.repeat_interleave(parts, dim=1),
+                bits, group)
+
+
 def dequantize(gw: GroupedWeight) -> torch.Tensor:
     """fp32 [N, K]: scale * code + offset per group, in fp32 from the fp16 scale and offset (the torch reference)."""
     return gemv_grouped_cpu.dequantize(gw.codes, gw.scale, gw.offset, gw.bits, gw.group)

@@ -120,12 +120,17 @@ class Linear(nn.Linear):
 
 
 def fusible(parts: list[Linear]) -> bool:
-    """Whether `fuse` can join parts: all dense, or all grouped in one format (bits, group), with the same input
-    width, dtype, device and bias presence. A GGUF file may store Q, K and V in different types (Q4_K_M keeps
-    V in Q6_K): those stay three matmuls."""
-    kinds = {(p.in_features, p.weight.dtype, p.weight.device, p.bias is None,
-              None if p.grouped is None else (p.grouped.bits, p.grouped.group)) for p in parts}
+    """Whether `fuse` can join parts: all dense or all grouped, with the same input width, dtype, device and bias
+    presence. Grouped parts in different formats (a GGUF file's Q4_K_M keeps V in Q6_K beside Q4_K Q and K) are
+    joined in the finest of them (common_format), exactly."""
+    kinds = {(p.in_features, p.weight.dtype, p.weight.device, p.bias is None, p.grouped is None) for p in parts}
     return len(kinds) == 1 and all(p.grouped is not None or not p.released for p in parts)
+
+
+def common_format(gws: list[GroupedWeight]) -> tuple[int, int]:
+    """(bits, group) every one of gws can be held in exactly (grouped.regroup): the most bits, the smallest group
+    (the groups are 16 or 32, so the smallest divides the others)."""
+    return max(g.bits for g in gws), min(g.group for g in gws)
 
 
 @torch.no_grad()
@@ -134,19 +139,20 @@ def fuse(parts: list[Linear]) -> Linear:
     the parts' weights (dense or grouped) are released (they stay as modules: names, adapters, `correct`)."""
     first = parts[0]
     if not fusible(parts):
-        raise ValueError("fused projections need the same input width, dtype, device, bias presence and weight "
-                         "format")
+        raise ValueError("fused projections need the same input width, dtype, device and bias presence, and all "
+                         "dense or all grouped weights")
     fused = Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
                    device="meta")
     if first.grouped is None:
         fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
     else:
-        # Grouped rows are independent: the fused weight's codes, scales and offsets are the parts' stacked.
-        gws = [p.grouped for p in parts]
+        # Grouped rows are independent: the fused weight's codes, scales and offsets are the parts' stacked, each
+        # part first held in the common format.
+        bits, group = common_format([p.grouped for p in parts])
+        gws = [grouped.regroup(p.grouped, bits, group) for p in parts]
         fused.weight = nn.Parameter(first.weight.new_empty(0), requires_grad=False)
-        fused.set_grouped(GroupedWeight(first.grouped.bits, first.grouped.group, fused.out_features,
-                                        first.in_features, *(torch.cat([getattr(g, f) for g in gws])
-                                                             for f in ("codes", "scale", "offset"))), release=False)
+        stacked = (torch.cat([getattr(g, f) for g in gws]) for f in ("codes", "scale", "offset"))
+        fused.set_grouped(GroupedWeight(bits, group, fused.out_features, first.in_features, *stacked), release=False)
     if first.bias is not None:
         fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
     for p in parts:

@@ -164,10 +164,15 @@ def test_quantized_weights_stay_grouped(root, tied):
         assert model.lm_head.grouped is table.table
     ids = torch.tensor([3, 159, 0, 3])
     assert torch.equal(model.embed(ids), grouped.dequantize(table.table)[ids])
-    # fuse_projections joins what shares a format: gate|up (both Q4_K), not Q4_K q, k with Q6_K v.
+    # fuse_projections joins gate|up (both Q4_K) as they are, and Q4_K q, k with Q6_K v in the finer of the two
+    # (8 bits over groups of 16), the same weights exactly.
+    attn = model.model.layers[0].self_attn
+    parts = torch.cat([grouped.dequantize(p.grouped) for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
     model.fuse_projections()
     layer = model.model.layers[0]
-    assert layer.self_attn.qkv is None and layer.mlp.gate_up.grouped.out_features == 2 * 512
+    assert layer.mlp.gate_up.grouped.describe() == "int4/g32" and layer.mlp.gate_up.grouped.out_features == 2 * 512
+    assert layer.self_attn.qkv.grouped.describe() == "int8/g16"
+    assert torch.equal(grouped.dequantize(layer.self_attn.qkv.grouped), parts)
 
 
 def test_greedy_tokens_equal_transformers(root):

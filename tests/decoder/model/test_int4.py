@@ -13,7 +13,7 @@ from services.decoder.engine.step import StepInput
 from services.decoder.kernels import widen_gemm_cpu
 from services.decoder.model import grouped, load_model, matmul_choice
 from services.decoder.model.grouped import dequantize, grouped_linear, grouped_linear_ref, int4pack, quantize
-from services.decoder.model.linear import Linear, quantize_linears
+from services.decoder.model.linear import Linear, fuse, fusible, quantize_linears
 from services.decoder.model.matmul_choice import choose_gemv, choose_grouped_matmul
 from services.decoder.model.quantization import INT4_GROUP
 from services.decoder.runner import Runner
@@ -146,6 +146,36 @@ def test_pinning_tiles_needs_the_kernel(monkeypatch):
     monkeypatch.setattr(widen_gemm_cpu, "available", lambda dtype: False)
     with pytest.raises(ValueError, match="grouped_matmul=tiles: this CPU or build has no widen_gemm_cpu kernel"):
         choose_grouped_matmul(model, ExecutionPlan("grouped_matmul=tiles", execution.DECODER))
+
+
+@pytest.mark.parametrize("src,dst", [((4, 32), (8, 16)), ((4, 32), (4, 16)), ((8, 32), (8, 16)), ((4, 16), (8, 16)),
+                                     ((8, 16), (8, 16))])
+def test_regroup_holds_the_same_weights(src, dst):
+    gw = quantize(torch.randn(24, 96, generator=torch.Generator().manual_seed(2)), *src)
+    again = grouped.regroup(gw, *dst)
+    assert (again.bits, again.group) == dst and torch.equal(dequantize(again), dequantize(gw))
+
+
+def test_regroup_refuses_a_coarser_format():
+    with pytest.raises(ValueError, match=r"int8/g16 cannot be held as int4/g16 exactly"):
+        grouped.regroup(quantize(torch.randn(8, 64), 8, 16), 4, 16)
+    with pytest.raises(ValueError, match=r"int4/g16 cannot be held as int4/g32 exactly"):
+        grouped.regroup(quantize(torch.randn(8, 64), 4, 16), 4, 32)
+
+
+def test_parts_in_different_formats_fuse_into_the_finest():
+    """As a GGUF file's Q4_K_M stores them: q and k in 4 bits over groups of 32, v in 8 bits over groups of 16."""
+    g = torch.Generator().manual_seed(6)
+    parts = [Linear(64, n, bias=False) for n in (32, 16, 16)]
+    for p, fmt in zip(parts, ((4, 32), (4, 32), (8, 16)), strict=True):
+        p.set_grouped(quantize(torch.randn(p.out_features, 64, generator=g), *fmt))
+    expected = torch.cat([dequantize(p.grouped) for p in parts])
+    assert fusible(parts)
+    fused = fuse(parts)
+    assert fused.grouped.describe() == "int8/g16" and torch.equal(dequantize(fused.grouped), expected)
+    lone = Linear(64, 8, bias=False)
+    lone.set_grouped(quantize(torch.randn(8, 64, generator=g)), release=False)
+    assert not fusible([Linear(64, 8, bias=False), lone])     # dense beside grouped: never
 
 
 def test_quantize_linears_int4():
