@@ -33,26 +33,17 @@
 
 #include <immintrin.h>
 
+#include "tile_gemm.h"
+
 namespace tessera_widen {
 
 constexpr int64_t BLOCK = 32;  // weight rows a thread widens at a time (bf16, K = 8192: 512 KiB, in L2)
 constexpr int NR = 4;          // buffer rows per tile
 constexpr int MR = 6;          // rows of x per tile: 24 accumulators, 4 weight vectors and 1 of x in registers
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr bool AVAILABLE_F32 = true;
-#else
-constexpr bool AVAILABLE_F32 = false;
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-constexpr bool AVAILABLE_BF16 = true;
-#else
-constexpr bool AVAILABLE_BF16 = false;
-#endif
-
-inline bool available(at::ScalarType t) {
-  return t == at::kBFloat16 ? AVAILABLE_BF16 : t == at::kFloat && AVAILABLE_F32;
-}
+// Whether this build multiplies in a dtype: the instruction sets tile_gemm.h's panels need (AVX-512; for bf16
+// also the bf16 dot product).
+using tessera_tiles::available;
 
 // fp32 -> bf16 by round to nearest even, as c10::BFloat16 rounds (the values here are finite).
 inline uint16_t to_bf16_bits(float f) {
@@ -61,7 +52,7 @@ inline uint16_t to_bf16_bits(float f) {
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef __AVX512F__
 // 16 codes (bytes) -> scale * code + offset in fp32 (exact product: a code has at most 8 bits, an fp16 scale
 // 11), stored as T.
 template <typename T>
@@ -98,7 +89,7 @@ inline void dequantize_row(const uint8_t* wn, const at::Half* sn, const at::Half
     const uint8_t* b = wn + g * gb;
     const int64_t k0 = g * G;
     auto at = [&](int64_t i) { return dst + (k0 + i) / S * stride + (k0 + i) % S; };  // i: a multiple of 16
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef __AVX512F__
     const __m512 vs = _mm512_set1_ps(s), vo = _mm512_set1_ps(o);
     const __m128i low = _mm_set1_epi8(0x0F);
     if (bits == 8) {
@@ -128,7 +119,7 @@ inline void dequantize_row(const uint8_t* wn, const at::Half* sn, const at::Half
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef __AVX512F__
 // The 16-lane sums of four accumulators, lane j of the result a[j]'s: 13 shuffles and adds, where four
 // reductions one by one take 32 (with SmolLM2's K = 576 those were a third of a tile's work).
 inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
@@ -221,7 +212,7 @@ struct Int8Rows {
       T* d = dst + k0 / S * stride;
       const int64_t n_in = std::min(S, K - k0);
       int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef __AVX512F__
       for (; i + 16 <= n_in; i += 16)
         store16(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + k0 + i)))),
                 d + i);
@@ -239,7 +230,7 @@ template <typename X, typename T, typename Source>
 inline void gemm(const X* x, int64_t M, const Source& w, int64_t N, int64_t K, const float* bias, X* y) {
   TORCH_CHECK(available(c10::CppTypeToScalarType<T>::value), "widen_gemm: this build has no kernel for ",
               c10::CppTypeToScalarType<T>::value, " products");
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef __AVX512F__
   constexpr int64_t S = STEP<T>;
   const int64_t steps = (K + S - 1) / S, tiles = (M + MR - 1) / MR;
   // x interleaved: tile t, step s, row r of the tile -> xp[((t * steps + s) * MR + r) * S ...], zeros past M and K.

@@ -40,8 +40,10 @@ def products_for(dtype: torch.dtype) -> torch.dtype | None:
     """What the matmul multiplies x of `dtype` in here: bf16 x in bf16; fp32 x in bf16 where the CPU has the bf16
     dot product (x and the weight rounded to bf16, relative 2**-9, against a 4-bit step of 1/15 of the group's
     range; twice the products a cycle), else in fp32; None where the kernel does not run for it."""
-    if dtype == torch.bfloat16 or (dtype == torch.float32 and runs(torch.bfloat16)):
-        return torch.bfloat16 if runs(torch.bfloat16) else None
+    if dtype not in DTYPES:
+        return None
+    if runs(torch.bfloat16):
+        return torch.bfloat16
     return torch.float32 if dtype == torch.float32 and runs(torch.float32) else None
 
 

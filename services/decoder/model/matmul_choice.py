@@ -325,8 +325,9 @@ def time_grouped(group: list[Linear], calls: dict[str, Callable[[], object]]) ->
 def choose_grouped_matmul(model: nn.Module, record: execution.ExecutionPlan, timer: GroupedTimer | None = None) -> str:
     """Set grouped_path (and int4pack) on every Linear holding a grouped weight, per shape (the `grouped_matmul`
     path of record): pinned, that path where the shape takes it (grouped_paths; else dequant, with the reason);
-    auto, each path the shape takes timed at GROUPED_ROWS rows and the least time per row summed over them kept
-    if it beats dequant (plan.pick). A summary."""
+    auto, each path the shape takes timed at GROUPED_ROWS rows (dropped after a count at which it was
+    DECISIVE times the fastest) and the least time per row summed over them kept if it beats dequant
+    (plan.pick). A summary."""
     name = "grouped_matmul"
     default = execution.PATHS[name][0]
     pin = record.pinned(name)
@@ -357,12 +358,15 @@ def choose_grouped_matmul(model: nn.Module, record: execution.ExecutionPlan, tim
         elif len(paths) == 1:
             path, reason = default, "no other path takes this weight"
         else:
-            per_row = dict.fromkeys(paths, 0.0)
+            per_row, timed = dict.fromkeys(paths, 0.0), paths
             for rows in GROUPED_ROWS:
-                best = (timer or time_grouped)(group, _grouped_calls(group, paths, rows))
-                timings += [execution.Timing(p, best[p], rows) for p in paths]
+                best = (timer or time_grouped)(group, _grouped_calls(group, timed, rows))
+                timings += [execution.Timing(p, best[p], rows) for p in timed]
                 for p in paths:
-                    per_row[p] += best[p] / rows
+                    # A path DECISIVE times slower than the fastest is not timed at more rows (torch's 4-bit kernel
+                    # over fp32 x ran at 2 GFLOP/s on a Zen 4: seconds a call at 256 rows), nor kept.
+                    per_row[p] += best[p] / rows if p in timed else math.inf
+                timed = tuple(p for p in timed if best[p] <= DECISIVE * min(best.values()))
             path = execution.pick(per_row, default)
         for m in group:
             m.grouped_path = path

@@ -98,6 +98,18 @@ def test_the_many_row_path_follows_the_timings(ms, expected, monkeypatch):
     assert summary.startswith("grouped matmul ") and "40x96" in summary
 
 
+def test_a_path_far_behind_is_not_timed_at_more_rows(monkeypatch):
+    monkeypatch.setattr(widen_gemm_cpu, "available", lambda dtype: True)
+    model, calls = nn.Sequential(Linear(64, 96)), []
+    quantize_linears(model, "int4")
+
+    def timer(group, paths):
+        calls.append(tuple(paths))
+        return {p: {"dequant": 1.0, "int4pack": 50.0, "tiles": 2.0}[p] for p in paths}
+    choose_grouped_matmul(model, ExecutionPlan(), timer)
+    assert calls == [("dequant", "int4pack", "tiles"), ("dequant", "tiles")] and model[0].grouped_path == "dequant"
+
+
 def test_a_shape_only_dequant_takes_is_not_timed(monkeypatch):
     monkeypatch.setattr(widen_gemm_cpu, "available", lambda dtype: False)
     model = nn.Sequential(Linear(96, 40))
