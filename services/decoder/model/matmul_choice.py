@@ -303,17 +303,19 @@ def grouped_paths(gw: grouped.GroupedWeight, dtype: torch.dtype) -> tuple[str, .
     return tuple(p for p in execution.PATHS["grouped_matmul"] if fits[p])
 
 
-def _grouped_calls(group: list[Linear], paths: tuple[str, ...], rows: int) -> dict[str, Callable[[], object]]:
-    """One call of each path at `rows` rows on the shape's first module (its first GROUPED_OUT output rows): at
-    these counts the arithmetic, not the streaming of weights, decides, and a pass over all 16 layers of a 1B
-    model took minutes at load."""
+def _grouped_calls(group: list[Linear], paths: tuple[str, ...]) -> dict[int, dict[str, Callable[[], object]]]:
+    """Per GROUPED_ROWS count, one call of each path on the shape's first module (its first GROUPED_OUT output
+    rows, packed for torch's 4-bit kernel once): at these counts the arithmetic, not the streaming of weights,
+    decides, and a pass over all 16 layers of a 1B model took minutes at load."""
     m, n = group[0], min(group[0].out_features, GROUPED_OUT)
     gw = m.grouped
     part = grouped.GroupedWeight(gw.bits, gw.group, n, gw.in_features, gw.codes[:n], gw.scale[:n], gw.offset[:n])
     bias = None if m.bias is None else m.bias[:n]
     packed = grouped.int4pack(part, m.weight.dtype) if "int4pack" in paths else None
-    x = torch.randn(rows, m.in_features, dtype=m.weight.dtype)
-    return {path: (lambda path=path: grouped.grouped_linear(x, part, bias, path, packed)) for path in paths}
+
+    def calls(x: torch.Tensor) -> dict[str, Callable[[], object]]:
+        return {path: (lambda path=path: grouped.grouped_linear(x, part, bias, path, packed)) for path in paths}
+    return {rows: calls(torch.randn(rows, m.in_features, dtype=m.weight.dtype)) for rows in GROUPED_ROWS}
 
 
 @torch.inference_mode()
@@ -358,9 +360,9 @@ def choose_grouped_matmul(model: nn.Module, record: execution.ExecutionPlan, tim
         elif len(paths) == 1:
             path, reason = default, "no other path takes this weight"
         else:
-            per_row, timed = dict.fromkeys(paths, 0.0), paths
+            per_row, timed, calls = dict.fromkeys(paths, 0.0), paths, _grouped_calls(group, paths)
             for rows in GROUPED_ROWS:
-                best = (timer or time_grouped)(group, _grouped_calls(group, timed, rows))
+                best = (timer or time_grouped)(group, {p: calls[rows][p] for p in timed})
                 timings += [execution.Timing(p, best[p], rows) for p in timed]
                 for p in paths:
                     # A path DECISIVE times slower than the fastest is not timed at more rows (torch's 4-bit kernel

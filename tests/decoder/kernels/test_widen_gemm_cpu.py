@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from services.decoder.kernels import gemv_grouped_cpu, widen_gemm_cpu
 from services.decoder.kernels.widen_gemm_cpu import gemm_grouped
@@ -73,7 +72,7 @@ def test_matches_reference(dtype, products, bits, group, rows, n, k, bias):
     b = torch.randn(n, generator=g) if bias else None
     y = call(x, gw, b, products)
     assert y.dtype == dtype and y.shape == (rows, n)
-    same = F.linear(x.to(products).float(), grouped.expand(gw, products).float(), b)
+    same = widen_gemm_cpu.gemm_ref(x, gw.codes, gw.scale, gw.offset, bits, group, b, products)
     assert_close(y, same, dtype=dtype, k=k)
     assert_close(y, grouped.grouped_linear_ref(x, gw, b), dtype=products, k=k)
 
@@ -109,7 +108,7 @@ def test_int8_matches_reference(dtype, products, rows, n, k, bias):
     b = torch.randn(n, generator=g) if bias else None
     y = widen_gemm_cpu.gemm_int8(x, q, scale, b, products)
     assert y.dtype == dtype and y.shape == (rows, n)
-    same = F.linear(x.to(products).float(), q.float()) * scale + (0 if b is None else b)
+    same = widen_gemm_cpu.gemm_ref(x, q, scale, None, 0, 0, b, products)
     assert_close(y, same, dtype=dtype, k=k)
     assert_close(y, quantization.int8_linear_ref(x, q, scale, b), dtype=products, k=k)
     one = torch.cat([widen_gemm_cpu.gemm_int8(x[i:i + 1], q, scale, b, products) for i in range(rows)])
