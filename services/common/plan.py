@@ -45,12 +45,13 @@ PATHS: dict[str, tuple[str, ...]] = {
     "gemv": ("off", "on"),
     # decoder: the matmul over int8 weights above the few-row kernel's rows, per weight shape
     # (services/decoder/model/quantization.py GEMMS, chosen in services/decoder/model/matmul_choice.py)
-    "int8_gemm": ("int8pack", "dequant", "dynamic", "tiles"),
+    "int8_gemm": ("int8pack", "dequant", "dynamic", "tiles", "amx"),
     # decoder: the few-row kernel's loop for bf16 x over bf16 weights (services/decoder/model/matmul_choice.py)
     "gemv_bf16_row": ("rowwise", "interleave4"),
     # decoder: many rows over grouped 4/8-bit weights: dequantized for the library matmul, torch's 4-bit kernel,
-    # or widened block by block in cache (services/decoder/model/matmul_choice.py, choose_grouped_matmul)
-    "grouped_matmul": ("dequant", "int4pack", "tiles"),
+    # or widened block by block in cache and multiplied by AVX-512 dot products (tiles) or on the tile unit (amx)
+    # (services/decoder/model/matmul_choice.py, choose_grouped_matmul)
+    "grouped_matmul": ("dequant", "int4pack", "tiles", "amx"),
     # decoder: RMSNorm and SiLU(gate) * up by torch's ops or the C++ row ops (services/decoder/model/glue.py)
     "glue": ("torch", "cpp"),
     # decoder: decode attention (services/decoder/runner/attention.py)

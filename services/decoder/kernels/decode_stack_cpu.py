@@ -58,8 +58,10 @@ class Projection:
     bits: int = 0
     group: int = 0
     # Above KERNEL_ROWS, an int8 or grouped weight runs widen_gemm_cpu with products in this dtype (its Linear's
-    # many-row path is `tiles`), or is refused (None).
+    # many-row path is `tiles` or `amx`), or is refused (None); on `kernel` (widen_gemm_cpu.KERNELS: "amx" multiplies
+    # in bf16 on the tile unit).
     widen: torch.dtype | None = None
+    kernel: str = "dot"
 
 
 @dataclass
@@ -123,7 +125,7 @@ def make_stack(shape: Shape, layers: list[LayerWeights], final_norm: torch.Tenso
 def _projection(p: Projection):
     return load().Projection(p.weight, p.scale, p.bias, p.packed, list(p.rule[0]), list(p.rule[1]), p.gemv_rows,
                              p.tiles, gemv_cpu.BF16_ROWS.index(p.bf16_row), p.offset, p.bits, p.group,
-                             WIDEN.index(p.widen))
+                             3 if p.widen is not None and p.kernel == "amx" else WIDEN.index(p.widen))
 
 
 def decode_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,

@@ -6,6 +6,7 @@
 #include "gemv_grouped.h"
 #include "glue.h"
 #include "tile_gemm.h"
+#include "amx_gemm.h"
 #include "widen_gemm.h"
 
 #include <ATen/ATen.h>
@@ -31,8 +32,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
 // [starts[i], starts[i+1]) packed iff flags[i]; a bf16 weight's copy may be fp32), else plain. int8
 // weights always take the kernel. Or grouped (gemv_grouped.h): weight uint8 codes [N, K * bits / 8], scale and
 // offset fp16 [N, K / group]; they always take gemv_grouped.h's kernel. Above the few-row kernel's rows, int8 and
-// grouped weights whose Linear runs widen_gemm.h (widen: 1 fp32 products, 2 bf16) run it here too; others are
-// refused there.
+// grouped weights whose Linear runs widen_gemm.h (widen: 1 fp32 products, 2 bf16) or amx_gemm.h (widen 3) run
+// it here too; others are refused there.
 struct Proj {
   // undefined when absent; bias: fp32, bias_model: the model's; tiles: tessera_tiles::pack(w)
   at::Tensor w, scale, bias, bias_model, packed, tiles, offset;
@@ -84,9 +85,12 @@ struct Proj {
       tiles = *tiles_;
     }
     if (t == at::kChar) gemv_rows = tessera_gemv::MAX_ROWS;
-    TORCH_CHECK(widen == 0 || ((t == at::kChar || t == at::kByte) && (widen == 1 || widen == 2) &&
-                               tessera_widen::available(widen == 2 ? at::kBFloat16 : at::kFloat)),
-                "decode_stack: widen is 1 or 2 for an int8 or grouped weight, on a CPU that runs widen_gemm.h");
+    TORCH_CHECK(widen == 0 || ((t == at::kChar || t == at::kByte) &&
+                               (widen == 3 ? tessera_amx::available()
+                                           : (widen == 1 || widen == 2) &&
+                                                 tessera_widen::available(widen == 2 ? at::kBFloat16 : at::kFloat))),
+                "decode_stack: widen is 1 or 2 (widen_gemm.h) or 3 (amx_gemm.h) for an int8 or grouped weight, on a "
+                "CPU that runs that kernel");
     TORCH_CHECK(gemv_rows >= 0 && gemv_rows <= tessera_gemv::MAX_ROWS, "decode_stack: gemv_rows must be 0 to ",
                 tessera_gemv::MAX_ROWS);
     TORCH_CHECK(!scale.defined() || t == at::kByte || scale.numel() == N, "decode_stack: scale must be [", N, "]");
@@ -162,7 +166,7 @@ struct Proj {
     return {y, nullptr};
   }
 
-  // An int8 or grouped weight above the few-row kernel's rows, on widen_gemm.h: the call its Linear makes, so
+  // An int8 or grouped weight above the few-row kernel's rows, on widen_gemm.h or amx_gemm.h: the call its Linear makes, so
   // the same bits. fp32 x writes y; bf16 x writes bf16 into `hold`, as the Linear returns it.
   template <typename T>
   std::pair<const float*, const T*> widened(const T* x, float* y, int64_t M, at::Tensor& hold) const {
@@ -175,7 +179,8 @@ struct Proj {
       out = hold.data_ptr<T>();
     }
     auto run = [&](const auto& source) {
-      if constexpr (!std::is_same_v<T, float>) tessera_widen::gemm<T, T>(x, M, source, N, K, bp, out);
+      if (widen == 3) tessera_amx::gemm(x, M, source, N, K, bp, out);
+      else if constexpr (!std::is_same_v<T, float>) tessera_widen::gemm<T, T>(x, M, source, N, K, bp, out);
       else if (widen == 2) tessera_widen::gemm<float, at::BFloat16>(x, M, source, N, K, bp, out);
       else tessera_widen::gemm<float, float>(x, M, source, N, K, bp, out);
     };

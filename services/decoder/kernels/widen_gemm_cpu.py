@@ -21,6 +21,8 @@ from services.common import native
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 DTYPES = (torch.float32, torch.bfloat16)    # the activations and dequantized weights it takes
+# Where the products run: the AVX-512 (bf16) dot product (widen_gemm.h) or the tile unit (AMX, amx_gemm.h).
+KERNELS = ("dot", "amx")
 OPERATOR = native.Operator("widen_gemm_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
 
@@ -52,9 +54,25 @@ def available(dtype: torch.dtype) -> bool:
     return products_for(dtype) is not None
 
 
-def _products(x: torch.Tensor, products: torch.dtype | None) -> torch.dtype:
-    """The products' dtype for x: as given (fp32 x may pin fp32 or bf16) or products_for(x.dtype); a ValueError
-    where no kernel here computes them."""
+def amx() -> bool:
+    """Whether the matmul runs on the tile unit here (kernel "amx", amx_gemm.h: products in bf16): the CPU has AMX
+    with bf16, this build targets it, and Linux lets the process use its state."""
+    try:
+        return load().amx()
+    except native.BuildError:
+        return False
+
+
+def _products(x: torch.Tensor, products: torch.dtype | None, kernel: str) -> torch.dtype:
+    """The products' dtype for x on `kernel` (KERNELS): as given (fp32 x may pin fp32 or bf16 on "dot"; "amx"
+    multiplies in bf16) or products_for(x.dtype); a ValueError where no kernel here computes them."""
+    if kernel not in KERNELS:
+        raise ValueError(f"widen_gemm: kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
+    if kernel == "amx":
+        if x.dtype not in DTYPES or products not in (None, torch.bfloat16) or not amx():
+            raise ValueError(f"widen_gemm: no tile-unit kernel here for {x.dtype} x (products {products}): "
+                             f"it needs AMX with bf16, multiplying in bf16")
+        return torch.bfloat16
     products = products or products_for(x.dtype)
     if products is None or not runs(products) or (x.dtype == torch.bfloat16 and products != torch.bfloat16):
         raise ValueError(f"widen_gemm: no kernel here for {x.dtype} x (products {products})")
@@ -62,27 +80,30 @@ def _products(x: torch.Tensor, products: torch.dtype | None) -> torch.dtype:
 
 
 def gemm_grouped(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-                 group: int, bias: torch.Tensor | None = None, products: torch.dtype | None = None) -> torch.Tensor:
+                 group: int, bias: torch.Tensor | None = None, products: torch.dtype | None = None,
+                 kernel: str = "dot") -> torch.Tensor:
     """x [M, K] (fp32 or bf16) -> [M, N] in x's dtype = x @ w^T + bias, w [N, K] given by codes uint8
     [N, K * bits // 8], scale and offset fp16 [N, K // group]: x and w (as dequantize(..., products) gives it) in
     `products` (default products_for(x.dtype); fp32 x may pin fp32 or bf16), fp32 sums, one rounding to x's dtype.
     Each row's result is the same whatever the other rows of x and the thread count."""
-    products = _products(x, products)
+    products = _products(x, products, kernel)
     out = torch.empty((x.shape[0], codes.shape[0]), dtype=x.dtype)
     load().gemm_grouped(out, x.contiguous(), codes, scale, offset, bits, group,
-                        None if bias is None else bias.float().contiguous(), products == torch.bfloat16)
+                        None if bias is None else bias.float().contiguous(), products == torch.bfloat16,
+                        kernel == "amx")
     return out
 
 
 def gemm_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-              products: torch.dtype | None = None) -> torch.Tensor:
+              products: torch.dtype | None = None, kernel: str = "dot") -> torch.Tensor:
     """x [M, K] (fp32 or bf16) -> [M, N] in x's dtype = (x @ q^T) * scale + bias, q int8 [N, K], scale [N]: x and
     q (exact in either) in `products` (as gemm_grouped), fp32 sums times the row's fp32 scale, one rounding to
     x's dtype."""
-    products = _products(x, products)
+    products = _products(x, products, kernel)
     out = torch.empty((x.shape[0], q.shape[0]), dtype=x.dtype)
     load().gemm_int8(out, x.contiguous(), q, scale.float().contiguous(),
-                     None if bias is None else bias.float().contiguous(), products == torch.bfloat16)
+                     None if bias is None else bias.float().contiguous(), products == torch.bfloat16,
+                     kernel == "amx")
     return out
 
 

@@ -46,7 +46,7 @@ GROUPS = (16, 32)
 # and for more rows the weight dequantized to x's dtype and the library matmul, torch's own 4-bit kernel
 # (aten._weight_int4pack_mm_for_cpu) over its packing of the weight (`Int4Pack`) where the weight fits it, or
 # the weight widened block by block in cache (kernels/widen_gemm_cpu) where the CPU runs that kernel.
-PATHS = ("gemv", "dequant", "int4pack", "tiles")
+PATHS = ("gemv", "dequant", "int4pack", "tiles", "amx")
 # What torch's 4-bit kernel takes: groups of 32 (or more), out_features a multiple of 16.
 INT4PACK_GROUP, INT4PACK_N = 32, 16
 
@@ -206,14 +206,15 @@ def int4pack(gw: GroupedWeight, dtype: torch.dtype) -> Int4Pack:
 def grouped_linear(x: torch.Tensor, gw: GroupedWeight, bias: torch.Tensor | None = None, path: str = "dequant",
                    packed: Int4Pack | None = None) -> torch.Tensor:
     """x [M, K] (fp32 or bf16) -> [M, N] in x's dtype = x @ w^T + bias, by `path` (PATHS): gemv (M <= 4 rows; x
-    rounded to int8 per group, kernels/gemv_grouped_cpu), dequant, int4pack (packed = int4pack(gw, x.dtype)) or
-    tiles (kernels/widen_gemm_cpu; where it is `available`)."""
+    rounded to int8 per group, kernels/gemv_grouped_cpu), dequant, int4pack (packed = int4pack(gw, x.dtype)),
+    tiles (kernels/widen_gemm_cpu; where it is `available`) or amx (the same on the tile unit; where `amx()`)."""
     if path == "gemv":
         return gemv_grouped_cpu.gemv_grouped(x, gw.codes, gw.scale, gw.offset, gw.bits, gw.group, bias)
     if path == "dequant":
         return dequantized_linear(x, gw, bias)
-    if path == "tiles":
-        return widen_gemm_cpu.gemm_grouped(x, gw.codes, gw.scale, gw.offset, gw.bits, gw.group, bias)
+    if path in ("tiles", "amx"):
+        return widen_gemm_cpu.gemm_grouped(x, gw.codes, gw.scale, gw.offset, gw.bits, gw.group, bias,
+                                           kernel="amx" if path == "amx" else "dot")
     if path == "int4pack":
         if packed is None:
             raise ValueError("grouped_linear: the int4pack path needs the weight's Int4Pack")

@@ -298,8 +298,10 @@ GROUPED_OUT = 3072
 
 def grouped_paths(gw: grouped.GroupedWeight, dtype: torch.dtype) -> tuple[str, ...]:
     """The many-row paths (plan.PATHS["grouped_matmul"]) that take gw with x of dtype: dequant always, int4pack
-    where torch's 4-bit kernel takes the weight, tiles where widen_gemm_cpu runs for dtype."""
-    fits = {"dequant": True, "int4pack": grouped.int4pack_fits(gw), "tiles": widen_gemm_cpu.available(dtype)}
+    where torch's 4-bit kernel takes the weight, tiles where widen_gemm_cpu runs for dtype, amx where it has the
+    tile unit."""
+    fits = {"dequant": True, "int4pack": grouped.int4pack_fits(gw), "tiles": widen_gemm_cpu.available(dtype),
+            "amx": dtype in widen_gemm_cpu.DTYPES and widen_gemm_cpu.amx()}
     return tuple(p for p in execution.PATHS["grouped_matmul"] if fits[p])
 
 
@@ -347,7 +349,8 @@ def choose_grouped_matmul(model: nn.Module, record: execution.ExecutionPlan, tim
         why = {"int4pack": f"no grouped weight fits torch's 4-bit kernel (4-bit, groups of {grouped.INT4PACK_GROUP}, "
                            f"out_features a multiple of {grouped.INT4PACK_N})",
                "tiles": "this CPU or build has no widen_gemm_cpu kernel for the model's dtype (it needs AVX-512, "
-                        "and for bf16 the bf16 dot product)"}[pin]
+                        "and for bf16 the bf16 dot product)",
+               "amx": "this CPU, build or kernel has no tile unit for widen_gemm_cpu (AMX with bf16)"}[pin]
         raise ValueError(f"--fast-paths {name}={pin}: {why}")
     chosen: dict[str, list[str]] = {}
     for key, group in shapes.items():
@@ -373,8 +376,9 @@ def choose_grouped_matmul(model: nn.Module, record: execution.ExecutionPlan, tim
         for m in group:
             m.grouped_path = path
             m.int4pack = grouped.int4pack(m.grouped, dtype) if path == "int4pack" else None
-        if path == "tiles":
-            reason = "; ".join(filter(None, (reason, f"products in {widen_gemm_cpu.products_for(dtype)}")))
+        if path in ("tiles", "amx"):
+            products = torch.bfloat16 if path == "amx" else widen_gemm_cpu.products_for(dtype)
+            reason = "; ".join(filter(None, (reason, f"products in {products}")))
         record.record(f"{name} {out}x{inp}{'+b' if bias else ''} {kind}", path, timings, reason)
         chosen.setdefault(path, []).append(f"{out}x{inp}")
     return "grouped matmul " + "; ".join(f"{p} on {','.join(s)}" for p, s in chosen.items())

@@ -158,8 +158,14 @@ def tiles_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: to
     return widen_gemm_cpu.gemm_int8(x, q, scale, bias)
 
 
+def amx_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """tiles_linear with the products on the tile unit (bf16; where widen_gemm_cpu.amx())."""
+    return widen_gemm_cpu.gemm_int8(x, q, scale, bias, kernel="amx")
+
+
 # The int8_gemm path's candidates (services/common/plan.py lists the same names; the first is the default).
-GEMMS = {"int8pack": int8_linear, "dequant": dequant_linear, "dynamic": dynamic_linear, "tiles": tiles_linear}
+GEMMS = {"int8pack": int8_linear, "dequant": dequant_linear, "dynamic": dynamic_linear, "tiles": tiles_linear,
+         "amx": amx_linear}
 
 
 def int8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -169,12 +175,14 @@ def int8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias:
 
 def unusable(name: str, dtype: torch.dtype) -> str:
     """Why GEMMS[name] cannot run here for activations of dtype, or "" where it can: `dynamic` where torch._int_mm
-    is not exact (int_mm_exact), `tiles` where kernels/widen_gemm_cpu does not run."""
+    is not exact (int_mm_exact), `tiles` where kernels/widen_gemm_cpu does not run, `amx` where it has no tile unit."""
     if name == "dynamic" and not int_mm_exact():
         return ("torch._int_mm's int32 sums are not exact on this CPU's dispatch (AVX2 byte multiply-adds "
                 "saturate)")
     if name == "tiles" and not widen_gemm_cpu.available(dtype):
         return f"this CPU or build has no widen_gemm_cpu kernel for {dtype} (it needs AVX-512)"
+    if name == "amx" and (dtype not in widen_gemm_cpu.DTYPES or not widen_gemm_cpu.amx()):
+        return "this CPU, build or kernel has no tile unit for widen_gemm_cpu (AMX with bf16)"
     return ""
 
 

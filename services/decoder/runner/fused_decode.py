@@ -66,8 +66,8 @@ class FusedDecode:
         self.pool: AdapterPool | None = None    # the adapter store whose arenas the stack holds
         self.pool_version = -1                  # the pool's version when the stack last took its arenas
         # The layers' int8 and grouped projections run in the few-row kernels only, unless their many-row path is
-        # widen_gemm's tiles (the library paths above them differ; the LM head is not the stack's).
-        few = any(_widen(m) is None for m in model.model.layers.modules()
+        # widen_gemm's tiles or amx (the library paths above them differ; the LM head is not the stack's).
+        few = any(_widen(m)[0] is None for m in model.model.layers.modules()
                   if isinstance(m, Linear) and (m.qweight is not None or m.grouped is not None))
         self.timing_rows = tuple(r for r in TIMING_ROWS if not few or r <= decode_stack_cpu.KERNEL_ROWS)
 
@@ -237,12 +237,13 @@ def _shape(model: CausalLM) -> decode_stack_cpu.Shape:
 def _projection(linear: Linear, tiles: bool) -> decode_stack_cpu.Projection:
     """The stack's view of a Linear; with tiles, a weight that fits gets its tile_gemm_cpu panels for
     every row count above the few-row kernel's."""
+    widen, kernel = _widen(linear)
     if linear.qweight is not None:
-        return decode_stack_cpu.Projection(linear.qweight, linear.qscale, linear.bias, widen=_widen(linear))
+        return decode_stack_cpu.Projection(linear.qweight, linear.qscale, linear.bias, widen=widen, kernel=kernel)
     if linear.grouped is not None:
         gw = linear.grouped
         return decode_stack_cpu.Projection(gw.codes, gw.scale, linear.bias, offset=gw.offset, bits=gw.bits,
-                                           group=gw.group, widen=_widen(linear))
+                                           group=gw.group, widen=widen, kernel=kernel)
     rule = linear.rule
     panels = tile_gemm_cpu.pack(linear.weight) if tiles and tile_gemm_cpu.fits(linear.weight) else None
     return decode_stack_cpu.Projection(linear.weight, None, linear.bias, linear.gemv_rows, linear.packed,
@@ -250,10 +251,13 @@ def _projection(linear: Linear, tiles: bool) -> decode_stack_cpu.Projection:
                                        panels, linear.bf16_row)
 
 
-def _widen(linear: Linear) -> torch.dtype | None:
-    """The products' dtype of an int8 or grouped Linear whose many-row path is widen_gemm_cpu's tiles, else None."""
-    tiles = linear.int8_gemm == "tiles" if linear.qweight is not None else linear.grouped_path == "tiles"
-    return widen_gemm_cpu.products_for(linear.weight.dtype) if tiles else None
+def _widen(linear: Linear) -> tuple[torch.dtype | None, str]:
+    """(products' dtype, widen_gemm_cpu kernel) of an int8 or grouped Linear whose many-row path is widen_gemm_cpu
+    (`tiles`: "dot"; `amx`: bf16 on the tile unit), else (None, "dot")."""
+    path = linear.int8_gemm if linear.qweight is not None else linear.grouped_path
+    if path == "amx":
+        return torch.bfloat16, "amx"
+    return (widen_gemm_cpu.products_for(linear.weight.dtype) if path == "tiles" else None), "dot"
 
 
 def _layers(model: CausalLM, cache: KVCache, tiles: bool = False) -> list[decode_stack_cpu.LayerWeights]:

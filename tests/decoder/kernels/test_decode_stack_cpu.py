@@ -36,16 +36,19 @@ def projection(kind: str, out: int, inp: int, bias: bool, g: torch.Generator, li
                gemv_rows: int = KERNEL_ROWS) -> Projection:
     """library: how rows above gemv_rows run: "plain", "packed", "both" (packed from 8 rows on), or
     "widened" (packed, from a copy widened to fp32: linear_path's per-shape choice for bf16); for int8 and grouped
-    weights "widen" (widen_gemm_cpu above the few-row kernel) or anything else (refused there)."""
+    weights "widen" (widen_gemm_cpu above the few-row kernel), "amx" (the same on the tile unit) or anything else
+    (refused there)."""
     w = torch.randn(out, inp, generator=g) / inp ** 0.5
     b = torch.randn(out, generator=g).to(DTYPES[kind]) * 0.1 if bias else None
-    widen = widen_gemm_cpu.products_for(DTYPES[kind]) if library == "widen" else None
+    widen = {"widen": widen_gemm_cpu.products_for(DTYPES[kind]), "amx": torch.bfloat16}.get(library)
+    kernel = "amx" if library == "amx" else "dot"
     if kind == "int8":
         q, scale = quantize(w)
-        return Projection(q, scale, b, widen=widen)
+        return Projection(q, scale, b, widen=widen, kernel=kernel)
     if kind in GROUPED:
         gw = grouped.quantize(w, *GROUPED[kind])
-        return Projection(gw.codes, gw.scale, b, offset=gw.offset, bits=gw.bits, group=gw.group, widen=widen)
+        return Projection(gw.codes, gw.scale, b, offset=gw.offset, bits=gw.bits, group=gw.group, widen=widen,
+                          kernel=kernel)
     w = w.to(DTYPES[kind])
     if library == "plain":
         return Projection(w, None, b, gemv_rows)
@@ -122,7 +125,7 @@ def check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias, libr
     # (seen here once in ~50 cases), so their bound is int8's (tests/tolerance.py). The kernel alone is held to
     # fp32's bound against the same rounding in tests/decoder/kernels/test_gemv_grouped_cpu.py.
     # Above the few-row kernel, widen_gemm may round x to bf16, where an ulp apart can land on neighbouring steps too.
-    bound = torch.int8 if kind in GROUPED or library == "widen" else DTYPES[kind]
+    bound = torch.int8 if kind in GROUPED or library in ("widen", "amx") else DTYPES[kind]
     assert_close(got, expected, dtype=bound, k=shape.intermediate, depth=depth)
     for mine, ref in zip(layers, ref_layers, strict=True):   # the same K/V written at the same slots
         assert_close(mine.k_cache, ref.k_cache, dtype=bound, k=shape.intermediate, depth=depth)
@@ -164,12 +167,13 @@ def test_rows_past_gemv_rows_run_the_library_matmuls(kind, rows, gemv_rows, libr
 @pytest.mark.parametrize("kind", ["int8", *GROUPED])
 @pytest.mark.parametrize("rows", [KERNEL_ROWS + 1, 13])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,qk_norm,bias", SHAPES[:2])
+@pytest.mark.parametrize("kernel", ["widen", "amx"])
 def test_quantized_rows_past_the_kernel_run_widen_gemm(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm,
-                                                       bias):
-    if not widen_gemm_cpu.available(DTYPES[kind]):
-        pytest.skip("no widen_gemm_cpu kernel on this CPU (test_widen_gemm_cpu checks where); such weights are "
-                    "refused above the few-row kernel (test_refusals)")
-    check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias, library="widen")
+                                                       bias, kernel):
+    if not (widen_gemm_cpu.amx() if kernel == "amx" else widen_gemm_cpu.available(DTYPES[kind])):
+        pytest.skip(f"no widen_gemm_cpu {kernel} kernel on this CPU (test_widen_gemm_cpu checks where); such "
+                    "weights are refused above the few-row kernel (test_refusals)")
+    check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias, library=kernel)
 
 
 @pytest.mark.parametrize("kind,loop", [("fp32", BF16_ROWS[0])] + [("bf16", loop) for loop in BF16_ROWS]

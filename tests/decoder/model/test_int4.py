@@ -74,14 +74,16 @@ def grouped_model() -> nn.Sequential:
 
 
 @pytest.mark.parametrize("ms,expected", [
-    ({"dequant": 4.0, "int4pack": 2.0, "tiles": 3.0}, ("int4pack", "tiles")),
-    ({"dequant": 2.0, "int4pack": 4.0, "tiles": 1.0}, ("tiles", "tiles")),
-    ({"dequant": 2.0, "int4pack": 1.95, "tiles": 3.0}, ("dequant", "dequant")),
+    ({"dequant": 4.0, "int4pack": 2.0, "tiles": 3.0, "amx": 3.5}, ("int4pack", "tiles")),
+    ({"dequant": 2.0, "int4pack": 4.0, "tiles": 1.0, "amx": 1.5}, ("tiles", "tiles")),
+    ({"dequant": 2.0, "int4pack": 3.0, "tiles": 1.0, "amx": 0.8}, ("amx", "amx")),
+    ({"dequant": 2.0, "int4pack": 1.95, "tiles": 3.0, "amx": 3.0}, ("dequant", "dequant")),
 ])
 def test_the_many_row_path_follows_the_timings(ms, expected, monkeypatch):
     """Each shape's usable paths timed at every GROUPED_ROWS count; the least summed time per row kept where it
     beats dequant. The 40-row weight does not fit torch's 4-bit kernel, so it is timed without it."""
     monkeypatch.setattr(widen_gemm_cpu, "available", lambda dtype: True)    # the timings decide, not this CPU
+    monkeypatch.setattr(widen_gemm_cpu, "amx", lambda: True)
     model, record, calls = grouped_model(), ExecutionPlan(), []
 
     def timer(group, paths):
@@ -91,8 +93,8 @@ def test_the_many_row_path_follows_the_timings(ms, expected, monkeypatch):
     assert [m.grouped_path for m in model[:4]] == [expected[0]] * 3 + [expected[1]]
     assert [m.int4pack is not None for m in model[:4]] == [expected[0] == "int4pack"] * 3 + [False]
     counts = len(matmul_choice.GROUPED_ROWS)
-    every = ("dequant", "int4pack", "tiles")
-    assert calls == [(2, every)] * counts + [(1, every)] * counts + [(1, ("dequant", "tiles"))] * counts
+    every = ("dequant", "int4pack", "tiles", "amx")
+    assert calls == [(2, every)] * counts + [(1, every)] * counts + [(1, ("dequant", "tiles", "amx"))] * counts
     assert record.chosen("grouped_matmul 96x64+b int4/g32") == expected[0]
     assert record.chosen("grouped_matmul 40x96+b int4/g32") == expected[1]
     assert summary.startswith("grouped matmul ") and "40x96" in summary
@@ -100,6 +102,7 @@ def test_the_many_row_path_follows_the_timings(ms, expected, monkeypatch):
 
 def test_a_path_far_behind_is_not_timed_at_more_rows(monkeypatch):
     monkeypatch.setattr(widen_gemm_cpu, "available", lambda dtype: True)
+    monkeypatch.setattr(widen_gemm_cpu, "amx", lambda: False)
     model, calls = nn.Sequential(Linear(64, 96)), []
     quantize_linears(model, "int4")
 
@@ -112,6 +115,7 @@ def test_a_path_far_behind_is_not_timed_at_more_rows(monkeypatch):
 
 def test_a_shape_only_dequant_takes_is_not_timed(monkeypatch):
     monkeypatch.setattr(widen_gemm_cpu, "available", lambda dtype: False)
+    monkeypatch.setattr(widen_gemm_cpu, "amx", lambda: False)
     model = nn.Sequential(Linear(96, 40))
     quantize_linears(model, "int4")
     record = ExecutionPlan()
@@ -124,10 +128,10 @@ def test_a_shape_only_dequant_takes_is_not_timed(monkeypatch):
 @pytest.mark.parametrize("gemv", execution.PATHS["gemv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_pinned_path_matches_the_reference(pin, gemv, dtype):
-    if pin == "tiles" and not widen_gemm_cpu.available(dtype):
-        pytest.skip(f"this CPU has no widen_gemm_cpu kernel for {dtype} (test_widen_gemm_cpu checks where)")
     """Every row count from 1 to past the few-row kernel, with each path pinned: the forward equals the path's
     own function, and that is the dequantized reference (x rounded per group on the few-row kernel)."""
+    if pin == "tiles" and not widen_gemm_cpu.available(dtype) or pin == "amx" and not widen_gemm_cpu.amx():
+        pytest.skip(f"this CPU has no widen_gemm_cpu {pin} kernel for {dtype} (test_widen_gemm_cpu checks where)")
     model = grouped_model().to(dtype)
     record = ExecutionPlan(f"grouped_matmul={pin},gemv={gemv}", execution.DECODER)
     choose_grouped_matmul(model, record, lambda *a: pytest.fail("nothing is timed when pinned"))
@@ -141,8 +145,10 @@ def test_each_pinned_path_matches_the_reference(pin, gemv, dtype):
         with torch.no_grad():
             y = m(x)
         assert torch.equal(y, grouped_linear(x, m.grouped, None, "gemv" if few else pin, m.int4pack))
-        # tiles multiply fp32 x in bf16 where the CPU has the bf16 dot product (widen_gemm_cpu.products_for)
-        bound = widen_gemm_cpu.products_for(dtype) if pin == "tiles" and not few else dtype
+        # tiles multiply fp32 x in bf16 where the CPU has the bf16 dot product (widen_gemm_cpu.products_for), amx
+        # always
+        products = {"tiles": widen_gemm_cpu.products_for(dtype), "amx": torch.bfloat16}
+        bound = products.get(pin, dtype) if not few else dtype
         assert_close(y, grouped_linear_ref(x, m.grouped, rounded=few), dtype=bound, k=96)
 
 
@@ -156,8 +162,11 @@ def test_pinning_int4pack_needs_a_weight_it_takes():
 def test_pinning_tiles_needs_the_kernel(monkeypatch):
     model = grouped_model()
     monkeypatch.setattr(widen_gemm_cpu, "available", lambda dtype: False)
+    monkeypatch.setattr(widen_gemm_cpu, "amx", lambda: False)
     with pytest.raises(ValueError, match="grouped_matmul=tiles: this CPU or build has no widen_gemm_cpu kernel"):
         choose_grouped_matmul(model, ExecutionPlan("grouped_matmul=tiles", execution.DECODER))
+    with pytest.raises(ValueError, match="grouped_matmul=amx: this CPU, build or kernel has no tile unit"):
+        choose_grouped_matmul(model, ExecutionPlan("grouped_matmul=amx", execution.DECODER))
 
 
 @pytest.mark.parametrize("src,dst", [((4, 32), (8, 16)), ((4, 32), (4, 16)), ((8, 32), (8, 16)), ((4, 16), (8, 16)),
@@ -243,7 +252,9 @@ def test_model_matches_transformers_on_dequantized_weights(folders):
 @pytest.mark.parametrize("pins", ["grouped_matmul=dequant,gemv=on", "grouped_matmul=int4pack,gemv=off",
                                   pytest.param("grouped_matmul=tiles,gemv=off", marks=pytest.mark.skipif(
                                       not widen_gemm_cpu.available(torch.float32),
-                                      reason="no widen_gemm_cpu kernel for fp32 on this CPU")), ""])
+                                      reason="no widen_gemm_cpu kernel for fp32 on this CPU")),
+                                  pytest.param("grouped_matmul=amx,gemv=off", marks=pytest.mark.skipif(
+                                      not widen_gemm_cpu.amx(), reason="no tile unit on this CPU")), ""])
 def test_runner_decodes_with_int4_weights(folders, pins):
     """The runner's real paths (prefill on the many-row path, decode steps on the few-row kernel, whose x is
     rounded to int8 per group: the int8 bound of tests/tolerance.py) against the dequantized model; greedy

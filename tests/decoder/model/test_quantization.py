@@ -62,10 +62,11 @@ def test_every_matmul_is_a_candidate_of_the_plan():
 @pytest.fixture
 def int_mm_exact(monkeypatch):
     """The choice's logic with every candidate, whatever this dispatch's torch._int_mm computes and whether this
-    CPU runs the tiles kernel (the exclusions: test_dynamic_is_left_out_where_int_mm_is_not_exact,
+    CPU runs the tiles and amx kernels (the exclusions: test_dynamic_is_left_out_where_int_mm_is_not_exact,
     test_tiles_are_left_out_where_the_kernel_does_not_run)."""
     monkeypatch.setattr(quantization, "int_mm_exact", lambda: True)
     monkeypatch.setattr(widen_gemm_cpu, "available", lambda dtype: True)
+    monkeypatch.setattr(widen_gemm_cpu, "amx", lambda: True)
 
 @pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -124,9 +125,9 @@ def timer_of(ms: dict[tuple[int, int], dict[str, float]], calls: list):
 
 
 def timings(at32: tuple[float, ...], at128: tuple[float, ...]) -> dict[int, dict[str, float]]:
-    """Milliseconds per GEMMS name at 32 and 128 rows; tiles, when not given, far the slowest."""
-    return {32: dict(zip(GEMMS, (*at32, 99.0)[:len(GEMMS)], strict=True)),
-            128: dict(zip(GEMMS, (*at128, 99.0)[:len(GEMMS)], strict=True))}
+    """Milliseconds per GEMMS name at 32 and 128 rows; tiles and amx, when not given, far the slowest."""
+    return {32: dict(zip(GEMMS, (*at32, 99.0, 99.0)[:len(GEMMS)], strict=True)),
+            128: dict(zip(GEMMS, (*at128, 99.0, 99.0)[:len(GEMMS)], strict=True))}
 
 
 @pytest.mark.parametrize("at96,at64,expected", [
@@ -139,6 +140,9 @@ def timings(at32: tuple[float, ...], at128: tuple[float, ...]) -> dict[int, dict
     # tiles the least per row on one shape; on the other dequant, tiles faster at 32 rows only
     (timings((1.0, 0.5, 0.9, 0.3), (4.0, 2.0, 1.9, 1.2)), timings((1.0, 0.5, 2.0, 0.45), (4.0, 2.0, 9.0, 3.0)),
      ("tiles", "dequant")),
+    # the tile unit the least per row on one shape, tiles on the other
+    (timings((1.0, 0.5, 0.9, 0.3, 0.1), (4.0, 2.0, 1.9, 1.2, 0.4)), timings((1.0, 0.5, 2.0, 0.3, 0.4), (4.0, 2.0, 9.0, 1.2, 1.3)),
+     ("amx", "tiles")),
 ])
 def test_the_matmul_follows_the_timings_per_shape(at96, at64, expected, int_mm_exact):
     model, record, calls = int8_model(), ExecutionPlan(), []
@@ -278,13 +282,17 @@ def test_quantization_is_cpu_only():
 
 def test_tiles_are_left_out_where_the_kernel_does_not_run(monkeypatch):
     monkeypatch.setattr(widen_gemm_cpu, "available", lambda dtype: False)
+    monkeypatch.setattr(widen_gemm_cpu, "amx", lambda: False)
     model = nn.Sequential(Linear(64, 96))
     quantize_linears(model, "int8")
     record = ExecutionPlan()
-    choose_int8_gemm(model, record, lambda m, rows: {"int8pack": 1.0, "dequant": 0.9, "dynamic": 1.0, "tiles": 0.01})
+    choose_int8_gemm(model, record, lambda m, rows: {"int8pack": 1.0, "dequant": 0.9, "dynamic": 1.0, "tiles": 0.01,
+                                                     "amx": 0.01})
     assert model[0].int8_gemm == "dequant"
     with pytest.raises(ValueError, match="int8_gemm=tiles: this CPU or build has no widen_gemm_cpu kernel"):
         choose_int8_gemm(model, ExecutionPlan("int8_gemm=tiles", execution.DECODER))
+    with pytest.raises(ValueError, match="int8_gemm=amx: this CPU, build or kernel has no tile unit"):
+        choose_int8_gemm(model, ExecutionPlan("int8_gemm=amx", execution.DECODER))
 
 
 def test_dynamic_is_left_out_where_int_mm_is_not_exact(monkeypatch):

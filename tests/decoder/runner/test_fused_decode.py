@@ -22,10 +22,11 @@ pytestmark = pytest.mark.numerics
 BLOCK, BLOCKS = 4, 320
 CASES = ["llama_gqa4_tied_sharded", "qwen2_gqa2_odd_tied", "qwen3_odd3_gqa3_qknorm"]
 VARIANTS = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "int8": ("fp32", "int8"), "int4": ("fp32", "int4"),
-            "int8_tiles": ("fp32", "int8"), "int4_tiles": ("fp32", "int4")}
+            "int8_tiles": ("fp32", "int8"), "int4_tiles": ("fp32", "int4"), "int8_amx": ("fp32", "int8"),
+            "int4_amx": ("bf16", "int4")}
 # Each quantized variant's many-row matmul, pinned so that both runners of a comparison run the same one.
 MANY_ROWS = {"int8": "int8_gemm=int8pack", "int4": "grouped_matmul=dequant", "int8_tiles": "int8_gemm=tiles",
-             "int4_tiles": "grouped_matmul=tiles"}
+             "int4_tiles": "grouped_matmul=tiles", "int8_amx": "int8_gemm=amx", "int4_amx": "grouped_matmul=amx"}
 QUANTIZED = tuple(MANY_ROWS)
 FEW = ("int8", "int4")     # their weights run in the stack's few-row kernels only; the tiles ones above them too
 
@@ -50,6 +51,8 @@ def runners(folder, variant: str) -> tuple[Runner, Runner]:
     dtype, quantization = VARIANTS[variant]
     if variant.endswith("_tiles") and not widen_gemm_cpu.available(torch.float32):
         pytest.skip("no widen_gemm_cpu kernel on this CPU (test_widen_gemm_cpu checks where)")
+    if variant.endswith("_amx") and not widen_gemm_cpu.amx():
+        pytest.skip("no tile unit on this CPU (test_widen_gemm_cpu checks where)")
     pins = ",".join(filter(None, (PINS, MANY_ROWS.get(variant))))
     fused = Runner.from_folder(folder, dtype, block_size=BLOCK, num_blocks=BLOCKS, quantization=quantization,
                                fast_paths=pins)
