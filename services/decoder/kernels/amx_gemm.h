@@ -5,9 +5,9 @@
 // GFLOP/s where the AVX-512 bf16 dot product (widen_gemm.h's tiles) tops out near a fifth of that, so a
 // prefill chunk over 4-bit weights ran at the fp32 GEMM's speed, 5-7x behind the same model in bf16. Here
 // each thread widens a block of weight rows to bf16 in a buffer that stays in its cache, exactly as
-// widen_gemm.h does, and multiplies it against x on the tile unit: the weight is the tile product's A
-// (16 rows of 32 inputs, the rows as widened), x its B (16 rows of x, pairs of inputs side by side: the
-// layout the tile product reads), the sums a 16 x 16 fp32 tile per pair. Products of bf16 are exact in fp32;
+// widen_gemm.h does, and multiplies it against x on the tile unit: x is the tile product's A (16 rows of 32
+// inputs), the weight its B (16 weight rows' pairs of inputs side by side, the layout the tile product reads:
+// each widened 16 x 32 tile transposed by pairs), the sums a 16 x 16 fp32 tile of y. Products of bf16 are exact in fp32;
 // the sums are fp32 in the unit's order, so they differ from widen_gemm.h's only in that order. A row's sums
 // are the same whatever the other rows of x and the thread count (a tile's rows never mix).
 #pragma once
@@ -51,6 +51,12 @@ inline int64_t block_rows(int64_t N, int64_t K, int64_t threads) {
   return b;
 }
 
+// p rounded up to a cache line (a vector of bf16 with TK spare elements holds its size from there).
+template <typename T>
+inline T* aligned(T* p) {
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 struct alignas(64) Config {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -58,39 +64,98 @@ struct alignas(64) Config {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-3 the sums (weight sub-block a, x tile b -> 2a + b), 4-5 the weight (A), 6-7 x (B); all 16 x 64 bytes.
+// Tiles 0-3 the sums (x tile a, weight sub-block b -> 2a + b), 4-5 x (A), 6-7 the weight (B); all 16 x 64 bytes.
 inline void configure() {
   Config c;
   for (int t = 0; t < 8; ++t) c.colsb[t] = TK * 2, c.rows[t] = TR;
   _tile_loadconfig(&c);
 }
 
-// sums[2a + b] [16 weight rows][16 x rows] = weight sub-blocks wa[0..1] against x tiles xb[0..XT-1], over
-// `steps` steps of 32 inputs (each operand a 16 x 32 tile per step, 1 KiB apart).
+// The 16 x 16 dwords at p (rows 64 bytes apart) transposed in place: a tile of 16 weight rows of 32 inputs
+// becomes the tile product's B, row p holding input pair p of each weight row.
+inline void transpose16(void* p) {
+  __m512i r[16], t[16];
+  auto* v = static_cast<__m512i*>(p);
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(v + i);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // Per 128-bit lane L, r[4i + j] then holds rows 4i..4i+3 of column 4L + j.
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);
+    t[8 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm512_store_si512(v + i, _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88));
+    _mm512_store_si512(v + 4 + i, _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0x88));
+    _mm512_store_si512(v + 8 + i, _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd));
+    _mm512_store_si512(v + 12 + i, _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0xdd));
+  }
+}
+
+// sums[2a + b] [16 x rows][16 weight rows] = x tiles x0 (x1 where XT is 2) against weight sub-blocks w0, w1,
+// over `steps` steps of 32 inputs (each operand a 16 x 32 tile per step, 1 KiB apart).
 template <int XT>
-inline void tiles(const at::BFloat16* w0, const at::BFloat16* w1, const at::BFloat16* x0, const at::BFloat16* x1,
+inline void tiles(const at::BFloat16* x0, const at::BFloat16* x1, const at::BFloat16* w0, const at::BFloat16* w1,
                   int64_t steps, float (*sums)[TR][TR]) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(4, w0 + s * TILE, TK * 2);
-    _tile_loadd(5, w1 + s * TILE, TK * 2);
-    _tile_loadd(6, x0 + s * TILE, TK * 2);
+    _tile_loadd(6, w0 + s * TILE, TK * 2);
+    _tile_loadd(7, w1 + s * TILE, TK * 2);
+    _tile_loadd(4, x0 + s * TILE, TK * 2);
     _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(1, 4, 7);
     if constexpr (XT == 2) {
-      _tile_loadd(7, x1 + s * TILE, TK * 2);
-      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, x1 + s * TILE, TK * 2);
+      _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
   }
   _tile_stored(0, sums[0], TR * 4);
-  _tile_stored(2, sums[2], TR * 4);
+  _tile_stored(1, sums[1], TR * 4);
   if constexpr (XT == 2) {
-    _tile_stored(1, sums[1], TR * 4);
+    _tile_stored(2, sums[2], TR * 4);
     _tile_stored(3, sums[3], TR * 4);
+  }
+}
+
+// 32 inputs of a row (n of them, the rest zeros) as one 64-byte row of an A tile.
+template <typename X>
+inline void tile_row(const X* src, int64_t n, at::BFloat16* dst) {
+  if constexpr (std::is_same_v<X, float>) {
+    for (int h = 0; h < 2; ++h) {
+      const int64_t m = std::clamp<int64_t>(n - 16 * h, 0, 16);
+      tessera_widen::store16(_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << m) - 1), src + 16 * h),
+                             dst + 16 * h);
+    }
+  } else {
+    const __mmask32 mask = n >= 32 ? ~0u : (1u << n) - 1;
+    _mm512_store_si512(dst, _mm512_maskz_loadu_epi16(mask, src));
+  }
+}
+
+// 16 sums of a row of y (n of them kept), times the weight rows' scales, plus their biases, rounded once to X.
+template <typename X>
+inline void store_row(__m512 v, int64_t n, X* dst) {
+  const __mmask16 mask = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
+  if constexpr (std::is_same_v<X, float>) {
+    _mm512_mask_storeu_ps(dst, mask, v);
+  } else {
+    alignas(32) at::BFloat16 row[16];
+    tessera_widen::store16(v, row);
+    _mm256_mask_storeu_epi16(dst, mask, _mm256_load_si256(reinterpret_cast<const __m256i*>(row)));
   }
 }
 #endif
@@ -103,52 +168,52 @@ inline void gemm(const X* x, int64_t M, const Source& w, int64_t N, int64_t K, c
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   using T = at::BFloat16;
   const int64_t steps = (K + TK - 1) / TK, xtiles = (M + TR - 1) / TR;
-  // x in pairs: tile t, step s, pair p, row r -> xp[(t * steps + s) * TILE + p * 2 * TR + 2 * r + (0|1)] =
-  // x[16 t + r, 32 s + 2 p + (0|1)]; zeros past M and K.
-  std::vector<T> xp(xtiles * steps * TILE);
-  at::parallel_for(0, xtiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t r = 0; r < TR; ++r) {
-        const int64_t m = t * TR + r;
-        const X* src = x + m * K;
-        for (int64_t s = 0; s < steps; ++s) {
-          T* d = xp.data() + (t * steps + s) * TILE + 2 * r;
-          for (int64_t i = 0; i < TK; ++i) {
-            const int64_t k = s * TK + i;
-            d[i / 2 * 2 * TR + i % 2] = m < M && k < K ? from_float<T>(static_cast<float>(src[k])) : from_float<T>(0.f);
-          }
-        }
-      }
+  // x as A tiles: tile t, step s, row r -> xa[(t * steps + s) * TILE + r * TK ...]; zeros past M and K.
+  // Kept per calling thread: a fresh buffer of megabytes each call cost more in page faults than its copy.
+  static thread_local std::vector<T> xheld;
+  xheld.resize(std::max<size_t>(xheld.size(), xtiles * steps * TILE + TK));
+  T* xa = aligned(xheld.data());
+  at::parallel_for(0, xtiles * TR, TR, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t s = 0; s < steps; ++s)
+        tile_row(x + m * K + s * TK, m < M ? std::min(TK, K - s * TK) : 0,
+                 xa + (m / TR * steps + s) * TILE + m % TR * TK);
   });
   const int64_t B = block_rows(N, K, at::get_num_threads());
   at::parallel_for(0, (N + B - 1) / B, 1, [&](int64_t b0, int64_t b1) {
-    // The block as A tiles: sub-block q, step s, row r -> buf[(q * steps + s) * TILE + r * TK ...].
-    static thread_local std::vector<T> buf;
-    buf.resize(B * steps * TK);
+    // The block as B tiles: sub-block q, step s -> buf[(q * steps + s) * TILE ...], widened as A tiles (row r at
+    // r * TK), then each transposed by pairs of inputs.
+    static thread_local std::vector<T> held;
+    held.resize(B * steps * TK + TK);
+    T* buf = aligned(held.data());
     alignas(64) float sums[4][TR][TR];
     configure();
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * B, rows = std::min(B, N - n0);
-      if (rows < B || K % TK) std::fill(buf.begin(), buf.end(), from_float<T>(0.f));
-      for (int64_t r = 0; r < rows; ++r) w.row(n0 + r, buf.data() + (r / TR * steps * TR + r % TR) * TK, TILE);
+      if (rows < B || K % TK) std::fill(buf, buf + B * steps * TK, from_float<T>(0.f));
+      for (int64_t r = 0; r < rows; ++r) w.row(n0 + r, buf + (r / TR * steps * TR + r % TR) * TK, TILE);
+      for (int64_t i = 0; i < (rows + TR - 1) / TR * steps; ++i) transpose16(buf + i * TILE);
       for (int64_t t = 0; t < xtiles; t += 2) {
         const int64_t xt = std::min<int64_t>(2, xtiles - t);
-        const T* x0 = xp.data() + t * steps * TILE;
+        const T* x0 = xa + t * steps * TILE;
         for (int64_t q = 0; q * TR < rows; q += 2) {
-          const T* w0 = buf.data() + q * steps * TILE;
-          if (xt == 2) tiles<2>(w0, w0 + steps * TILE, x0, x0 + steps * TILE, steps, sums);
-          else tiles<1>(w0, w0 + steps * TILE, x0, nullptr, steps, sums);
-          for (int64_t a = 0; a < 2; ++a)
+          const T* w0 = buf + q * steps * TILE;
+          if (xt == 2) tiles<2>(x0, x0 + steps * TILE, w0, w0 + steps * TILE, steps, sums);
+          else tiles<1>(x0, nullptr, w0, w0 + steps * TILE, steps, sums);
+          for (int64_t c = 0; c < 2; ++c) {
+            const int64_t n = n0 + (q + c) * TR, kept = std::min<int64_t>(TR, n0 + rows - n);
+            if (kept <= 0) break;
+            alignas(64) float scale[TR], add[TR];
             for (int64_t j = 0; j < TR; ++j) {
-              const int64_t n = n0 + (q + a) * TR + j;
-              if (n >= n0 + rows) break;
-              const float scale = w.row_scale(n), add = bias ? bias[n] : 0.f;
-              for (int64_t c = 0; c < xt; ++c)
-                for (int64_t i = 0; i < TR; ++i) {
-                  const int64_t m = (t + c) * TR + i;
-                  if (m < M) y[m * N + n] = from_float<X>(sums[2 * a + c][j][i] * scale + add);
-                }
+              scale[j] = j < kept ? w.row_scale(n + j) : 0.f;
+              add[j] = bias && j < kept ? bias[n + j] : 0.f;
             }
+            const __m512 vs = _mm512_load_ps(scale), va = _mm512_load_ps(add);
+            for (int64_t a = 0; a < xt; ++a)
+              for (int64_t i = 0; i < TR && (t + a) * TR + i < M; ++i)
+                store_row(_mm512_fmadd_ps(_mm512_load_ps(sums[2 * a + c][i]), vs, va), kept,
+                          y + ((t + a) * TR + i) * N + n);
+          }
         }
       }
     }
