@@ -4,12 +4,12 @@
     .venv/bin/python bench/quant_gemm.py --shapes 960x576 --rows 64
 
 For each weight shape (out x in, random weights) and row count, GFLOP/s of:
-  int4 (groups of 32, --quantization int4):  dequant, int4pack, tiles (kernels/widen_gemm.h)
-  int8 (a scale per row, --quantization int8): int8pack, dequant, dynamic, tiles
+  int4 (groups of 32, --quantization int4):  dequant, int4pack, tiles (kernels/widen_gemm.h), amx (amx_gemm.h)
+  int8 (a scale per row, --quantization int8): int8pack, dequant, dynamic, tiles, amx
   the dense weight through the library matmul, fp32 and bf16 (what the quantized paths stand in for)
 with fp32 activations (as `bench/decoder.py` and `bench/real_size.py` run int8 and int4), each the fastest of
 --reps interleaved rounds. Paths this CPU does not run are left out (one line says why). The last line holds
-the ratio of `tiles` to the best other path of its format, geometric mean over the cases.
+the ratio of `tiles` and of `amx` to the best other path of their format, geometric mean over the cases.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from services.decoder.model import grouped, quantization  # noqa: E402
 from services.decoder.model.matmul_choice import grouped_paths  # noqa: E402
 
 SHAPES = "960x576,576x576,3072x576,576x1536,3072x2048,16384x2048,2048x8192"
+WIDEN = ("tiles", "amx")     # the paths widen_gemm_cpu runs (the weight widened block by block in cache)
 
 
 def cpu_model() -> str:
@@ -64,7 +65,7 @@ def main(argv=None) -> None:
     for name in quantization.GEMMS:
         if why := quantization.unusable(name, torch.float32):
             print(f"int8 {name} and int4's like it: not run here ({why})")
-    ratios: dict[str, list[float]] = {"int4": [], "int8": []}
+    ratios: dict[str, list[float]] = {f"{fmt} {kernel}": [] for kernel in WIDEN for fmt in ("int4", "int8")}
     with torch.inference_mode():
         for shape in args.shapes.split(","):
             n, k = map(int, shape.split("x"))
@@ -74,12 +75,14 @@ def main(argv=None) -> None:
                 flops = 2 * rows * n * k
                 print(f"{shape} rows {rows}: " + "  ".join(f"{p} {flops / s / 1e9:.0f}" for p, s in best.items()),
                       flush=True)
-                for fmt in ratios:
-                    others = [s for p, s in best.items() if p.startswith(fmt) and p != f"{fmt} tiles"]
-                    if f"{fmt} tiles" in best and others:
-                        ratios[fmt].append(min(others) / best[f"{fmt} tiles"])
-    print("tiles vs the best other path (geometric mean): " + "; ".join(
-        f"{fmt} {math.exp(sum(map(math.log, r)) / len(r)):.2f}x" for fmt, r in ratios.items() if r))
+                for path in ratios:
+                    fmt = path.split()[0]
+                    others = [s for p, s in best.items() if p.startswith(fmt) and p.split()[1] not in WIDEN]
+                    if path in best and others:
+                        ratios[path].append(min(others) / best[path])
+    print("widened in cache (tiles: AVX-512 dot products; amx: the tile unit) vs the best other path of the format "
+          "(geometric mean): " + "; ".join(f"{path} {math.exp(sum(map(math.log, r)) / len(r)):.2f}x"
+                                           for path, r in ratios.items() if r))
 
 
 if __name__ == "__main__":
