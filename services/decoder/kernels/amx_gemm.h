@@ -1,15 +1,17 @@
 // Many-row matmul over quantized weights widened in cache, multiplied on the CPU's tile unit (AMX, bf16):
 // y[m, n] = sum_k x[m, k] * w[n, k] (* the row's scale) (+ bias[n]), for the weight sources of widen_gemm.h.
 //
-// Why: on an Intel Xeon with AMX (family 6 model 167, 2 threads) the library's bf16 GEMM runs about 800
-// GFLOP/s where the AVX-512 bf16 dot product (widen_gemm.h's tiles) tops out near a fifth of that, so a
-// prefill chunk over 4-bit weights ran at the fp32 GEMM's speed, 5-7x behind the same model in bf16. Here
-// each thread widens a block of weight rows to bf16 in a buffer that stays in its cache, exactly as
-// widen_gemm.h does, and multiplies it against x on the tile unit: x is the tile product's A (16 rows of 32
-// inputs), the weight its B (16 weight rows' pairs of inputs side by side, the layout the tile product reads:
-// each widened 16 x 32 tile transposed by pairs), the sums a 16 x 16 fp32 tile of y. Products of bf16 are exact in fp32;
-// the sums are fp32 in the unit's order, so they differ from widen_gemm.h's only in that order. A row's sums
-// are the same whatever the other rows of x and the thread count (a tile's rows never mix).
+// Why: on an Intel Xeon with AMX (family 6 model 167, 2 threads) the library's dense bf16 GEMM runs 1.2-2
+// TFLOP/s at 256-512 rows, where the AVX-512 bf16 dot product (widen_gemm.h's tiles) tops out near 200
+// GFLOP/s, so a prefill chunk over 4-bit weights ran 5-7x behind the same model in bf16. Here each thread
+// widens a block of weight rows to bf16 in a buffer that stays in its cache, as widen_gemm.h does, and
+// multiplies it against x on the tile unit: x is the tile product's A (16 rows of 32 inputs), the weight its
+// B (16 weight rows' pairs of inputs side by side, the layout the tile product reads: each widened 16 x 32
+// block transposed by pairs), the sums a 16 x 16 fp32 tile of y, written out a row of y at a time. (The
+// other way round, the weight as A, x as B, left a column of y per tile row; writing those one by one took
+// three quarters of the time.) Products of bf16 are exact in fp32; the sums are fp32 in the unit's order, so
+// they differ from widen_gemm.h's only in that order. A row's sums are the same whatever the other rows of x
+// and the thread count (a tile's rows never mix).
 #pragma once
 
 #include "widen_gemm.h"
@@ -21,7 +23,7 @@ namespace tessera_amx {
 
 using tessera_widen::from_float;
 
-constexpr int64_t TR = 16;     // rows of a tile (weight rows of an A tile, x rows of a B tile)
+constexpr int64_t TR = 16;     // rows of a tile (x rows of an A tile, input pairs of a B tile)
 constexpr int64_t TK = 32;     // bf16 inputs per tile row (64 bytes)
 constexpr int64_t TILE = TR * TK;
 
