@@ -41,7 +41,7 @@ class Projection:
     weight: torch.Tensor                 # [out, in] float32, bfloat16, or int8 with scale; or grouped codes
     scale: torch.Tensor | None = None    # [out] per-row scale of an int8 weight; fp16 [out, in // group] if grouped
     bias: torch.Tensor | None = None     # [out]
-    # Up to gemv_rows rows (<= KERNEL_ROWS) gemv_cpu runs it (int8: always); above, for dense weights,
+    # Up to gemv_rows rows (<= KERNEL_ROWS) gemv_cpu (grouped: gemv_grouped_cpu) runs it; above, for dense weights,
     # linear_path.pack(weight) at the row counts that `rule` gives as (starts, flags), linear_path.Rule's
     # form, and F.linear at the others.
     gemv_rows: int = KERNEL_ROWS
@@ -162,7 +162,7 @@ def decode_stack_ref(shape: Shape, layers: list[LayerWeights], final_norm: torch
 
     def linear(t: torch.Tensor, p: Projection, layer: int, targets: tuple[tuple[int, int, int], ...]) -> torch.Tensor:
         """targets: (target index, first column, columns) of each LoRA target on this projection's output."""
-        if p.widen is not None and t.shape[0] > KERNEL_ROWS:
+        if p.widen is not None and t.shape[0] > p.gemv_rows:
             out = widen_gemm_cpu.gemm_ref(t, p.weight, p.scale, p.offset, p.bits, p.group, p.bias, p.widen).to(dtype)
         elif p.offset is not None:
             out = gemv_grouped_ref(t, p.weight, p.scale, p.offset, p.bits, p.group, p.bias).to(dtype)

@@ -29,9 +29,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
 // One projection: weight [N, K] float32, bfloat16 or int8 (with fp32 per-row scale), and how the
 // model's Linear runs it: the few-row kernel up to gemv_rows rows (its load-time choice, at most
 // MAX_ROWS), above that its oneDNN-packed copy for the row counts its rule gives (rows in
-// [starts[i], starts[i+1]) packed iff flags[i]; a bf16 weight's copy may be fp32), else plain. int8
-// weights always take the kernel. Or grouped (gemv_grouped.h): weight uint8 codes [N, K * bits / 8], scale and
-// offset fp16 [N, K / group]; they always take gemv_grouped.h's kernel. Above the few-row kernel's rows, int8 and
+// [starts[i], starts[i+1]) packed iff flags[i]; a bf16 weight's copy may be fp32), else plain. Or grouped
+// (gemv_grouped.h): weight uint8 codes [N, K * bits / 8], scale and offset fp16 [N, K / group], the kernel
+// gemv_grouped.h's. Above their gemv_rows, int8 and
 // grouped weights whose Linear runs widen_gemm.h (widen: 1 fp32 products, 2 bf16) or amx_gemm.h (widen 3) run
 // it here too; others are refused there.
 struct Proj {
@@ -68,7 +68,6 @@ struct Proj {
                   "decode_stack: a grouped weight's scale and offset must be float16 [N, K / group]");
       scale = *s;
       offset = *offset_;
-      gemv_rows = tessera_gemv::MAX_ROWS;
     }
     TORCH_CHECK(starts.size() == flags.size() && (starts.empty() || starts[0] == 1),
                 "decode_stack: a row rule is starts (from 1) and one flag per start");
@@ -84,7 +83,6 @@ struct Proj {
                   "decode_stack: tiles must be tile_gemm_cpu.pack of the weight, on a CPU that runs them");
       tiles = *tiles_;
     }
-    if (t == at::kChar) gemv_rows = tessera_gemv::MAX_ROWS;
     TORCH_CHECK(widen == 0 || ((t == at::kChar || t == at::kByte) &&
                                (widen == 3 ? tessera_amx::available()
                                            : (widen == 1 || widen == 2) &&
@@ -116,7 +114,8 @@ struct Proj {
     if (widen && M > gemv_rows) return widened(x, y, M, hold);
     if (M > gemv_rows) {
       TORCH_CHECK(w.scalar_type() != at::kChar && w.scalar_type() != at::kByte,
-                  "decode_stack: int8 and grouped weights run at most ", tessera_gemv::MAX_ROWS, " rows here");
+                  "decode_stack: this int8 or grouped weight runs at most ", gemv_rows,
+                  " rows here (its few-row kernel's; more only on widen_gemm)");
       at::Tensor xt = at::from_blob(const_cast<T*>(x), {M, K}, at::CppTypeToScalarType<T>::value);
       const bool pk = use_packed(M);
       if (pk && packed.scalar_type() != w.scalar_type()) {

@@ -65,11 +65,10 @@ class FusedDecode:
         self.max_rows = 0
         self.pool: AdapterPool | None = None    # the adapter store whose arenas the stack holds
         self.pool_version = -1                  # the pool's version when the stack last took its arenas
-        # The layers' int8 and grouped projections run in the few-row kernels only, unless their many-row path is
-        # widen_gemm's tiles or amx (the library paths above them differ; the LM head is not the stack's).
-        few = any(_widen(m)[0] is None for m in model.model.layers.modules()
-                  if isinstance(m, Linear) and (m.qweight is not None or m.grouped is not None))
-        self.timing_rows = tuple(r for r in TIMING_ROWS if not few or r <= decode_stack_cpu.KERNEL_ROWS)
+        # The layers' int8 and grouped projections run in the stack as their Linear runs them: the few-row kernels up
+        # to their gemv_rows, widen_gemm's tiles or amx above where that is their many-row path; the library paths
+        # above them differ, so such a projection caps the stack's rows (the LM head is not the stack's).
+        self.timing_rows = tuple(r for r in TIMING_ROWS if r <= _quantized_rows(model))
 
     @classmethod
     def build(cls, model: CausalLM, cache: KVCache, attention_backend: str, record: execution.ExecutionPlan,
@@ -222,6 +221,9 @@ def _ineligible(model: CausalLM, cache: KVCache, attention_backend: str, record:
         return f"decode attention is {attention_backend}"
     if record.pinned("linear") != execution.AUTO:
         return f"the matmul path is pinned (--fast-paths linear={record.pinned('linear')})"
+    if not _quantized_rows(model):
+        return ("a quantized projection runs neither the few-row kernel (gemv off) nor widen_gemm_cpu's many-row "
+                "matmul")
     for layer in model.model.layers:
         if layer.self_attn.qkv is None or layer.mlp.gate_up is None:
             return "projections not fused"
@@ -239,16 +241,24 @@ def _projection(linear: Linear, tiles: bool) -> decode_stack_cpu.Projection:
     every row count above the few-row kernel's."""
     widen, kernel = _widen(linear)
     if linear.qweight is not None:
-        return decode_stack_cpu.Projection(linear.qweight, linear.qscale, linear.bias, widen=widen, kernel=kernel)
+        return decode_stack_cpu.Projection(linear.qweight, linear.qscale, linear.bias, linear.gemv_rows, widen=widen,
+                                           kernel=kernel)
     if linear.grouped is not None:
         gw = linear.grouped
-        return decode_stack_cpu.Projection(gw.codes, gw.scale, linear.bias, offset=gw.offset, bits=gw.bits,
-                                           group=gw.group, widen=widen, kernel=kernel)
+        return decode_stack_cpu.Projection(gw.codes, gw.scale, linear.bias, linear.gemv_rows, offset=gw.offset,
+                                           bits=gw.bits, group=gw.group, widen=widen, kernel=kernel)
     rule = linear.rule
     panels = tile_gemm_cpu.pack(linear.weight) if tiles and tile_gemm_cpu.fits(linear.weight) else None
     return decode_stack_cpu.Projection(linear.weight, None, linear.bias, linear.gemv_rows, linear.packed,
                                        (rule.starts, rule.packed) if rule is not None else ((1,), (False,)),
                                        panels, linear.bf16_row)
+
+
+def _quantized_rows(model: CausalLM) -> float:
+    """The most rows every int8 and grouped projection of the layers runs as its Linear does in the stack: its
+    gemv_rows, unbounded where its many-row path is widen_gemm_cpu's."""
+    return min((math.inf if _widen(m)[0] is not None else m.gemv_rows for m in model.model.layers.modules()
+                if isinstance(m, Linear) and (m.qweight is not None or m.grouped is not None)), default=math.inf)
 
 
 def _widen(linear: Linear) -> tuple[torch.dtype | None, str]:

@@ -44,11 +44,11 @@ def projection(kind: str, out: int, inp: int, bias: bool, g: torch.Generator, li
     kernel = "amx" if library == "amx" else "dot"
     if kind == "int8":
         q, scale = quantize(w)
-        return Projection(q, scale, b, widen=widen, kernel=kernel)
+        return Projection(q, scale, b, gemv_rows, widen=widen, kernel=kernel)
     if kind in GROUPED:
         gw = grouped.quantize(w, *GROUPED[kind])
-        return Projection(gw.codes, gw.scale, b, offset=gw.offset, bits=gw.bits, group=gw.group, widen=widen,
-                          kernel=kernel)
+        return Projection(gw.codes, gw.scale, b, gemv_rows, offset=gw.offset, bits=gw.bits, group=gw.group,
+                          widen=widen, kernel=kernel)
     w = w.to(DTYPES[kind])
     if library == "plain":
         return Projection(w, None, b, gemv_rows)
@@ -176,6 +176,15 @@ def test_quantized_rows_past_the_kernel_run_widen_gemm(kind, rows, heads, kv_hea
     check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias, library=kernel)
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_quantized_rows_past_a_lower_gemv_rows_run_widen_gemm(kind, rows):
+    """gemv_rows below the kernel's (gemv off: 0) sends even one row to widen_gemm, as the Linear does."""
+    if not widen_gemm_cpu.available(DTYPES[kind]):
+        pytest.skip("no widen_gemm_cpu kernel on this CPU (test_widen_gemm_cpu checks where)")
+    check(kind, rows, *SHAPES[0], library="widen", gemv_rows=rows - 1)
+
+
 @pytest.mark.parametrize("kind,loop", [("fp32", BF16_ROWS[0])] + [("bf16", loop) for loop in BF16_ROWS]
                          + [(k, BF16_ROWS[0]) for k in GROUPED])
 @pytest.mark.parametrize("lora", [False, True])
@@ -217,11 +226,15 @@ def test_refusals():
         decode_stack(stack, x[:0], cos[:0], sin[:0], slots[:0], tables[:0], lens[:0])
     int8_layers, int8_final = model("int8", shape, False, False, 8, 4, g)
     five = step(5, [1] * 5, 4, 8, shape, torch.float32, g)
-    with pytest.raises(RuntimeError, match="int8 and grouped weights run at most 4 rows"):
+    with pytest.raises(RuntimeError, match="this int8 or grouped weight runs at most 4 rows"):
         decode_stack(make_stack(shape, int8_layers, int8_final), *five)
     grouped_layers, grouped_final = model("q8g16", shape, False, False, 8, 4, g)
-    with pytest.raises(RuntimeError, match="int8 and grouped weights run at most 4 rows"):
+    with pytest.raises(RuntimeError, match="this int8 or grouped weight runs at most 4 rows"):
         decode_stack(make_stack(shape, grouped_layers, grouped_final), *five)
+    # gemv off (a projection's gemv_rows 0) and no widen_gemm: no rows at all, as its Linear would not run them there
+    off_layers, off_final = model("int8", shape, False, False, 8, 4, g, gemv_rows=0)
+    with pytest.raises(RuntimeError, match="this int8 or grouped weight runs at most 0 rows"):
+        decode_stack(make_stack(shape, off_layers, off_final), x, cos, sin, slots, tables, lens)
     with pytest.raises(RuntimeError, match="slot 32 out of range"):
         decode_stack(stack, x, cos, sin, torch.tensor([32]), tables, lens)
     with pytest.raises(RuntimeError, match="x must be contiguous"):

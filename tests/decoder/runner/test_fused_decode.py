@@ -188,6 +188,26 @@ def test_when_it_stays_off(folders):
     assert forced.fused_decode is None and forced.plan.chosen("decode_stack") == "off"
 
 
+@pytest.mark.parametrize("quantization,many", [("int8", "int8_gemm"), ("int4", "grouped_matmul")])
+def test_quantized_weights_run_in_the_stack_only_as_their_linears_do(folders, quantization, many):
+    """gemv off: a quantized projection's Linear runs its many-row path at every row count, so the stack takes
+    no step unless that path is widen_gemm's (which it runs too), and then every row count."""
+    args = dict(block_size=BLOCK, num_blocks=BLOCKS, quantization=quantization)
+    library = "int8pack" if quantization == "int8" else "dequant"
+    runner = Runner.from_folder(folders[CASES[0]], "fp32", fast_paths=f"{PINS},gemv=off,{many}={library}", **args)
+    assert runner.fused_decode is None
+    assert runner.plan.get("decode_stack").reason == ("a quantized projection runs neither the few-row kernel (gemv "
+                                                      "off) nor widen_gemm_cpu's many-row matmul")
+    with pytest.raises(ValueError, match="decode_stack=on: the decode stack cannot run here"):
+        Runner.from_folder(folders[CASES[0]], "fp32", fast_paths=f"{PINS},gemv=off,{many}={library},decode_stack=on",
+                           **args)
+    if not widen_gemm_cpu.available(torch.float32):
+        return
+    runner = Runner.from_folder(folders[CASES[0]], "fp32", fast_paths=f"{PINS},gemv=off,{many}=tiles,decode_stack=on",
+                                **args)
+    assert runner.fused_decode is not None and runner.fused_decode.max_rows == 64
+
+
 def test_pinned_on_takes_every_timed_row_count_untimed(folders):
     runner = Runner.from_folder(folders[CASES[0]], "fp32", block_size=BLOCK, num_blocks=BLOCKS,
                                 fast_paths="attention=cpp,decode_stack=on")

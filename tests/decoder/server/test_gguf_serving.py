@@ -42,9 +42,10 @@ def served(gguf_file):
     from services.decoder.server.service import start
     loop = LoopThread()
     # The grouped weights' plain paths (fp32 over the dequantized groups): what the reference computes. The decode
-    # stack, which runs grouped weights in the few-row kernel (x rounded to int8 per group), stays off.
+    # stack runs a grouped weight only as its Linear does, on the few-row kernel or widen_gemm, so with neither it
+    # stays off by itself.
     cfg = DecoderConfig(model=str(gguf_file), num_blocks=64, block_size=4, max_num_batched_tokens=32,
-                        fast_paths="gemv=off,grouped_matmul=dequant,decode_stack=off")
+                        fast_paths="gemv=off,grouped_matmul=dequant")
     server, servicer = loop.run(start(DecoderServerConfig(host="127.0.0.1", port=0), cfg))
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     yield decoder_pb2_grpc.DecoderServiceStub(channel), servicer
