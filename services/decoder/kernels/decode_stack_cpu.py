@@ -57,9 +57,9 @@ class Projection:
     offset: torch.Tensor | None = None
     bits: int = 0
     group: int = 0
-    # Above KERNEL_ROWS, an int8 or grouped weight runs widen_gemm_cpu with products in this dtype (its Linear's
-    # many-row path is `tiles` or `amx`), or is refused (None); on `kernel` (widen_gemm_cpu.KERNELS: "amx" multiplies
-    # in bf16 on the tile unit).
+    # Above gemv_rows, an int8 or grouped weight runs widen_gemm_cpu with products in this dtype (its Linear's
+    # many-row path is `tiles` or `amx`), or is refused (None); on `kernel` (widen_gemm_cpu.KERNELS: "amx"
+    # multiplies in bf16 on the tile unit).
     widen: torch.dtype | None = None
     kernel: str = "dot"
 

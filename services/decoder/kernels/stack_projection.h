@@ -31,9 +31,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
 // MAX_ROWS), above that its oneDNN-packed copy for the row counts its rule gives (rows in
 // [starts[i], starts[i+1]) packed iff flags[i]; a bf16 weight's copy may be fp32), else plain. Or grouped
 // (gemv_grouped.h): weight uint8 codes [N, K * bits / 8], scale and offset fp16 [N, K / group], the kernel
-// gemv_grouped.h's. Above their gemv_rows, int8 and
-// grouped weights whose Linear runs widen_gemm.h (widen: 1 fp32 products, 2 bf16) or amx_gemm.h (widen 3) run
-// it here too; others are refused there.
+// gemv_grouped.h's. Above their gemv_rows, int8 and grouped weights whose Linear runs widen_gemm.h (widen: 1 fp32
+// products, 2 bf16) or amx_gemm.h (widen 3) run it here too; others are refused there.
 struct Proj {
   // undefined when absent; bias: fp32, bias_model: the model's; tiles: tessera_tiles::pack(w)
   at::Tensor w, scale, bias, bias_model, packed, tiles, offset;
@@ -165,7 +164,7 @@ struct Proj {
     return {y, nullptr};
   }
 
-  // An int8 or grouped weight above the few-row kernel's rows, on widen_gemm.h or amx_gemm.h: the call its Linear makes, so
+  // An int8 or grouped weight above its gemv_rows, on widen_gemm.h or amx_gemm.h: the call its Linear makes, so
   // the same bits. fp32 x writes y; bf16 x writes bf16 into `hold`, as the Linear returns it.
   template <typename T>
   std::pair<const float*, const T*> widened(const T* x, float* y, int64_t M, at::Tensor& hold) const {
