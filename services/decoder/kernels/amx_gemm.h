@@ -162,6 +162,45 @@ inline void store_row(__m512 v, int64_t n, X* dst) {
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// x [M, K] as A tiles: tile t, step s, row r -> [(t * steps + s) * TILE + r * TK ...]; zeros past M and K. Kept
+// per calling thread: a fresh buffer of megabytes each call cost more in page faults than its copy.
+template <typename X>
+inline const at::BFloat16* x_tiles(const X* x, int64_t M, int64_t K) {
+  const int64_t steps = (K + TK - 1) / TK, xtiles = (M + TR - 1) / TR;
+  static thread_local std::vector<at::BFloat16> held;
+  held.resize(std::max<size_t>(held.size(), xtiles * steps * TILE + TK));
+  at::BFloat16* xa = aligned(held.data());
+  at::parallel_for(0, xtiles * TR, TR, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t s = 0; s < steps; ++s)
+        tile_row(x + m * K + s * TK, m < M ? std::min(TK, K - s * TK) : 0,
+                 xa + (m / TR * steps + s) * TILE + m % TR * TK);
+  });
+  return xa;
+}
+
+// Rows [t * TR, ...) of y (xt tiles of them, those below M) at the 32 columns from n (the first `left` of them)
+// from tiles<>'s sums: times the weight rows' scales (scale(j) for column j), plus their biases.
+template <typename X, typename Scale>
+inline void store_tiles(float (*sums)[TR][TR], int64_t t, int64_t xt, int64_t M, int64_t n, int64_t left,
+                        const Scale& scale, const float* bias, X* y, int64_t N) {
+  for (int64_t c = 0; c < 2; ++c) {
+    const int64_t n0 = n + c * TR, kept = std::min<int64_t>(TR, left - c * TR);
+    if (kept <= 0) break;
+    alignas(64) float sc[TR], add[TR];
+    for (int64_t j = 0; j < TR; ++j) {
+      sc[j] = j < kept ? scale(n0 + j) : 0.f;
+      add[j] = bias && j < kept ? bias[n0 + j] : 0.f;
+    }
+    const __m512 vs = _mm512_load_ps(sc), va = _mm512_load_ps(add);
+    for (int64_t a = 0; a < xt; ++a)
+      for (int64_t i = 0; i < TR && (t + a) * TR + i < M; ++i)
+        store_row(_mm512_fmadd_ps(_mm512_load_ps(sums[2 * a + c][i]), vs, va), kept, y + ((t + a) * TR + i) * N + n0);
+  }
+}
+#endif
+
 // y [M, N] in X = x [M, K] @ w^T (* the rows' scales) (+ bias [N] fp32), X float or BFloat16, w a widen_gemm.h
 // source, the products in bf16 on the tile unit; fp32 sums, one rounding to X.
 template <typename X, typename Source>
@@ -170,17 +209,7 @@ inline void gemm(const X* x, int64_t M, const Source& w, int64_t N, int64_t K, c
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   using T = at::BFloat16;
   const int64_t steps = (K + TK - 1) / TK, xtiles = (M + TR - 1) / TR;
-  // x as A tiles: tile t, step s, row r -> xa[(t * steps + s) * TILE + r * TK ...]; zeros past M and K.
-  // Kept per calling thread: a fresh buffer of megabytes each call cost more in page faults than its copy.
-  static thread_local std::vector<T> xheld;
-  xheld.resize(std::max<size_t>(xheld.size(), xtiles * steps * TILE + TK));
-  T* xa = aligned(xheld.data());
-  at::parallel_for(0, xtiles * TR, TR, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t s = 0; s < steps; ++s)
-        tile_row(x + m * K + s * TK, m < M ? std::min(TK, K - s * TK) : 0,
-                 xa + (m / TR * steps + s) * TILE + m % TR * TK);
-  });
+  const T* xa = x_tiles(x, M, K);
   const int64_t B = block_rows(N, K, at::get_num_threads());
   at::parallel_for(0, (N + B - 1) / B, 1, [&](int64_t b0, int64_t b1) {
     // The block as B tiles: sub-block q, step s -> buf[(q * steps + s) * TILE ...], widened as A tiles (row r at
@@ -202,20 +231,65 @@ inline void gemm(const X* x, int64_t M, const Source& w, int64_t N, int64_t K, c
           const T* w0 = buf + q * steps * TILE;
           if (xt == 2) tiles<2>(x0, x0 + steps * TILE, w0, w0 + steps * TILE, steps, sums);
           else tiles<1>(x0, nullptr, w0, w0 + steps * TILE, steps, sums);
-          for (int64_t c = 0; c < 2; ++c) {
-            const int64_t n = n0 + (q + c) * TR, kept = std::min<int64_t>(TR, n0 + rows - n);
-            if (kept <= 0) break;
-            alignas(64) float scale[TR], add[TR];
-            for (int64_t j = 0; j < TR; ++j) {
-              scale[j] = j < kept ? w.row_scale(n + j) : 0.f;
-              add[j] = bias && j < kept ? bias[n + j] : 0.f;
-            }
-            const __m512 vs = _mm512_load_ps(scale), va = _mm512_load_ps(add);
-            for (int64_t a = 0; a < xt; ++a)
-              for (int64_t i = 0; i < TR && (t + a) * TR + i < M; ++i)
-                store_row(_mm512_fmadd_ps(_mm512_load_ps(sums[2 * a + c][i]), vs, va), kept,
-                          y + ((t + a) * TR + i) * N + n);
-          }
+          store_tiles(sums, t, xt, M, n0 + q * TR, rows - q * TR, [&](int64_t n) { return w.row_scale(n); }, bias,
+                      y, N);
+        }
+      }
+    }
+    _tile_release();
+  });
+#endif
+}
+
+// Panels of a bf16 weight [N, K] for gemm_packed: the B tiles gemm widens per call, made once (a dense bf16
+// weight needs no widening, only this layout). Group g of 16 rows, step s -> out[(g * steps + s) * TILE ...],
+// each a 16 x 32 block transposed by pairs; zeros past N (to whole pairs of groups) and K.
+inline int64_t panel_size(int64_t N, int64_t K) {
+  return (N + 2 * TR - 1) / (2 * TR) * 2 * TR * ((K + TK - 1) / TK) * TK;
+}
+
+inline void pack(const at::BFloat16* w, int64_t N, int64_t K, at::BFloat16* out) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  const int64_t steps = (K + TK - 1) / TK, groups = panel_size(N, K) / (steps * TILE);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t s = 0; s < steps; ++s) {
+        at::BFloat16* tile = out + (g * steps + s) * TILE;
+        for (int64_t r = 0; r < TR; ++r) {
+          const int64_t n = g * TR + r, k = s * TK;
+          tile_row(w + n * K + k, n < N ? std::min(TK, K - k) : 0, tile + r * TK);
+        }
+        transpose16(tile);
+      }
+  });
+#endif
+}
+
+// y [M, N] in Y (float or BFloat16) = x [M, K] (X, the same) @ w^T (+ bias [N] fp32) over pack(w)'s panels, on
+// the tile unit: the products in bf16, fp32 sums, one rounding to Y. A row's sums are the same whatever the other
+// rows.
+template <typename X, typename Y>
+inline void gemm_packed(const X* x, int64_t M, const at::BFloat16* panels, int64_t N, int64_t K, const float* bias,
+                        Y* y) {
+  TORCH_CHECK(available(), "amx_gemm: this CPU, build or kernel does not run the tile unit (AMX bf16)");
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  using T = at::BFloat16;
+  const int64_t steps = (K + TK - 1) / TK, xtiles = (M + TR - 1) / TR;
+  const T* xa = x_tiles(x, M, K);
+  const int64_t B = block_rows(N, K, at::get_num_threads());
+  at::parallel_for(0, (N + B - 1) / B, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float sums[4][TR][TR];
+    configure();
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * B, rows = std::min(B, N - n0);
+      for (int64_t t = 0; t < xtiles; t += 2) {
+        const int64_t xt = std::min<int64_t>(2, xtiles - t);
+        const T* x0 = xa + t * steps * TILE;
+        for (int64_t q = 0; q * TR < rows; q += 2) {
+          const T* w0 = panels + (n0 / TR + q) * steps * TILE;
+          if (xt == 2) tiles<2>(x0, x0 + steps * TILE, w0, w0 + steps * TILE, steps, sums);
+          else tiles<1>(x0, nullptr, w0, w0 + steps * TILE, steps, sums);
+          store_tiles(sums, t, xt, M, n0 + q * TR, rows - q * TR, [](int64_t) { return 1.f; }, bias, y, N);
         }
       }
     }

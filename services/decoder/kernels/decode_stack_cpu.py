@@ -48,7 +48,8 @@ class Projection:
     packed: torch.Tensor | None = None
     rule: tuple[tuple[int, ...], tuple[bool, ...]] = ((1,), (False,))
     # Above KERNEL_ROWS rows, a weight with tiles = tile_gemm_cpu.pack(weight) runs tile_gemm_cpu
-    # instead (fp32 sums, like the others).
+    # instead (fp32 sums, like the others); with tiles_amx, tiles = widen_gemm_cpu.pack_panels(weight) (bf16) runs
+    # on the tile unit.
     tiles: torch.Tensor | None = None
     # bf16 x over a bf16 weight: which of gemv_cpu.BF16_ROWS the few-row kernel runs (its Linear's choice).
     bf16_row: str = gemv_cpu.BF16_ROWS[0]
@@ -62,6 +63,7 @@ class Projection:
     # multiplies in bf16 on the tile unit).
     widen: torch.dtype | None = None
     kernel: str = "dot"
+    tiles_amx: bool = False     # see tiles
 
 
 @dataclass
@@ -125,7 +127,7 @@ def make_stack(shape: Shape, layers: list[LayerWeights], final_norm: torch.Tenso
 def _projection(p: Projection):
     return load().Projection(p.weight, p.scale, p.bias, p.packed, list(p.rule[0]), list(p.rule[1]), p.gemv_rows,
                              p.tiles, gemv_cpu.BF16_ROWS.index(p.bf16_row), p.offset, p.bits, p.group,
-                             3 if p.widen is not None and p.kernel == "amx" else WIDEN.index(p.widen))
+                             3 if p.widen is not None and p.kernel == "amx" else WIDEN.index(p.widen), p.tiles_amx)
 
 
 def decode_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,

@@ -34,20 +34,23 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
 // gemv_grouped.h's. Above their gemv_rows, int8 and grouped weights whose Linear runs widen_gemm.h (widen: 1 fp32
 // products, 2 bf16) or amx_gemm.h (widen 3) run it here too; others are refused there.
 struct Proj {
-  // undefined when absent; bias: fp32, bias_model: the model's; tiles: tessera_tiles::pack(w)
+  // undefined when absent; bias: fp32, bias_model: the model's; tiles: tessera_tiles::pack(w), or where tiles_amx
+  // (a bf16 weight, on a CPU with AMX) tessera_amx::pack(w)
   at::Tensor w, scale, bias, bias_model, packed, tiles, offset;
   std::vector<int64_t> starts;
   std::vector<bool> flags;
   int64_t N = 0, K = 0, gemv_rows = 0, bits = 0, group = 0, widen = 0;
+  bool tiles_amx = false;
   tessera_gemv::Bf16Row bf16_row = tessera_gemv::Bf16Row::rowwise;  // the Linear's loop (gemv_bf16.h)
 
   Proj() = default;
   Proj(at::Tensor w_, c10::optional<at::Tensor> s, c10::optional<at::Tensor> b, c10::optional<at::Tensor> packed_,
        std::vector<int64_t> starts_, std::vector<bool> flags_, int64_t gemv_rows_,
        c10::optional<at::Tensor> tiles_, int64_t bf16_row_, c10::optional<at::Tensor> offset_, int64_t bits_,
-       int64_t group_, int64_t widen_)
+       int64_t group_, int64_t widen_, bool tiles_amx_)
       : w(std::move(w_)), starts(std::move(starts_)), flags(std::move(flags_)), gemv_rows(gemv_rows_),
-        bits(bits_), group(group_), widen(widen_), bf16_row(tessera_gemv::bf16_row(bf16_row_)) {
+        bits(bits_), group(group_), widen(widen_), tiles_amx(tiles_amx_),
+        bf16_row(tessera_gemv::bf16_row(bf16_row_)) {
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
                 "decode_stack: a projection weight must be a contiguous 2-D CPU tensor");
     N = w.size(0);
@@ -76,7 +79,12 @@ struct Proj {
       bias = b->to(at::kFloat).contiguous();
     }
     if (packed_.has_value()) packed = *packed_;
-    if (tiles_.has_value()) {
+    if (tiles_.has_value() && tiles_amx) {
+      TORCH_CHECK(t == at::kBFloat16 && tessera_amx::available() && tiles_->scalar_type() == t &&
+                      tiles_->is_contiguous() && tiles_->numel() == tessera_amx::panel_size(N, K),
+                  "decode_stack: AMX tiles must be widen_gemm_cpu.pack_panels of a bf16 weight, on a CPU with AMX");
+      tiles = *tiles_;
+    } else if (tiles_.has_value()) {
       TORCH_CHECK(tessera_tiles::fits(w) && tessera_tiles::available(t) && tiles_->scalar_type() == t &&
                       tiles_->numel() == w.numel() && tiles_->size(0) * tessera_tiles::COLS == N,
                   "decode_stack: tiles must be tile_gemm_cpu.pack of the weight, on a CPU that runs them");
@@ -107,7 +115,9 @@ struct Proj {
   std::pair<const float*, const T*> operator()(const T* x, float* y, int64_t M, at::Tensor& hold) const {
     constexpr auto dtype = at::CppTypeToScalarType<T>::value;
     if (tiles.defined() && M > tessera_gemv::MAX_ROWS && tiles.scalar_type() == dtype) {
-      tessera_tiles::gemm(x, M, tiles.data_ptr<T>(), bias.defined() ? bias.data_ptr<float>() : nullptr, y, N, K);
+      const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+      if (tiles_amx) tessera_amx::gemm_packed(x, M, tiles.data_ptr<at::BFloat16>(), N, K, bp, y);
+      else tessera_tiles::gemm(x, M, tiles.data_ptr<T>(), bp, y, N, K);
       return {y, nullptr};
     }
     if (widen && M > gemv_rows) return widened(x, y, M, hold);

@@ -107,6 +107,26 @@ def gemm_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
     return out
 
 
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] laid out once as the tile unit reads it (amx_gemm.h's panels: 16 x 32 blocks
+    transposed by pairs of inputs, zeros to whole pairs of 16 rows and to 32 inputs), for gemm_panels and the
+    decode stack; where amx()."""
+    if w.dtype != torch.bfloat16 or w.dim() != 2 or not amx():
+        raise ValueError(f"pack_panels: a bf16 [N, K] weight on a CPU with the tile unit (got {w.dtype}, "
+                         f"amx {amx()})")
+    out = torch.empty(load().panel_size(w.shape[0], w.shape[1]), dtype=torch.bfloat16)
+    load().pack_panels(out, w.contiguous())
+    return out
+
+
+def gemm_panels(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (fp32 or bf16) -> [M, n] in x's dtype = x @ w^T + bias over panels = pack_panels(w), on the tile unit:
+    x rounded to bf16, fp32 sums, one rounding. Each row's result is the same whatever the other rows."""
+    out = torch.empty((x.shape[0], n), dtype=x.dtype)
+    load().gemm_panels(out, x.contiguous(), panels, n, None if bias is None else bias.float().contiguous())
+    return out
+
+
 def gemm_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
              group: int, bias: torch.Tensor | None, products: torch.dtype) -> torch.Tensor:
     """The torch reference, fp32 [M, N], of gemm_grouped (offset given: weight its codes, scale and offset) or

@@ -84,9 +84,12 @@ def test_decode_steps_match_the_layers(folders, name, variant):
     # (every case has one: a 64-wide hidden or a 192-wide gate_up), so the comparison below covers them;
     # int8 and grouped weights never take them (above 4 rows, the tiles variants run widen_gemm instead).
     dtype = fused.cache.k[0].dtype
-    dense = [m.weight for m in fused.model.model.layers.modules()
-             if isinstance(m, Linear) and m.qweight is None and m.grouped is None]
-    tiles = variant not in FEW and tile_gemm_cpu.available(dtype) and any(map(tile_gemm_cpu.fits, dense))
+    dense = [m.weight for layer in fused.model.model.layers
+             for m in (layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up, layer.mlp.down_proj)
+             if m.qweight is None and m.grouped is None]
+    # (bf16 on a CPU with AMX: the tile unit's panels, which take any bf16 weight)
+    amx = dtype == torch.bfloat16 and widen_gemm_cpu.amx() and bool(dense)
+    tiles = variant not in FEW and (amx or tile_gemm_cpu.available(dtype) and any(map(tile_gemm_cpu.fits, dense)))
     assert fused.fused_decode.tiles == tiles
     assert fused.decode_stack.endswith(f"tiles {'on' if tiles else 'n/a'})")
     g = random.Random(5)
