@@ -1,10 +1,11 @@
 """Many-row matmul on CPU over quantized weights widened block by block in cache: grouped 4/8-bit weights
-(model/grouped.py's layout) and int8 weights with a scale per output row (model/quantization.py); and a grouped
-weight's dequantization to fp32 or bf16. A C++ operator.
+(model/grouped.py's layout) and int8 weights with a scale per output row (model/quantization.py), on AVX-512 dot
+products ("dot") or on the tile unit ("amx"); a bf16 weight's panels for the tile unit (pack_panels,
+gemm_panels: the decode stack's); and a grouped weight's dequantization to fp32 or bf16. A C++ operator.
 
-The kernel is widen_gemm_cpu.cpp next to this file (widen_gemm.h), compiled once per machine by
+The kernel is widen_gemm_cpu.cpp next to this file (widen_gemm.h, amx_gemm.h), compiled once per machine by
 native.load (`make kernels`); the matmul needs AVX-512 (for products in bf16 also the bf16 dot product:
-`products_for`), the dequantization runs everywhere. Their torch references are gemv_grouped_cpu.dequantize
+`products_for`; "amx" and the panels AMX with bf16: `amx`), the dequantization runs everywhere. Their torch references are gemv_grouped_cpu.dequantize
 (the weight in fp32, then rounded to the dtype: equal bit for bit) and F.linear over it with x in the products'
 dtype (the matmul: the same products, fp32 sums in another order); for int8, F.linear over the codes, times
 the scales. Whether a shape's many-row matmul runs here or on another path is measured at load
