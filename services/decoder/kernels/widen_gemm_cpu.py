@@ -5,10 +5,10 @@ gemm_panels: the decode stack's); and a grouped weight's dequantization to fp32 
 
 The kernel is widen_gemm_cpu.cpp next to this file (widen_gemm.h, amx_gemm.h), compiled once per machine by
 native.load (`make kernels`); the matmul needs AVX-512 (for products in bf16 also the bf16 dot product:
-`products_for`; "amx" and the panels AMX with bf16: `amx`), the dequantization runs everywhere. Their torch references are gemv_grouped_cpu.dequantize
-(the weight in fp32, then rounded to the dtype: equal bit for bit) and F.linear over it with x in the products'
-dtype (the matmul: the same products, fp32 sums in another order); for int8, F.linear over the codes, times
-the scales. Whether a shape's many-row matmul runs here or on another path is measured at load
+`products_for`; "amx" and the panels AMX with bf16: `amx`), the dequantization runs everywhere. Their torch
+references are gemv_grouped_cpu.dequantize (the weight in fp32, then rounded to the dtype: equal bit for bit)
+and F.linear over it with x in the products' dtype (the matmul: the same products, fp32 sums in another order);
+for int8, F.linear over the codes, times the scales. Whether a shape's many-row matmul runs here or on another path is measured at load
 (model/matmul_choice.py); this module only computes.
 """
 from __future__ import annotations
