@@ -8,8 +8,8 @@ native.load (`make kernels`); the matmul needs AVX-512 (for products in bf16 als
 `products_for`; "amx" and the panels AMX with bf16: `amx`), the dequantization runs everywhere. Their torch
 references are gemv_grouped_cpu.dequantize (the weight in fp32, then rounded to the dtype: equal bit for bit)
 and F.linear over it with x in the products' dtype (the matmul: the same products, fp32 sums in another order);
-for int8, F.linear over the codes, times the scales. Whether a shape's many-row matmul runs here or on another path is measured at load
-(model/matmul_choice.py); this module only computes.
+for int8, F.linear over the codes, times the scales. Whether a shape's many-row matmul runs here or on another
+path is measured at load (model/matmul_choice.py); this module only computes.
 """
 from __future__ import annotations
 
