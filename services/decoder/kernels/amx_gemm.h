@@ -201,6 +201,39 @@ inline void store_tiles(float (*sums)[TR][TR], int64_t t, int64_t xt, int64_t M,
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// The loop both matmuls share: y [M, N] in Y = x [M, K] (X) against blocks of B weight rows (block_rows) split
+// over the threads; block_tiles(n0, rows, B) gives a block's B tiles (sub-block q at q * steps * TILE, whole pairs of
+// sub-blocks), scale(n) its rows' scales.
+template <typename X, typename Y, typename BlockTiles, typename Scale>
+inline void drive(const X* x, int64_t M, int64_t N, int64_t K, const float* bias, Y* y, const BlockTiles& block_tiles,
+                  const Scale& scale) {
+  using T = at::BFloat16;
+  const int64_t steps = (K + TK - 1) / TK, xtiles = (M + TR - 1) / TR;
+  const T* xa = x_tiles(x, M, K);
+  const int64_t B = block_rows(N, K, at::get_num_threads());
+  at::parallel_for(0, (N + B - 1) / B, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float sums[4][TR][TR];
+    configure();
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * B, rows = std::min(B, N - n0);
+      const T* wb = block_tiles(n0, rows, B);
+      for (int64_t t = 0; t < xtiles; t += 2) {
+        const int64_t xt = std::min<int64_t>(2, xtiles - t);
+        const T* x0 = xa + t * steps * TILE;
+        for (int64_t q = 0; q * TR < rows; q += 2) {
+          const T* w0 = wb + q * steps * TILE;
+          if (xt == 2) tiles<2>(x0, x0 + steps * TILE, w0, w0 + steps * TILE, steps, sums);
+          else tiles<1>(x0, nullptr, w0, w0 + steps * TILE, steps, sums);
+          store_tiles(sums, t, xt, M, n0 + q * TR, rows - q * TR, scale, bias, y, N);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // y [M, N] in X = x [M, K] @ w^T (* the rows' scales) (+ bias [N] fp32), X float or BFloat16, w a widen_gemm.h
 // source, the products in bf16 on the tile unit; fp32 sums, one rounding to X.
 template <typename X, typename Source>
@@ -208,36 +241,18 @@ inline void gemm(const X* x, int64_t M, const Source& w, int64_t N, int64_t K, c
   TORCH_CHECK(available(), "amx_gemm: this CPU, build or kernel does not run the tile unit (AMX bf16)");
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   using T = at::BFloat16;
-  const int64_t steps = (K + TK - 1) / TK, xtiles = (M + TR - 1) / TR;
-  const T* xa = x_tiles(x, M, K);
-  const int64_t B = block_rows(N, K, at::get_num_threads());
-  at::parallel_for(0, (N + B - 1) / B, 1, [&](int64_t b0, int64_t b1) {
-    // The block as B tiles: sub-block q, step s -> buf[(q * steps + s) * TILE ...], widened as A tiles (row r at
-    // r * TK), then each transposed by pairs of inputs.
+  const int64_t steps = (K + TK - 1) / TK;
+  // Each block widened into the thread's buffer as A tiles (row r at r * TK), then each transposed by pairs.
+  auto widened = [&](int64_t n0, int64_t rows, int64_t B) -> const T* {
     static thread_local std::vector<T> held;
     held.resize(B * steps * TK + TK);
     T* buf = aligned(held.data());
-    alignas(64) float sums[4][TR][TR];
-    configure();
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * B, rows = std::min(B, N - n0);
-      if (rows < B || K % TK) std::fill(buf, buf + B * steps * TK, from_float<T>(0.f));
-      for (int64_t r = 0; r < rows; ++r) w.row(n0 + r, buf + (r / TR * steps * TR + r % TR) * TK, TILE);
-      for (int64_t i = 0; i < (rows + TR - 1) / TR * steps; ++i) transpose16(buf + i * TILE);
-      for (int64_t t = 0; t < xtiles; t += 2) {
-        const int64_t xt = std::min<int64_t>(2, xtiles - t);
-        const T* x0 = xa + t * steps * TILE;
-        for (int64_t q = 0; q * TR < rows; q += 2) {
-          const T* w0 = buf + q * steps * TILE;
-          if (xt == 2) tiles<2>(x0, x0 + steps * TILE, w0, w0 + steps * TILE, steps, sums);
-          else tiles<1>(x0, nullptr, w0, w0 + steps * TILE, steps, sums);
-          store_tiles(sums, t, xt, M, n0 + q * TR, rows - q * TR, [&](int64_t n) { return w.row_scale(n); }, bias,
-                      y, N);
-        }
-      }
-    }
-    _tile_release();
-  });
+    if (rows < B || K % TK) std::fill(buf, buf + B * steps * TK, from_float<T>(0.f));
+    for (int64_t r = 0; r < rows; ++r) w.row(n0 + r, buf + (r / TR * steps * TR + r % TR) * TK, TILE);
+    for (int64_t i = 0; i < (rows + TR - 1) / TR * steps; ++i) transpose16(buf + i * TILE);
+    return buf;
+  };
+  drive(x, M, N, K, bias, y, widened, [&](int64_t n) { return w.row_scale(n); });
 #endif
 }
 
@@ -265,7 +280,7 @@ inline void pack(const at::BFloat16* w, int64_t N, int64_t K, at::BFloat16* out)
 #endif
 }
 
-// y [M, N] in Y (float or BFloat16) = x [M, K] (X, the same) @ w^T (+ bias [N] fp32) over pack(w)'s panels, on
+// y [M, N] in Y = x [M, K] in X (each float or BFloat16) @ w^T (+ bias [N] fp32) over pack(w)'s panels, on
 // the tile unit: the products in bf16, fp32 sums, one rounding to Y. A row's sums are the same whatever the other
 // rows.
 template <typename X, typename Y>
@@ -273,28 +288,9 @@ inline void gemm_packed(const X* x, int64_t M, const at::BFloat16* panels, int64
                         Y* y) {
   TORCH_CHECK(available(), "amx_gemm: this CPU, build or kernel does not run the tile unit (AMX bf16)");
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  using T = at::BFloat16;
-  const int64_t steps = (K + TK - 1) / TK, xtiles = (M + TR - 1) / TR;
-  const T* xa = x_tiles(x, M, K);
-  const int64_t B = block_rows(N, K, at::get_num_threads());
-  at::parallel_for(0, (N + B - 1) / B, 1, [&](int64_t b0, int64_t b1) {
-    alignas(64) float sums[4][TR][TR];
-    configure();
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * B, rows = std::min(B, N - n0);
-      for (int64_t t = 0; t < xtiles; t += 2) {
-        const int64_t xt = std::min<int64_t>(2, xtiles - t);
-        const T* x0 = xa + t * steps * TILE;
-        for (int64_t q = 0; q * TR < rows; q += 2) {
-          const T* w0 = panels + (n0 / TR + q) * steps * TILE;
-          if (xt == 2) tiles<2>(x0, x0 + steps * TILE, w0, w0 + steps * TILE, steps, sums);
-          else tiles<1>(x0, nullptr, w0, w0 + steps * TILE, steps, sums);
-          store_tiles(sums, t, xt, M, n0 + q * TR, rows - q * TR, [](int64_t) { return 1.f; }, bias, y, N);
-        }
-      }
-    }
-    _tile_release();
-  });
+  const int64_t steps = (K + TK - 1) / TK;
+  drive(x, M, N, K, bias, y, [&](int64_t n0, int64_t, int64_t) { return panels + n0 / TR * steps * TILE; },
+        [](int64_t) { return 1.f; });
 #endif
 }
 
