@@ -24,6 +24,9 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 DTYPES = (torch.float32, torch.bfloat16)    # the activations and dequantized weights it takes
 # Where the products run: the AVX-512 (bf16) dot product (widen_gemm.h) or the tile unit (AMX, amx_gemm.h).
 KERNELS = ("dot", "amx")
+# The execution plan's many-row paths (int8_gemm, grouped_matmul) that run here, and the kernel of each.
+PATH_KERNELS = {"tiles": "dot", "amx": "amx"}
+NO_TILE_UNIT = "this CPU, build or kernel has no tile unit for widen_gemm_cpu (AMX with bf16)"
 OPERATOR = native.Operator("widen_gemm_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
 
@@ -39,12 +42,15 @@ def runs(products: torch.dtype) -> bool:
         return False
 
 
-def products_for(dtype: torch.dtype) -> torch.dtype | None:
-    """What the matmul multiplies x of `dtype` in here: bf16 x in bf16; fp32 x in bf16 where the CPU has the bf16
-    dot product (x and the weight rounded to bf16, relative 2**-9, against a 4-bit step of 1/15 of the group's
-    range; twice the products a cycle), else in fp32; None where the kernel does not run for it."""
+def products_for(dtype: torch.dtype, kernel: str = "dot") -> torch.dtype | None:
+    """What the matmul on `kernel` multiplies x of `dtype` in here: on "dot", bf16 x in bf16; fp32 x in bf16 where
+    the CPU has the bf16 dot product (x and the weight rounded to bf16, relative 2**-9, against a 4-bit step of
+    1/15 of the group's range; twice the products a cycle), else in fp32; on "amx", bf16 where `amx()`; None where
+    the kernel does not run for it."""
     if dtype not in DTYPES:
         return None
+    if kernel == "amx":
+        return torch.bfloat16 if amx() else None
     if runs(torch.bfloat16):
         return torch.bfloat16
     return torch.float32 if dtype == torch.float32 and runs(torch.float32) else None
@@ -70,7 +76,7 @@ def _products(x: torch.Tensor, products: torch.dtype | None, kernel: str) -> tor
     if kernel not in KERNELS:
         raise ValueError(f"widen_gemm: kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
     if kernel == "amx":
-        if x.dtype not in DTYPES or products not in (None, torch.bfloat16) or not amx():
+        if products not in (None, torch.bfloat16) or products_for(x.dtype, kernel) is None:
             raise ValueError(f"widen_gemm: no tile-unit kernel here for {x.dtype} x (products {products}): "
                              f"it needs AMX with bf16, multiplying in bf16")
         return torch.bfloat16

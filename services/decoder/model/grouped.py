@@ -212,9 +212,9 @@ def grouped_linear(x: torch.Tensor, gw: GroupedWeight, bias: torch.Tensor | None
         return gemv_grouped_cpu.gemv_grouped(x, gw.codes, gw.scale, gw.offset, gw.bits, gw.group, bias)
     if path == "dequant":
         return dequantized_linear(x, gw, bias)
-    if path in ("tiles", "amx"):
+    if path in widen_gemm_cpu.PATH_KERNELS:
         return widen_gemm_cpu.gemm_grouped(x, gw.codes, gw.scale, gw.offset, gw.bits, gw.group, bias,
-                                           kernel="amx" if path == "amx" else "dot")
+                                           kernel=widen_gemm_cpu.PATH_KERNELS[path])
     if path == "int4pack":
         if packed is None:
             raise ValueError("grouped_linear: the int4pack path needs the weight's Int4Pack")

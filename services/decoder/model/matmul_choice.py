@@ -301,7 +301,7 @@ def grouped_paths(gw: grouped.GroupedWeight, dtype: torch.dtype) -> tuple[str, .
     where torch's 4-bit kernel takes the weight, tiles where widen_gemm_cpu runs for dtype, amx where it has the
     tile unit."""
     fits = {"dequant": True, "int4pack": grouped.int4pack_fits(gw), "tiles": widen_gemm_cpu.available(dtype),
-            "amx": dtype in widen_gemm_cpu.DTYPES and widen_gemm_cpu.amx()}
+            "amx": widen_gemm_cpu.products_for(dtype, "amx") is not None}
     return tuple(p for p in execution.PATHS["grouped_matmul"] if fits[p])
 
 
@@ -350,7 +350,7 @@ def choose_grouped_matmul(model: nn.Module, record: execution.ExecutionPlan, tim
                            f"out_features a multiple of {grouped.INT4PACK_N})",
                "tiles": "this CPU or build has no widen_gemm_cpu kernel for the model's dtype (it needs AVX-512, "
                         "and for bf16 the bf16 dot product)",
-               "amx": "this CPU, build or kernel has no tile unit for widen_gemm_cpu (AMX with bf16)"}[pin]
+               "amx": widen_gemm_cpu.NO_TILE_UNIT}[pin]
         raise ValueError(f"--fast-paths {name}={pin}: {why}")
     chosen: dict[str, list[str]] = {}
     for key, group in shapes.items():
@@ -376,8 +376,8 @@ def choose_grouped_matmul(model: nn.Module, record: execution.ExecutionPlan, tim
         for m in group:
             m.grouped_path = path
             m.int4pack = grouped.int4pack(m.grouped, dtype) if path == "int4pack" else None
-        if path in ("tiles", "amx"):
-            products = torch.bfloat16 if path == "amx" else widen_gemm_cpu.products_for(dtype)
+        if path in widen_gemm_cpu.PATH_KERNELS:
+            products = widen_gemm_cpu.products_for(dtype, widen_gemm_cpu.PATH_KERNELS[path])
             reason = "; ".join(filter(None, (reason, f"products in {products}")))
         record.record(f"{name} {out}x{inp}{'+b' if bias else ''} {kind}", path, timings, reason)
         chosen.setdefault(path, []).append(f"{out}x{inp}")

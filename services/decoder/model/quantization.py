@@ -181,8 +181,8 @@ def unusable(name: str, dtype: torch.dtype) -> str:
                 "saturate)")
     if name == "tiles" and not widen_gemm_cpu.available(dtype):
         return f"this CPU or build has no widen_gemm_cpu kernel for {dtype} (it needs AVX-512)"
-    if name == "amx" and (dtype not in widen_gemm_cpu.DTYPES or not widen_gemm_cpu.amx()):
-        return "this CPU, build or kernel has no tile unit for widen_gemm_cpu (AMX with bf16)"
+    if name == "amx" and widen_gemm_cpu.products_for(dtype, "amx") is None:
+        return widen_gemm_cpu.NO_TILE_UNIT
     return ""
 
 

@@ -270,9 +270,10 @@ def _widen(linear: Linear) -> tuple[torch.dtype | None, str]:
     """(products' dtype, widen_gemm_cpu kernel) of an int8 or grouped Linear whose many-row path is widen_gemm_cpu
     (`tiles`: "dot"; `amx`: bf16 on the tile unit), else (None, "dot")."""
     path = linear.int8_gemm if linear.qweight is not None else linear.grouped_path
-    if path == "amx":
-        return torch.bfloat16, "amx"
-    return (widen_gemm_cpu.products_for(linear.weight.dtype) if path == "tiles" else None), "dot"
+    if path not in widen_gemm_cpu.PATH_KERNELS:
+        return None, "dot"
+    kernel = widen_gemm_cpu.PATH_KERNELS[path]
+    return widen_gemm_cpu.products_for(linear.weight.dtype, kernel), kernel
 
 
 def _layers(model: CausalLM, cache: KVCache, tiles: bool = False) -> list[decode_stack_cpu.LayerWeights]:
