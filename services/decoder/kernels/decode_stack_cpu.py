@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from services.common import native
 
-from . import gemv_cpu, widen_gemm_cpu
+from . import gemv_cpu, gemv_grouped_cpu, widen_gemm_cpu
 from .gemv_cpu import gemv_ref
 from .gemv_grouped_cpu import gemv_grouped_ref
 from .lora_cpu import lora_rows_ref
@@ -54,10 +54,12 @@ class Projection:
     # bf16 x over a bf16 weight: which of gemv_cpu.BF16_ROWS the few-row kernel runs (its Linear's choice).
     bf16_row: str = gemv_cpu.BF16_ROWS[0]
     # A grouped weight (model/grouped.py's layout): weight its uint8 codes [out, in * bits // 8], scale and offset
-    # fp16 [out, in // group]; gemv_grouped_cpu runs it up to KERNEL_ROWS rows, as int8.
+    # fp16 [out, in // group]; gemv_grouped_cpu runs it up to KERNEL_ROWS rows, as int8, by grouped_loop (one of its
+    # WIDEST: its Linear's choice).
     offset: torch.Tensor | None = None
     bits: int = 0
     group: int = 0
+    grouped_loop: str = gemv_grouped_cpu.WIDEST[0]
     # Above gemv_rows, an int8 or grouped weight runs widen_gemm_cpu with products in this dtype (its Linear's
     # many-row path is `tiles` or `amx`), or is refused (None); on `kernel` (widen_gemm_cpu.KERNELS: "amx"
     # multiplies in bf16 on the tile unit).
@@ -127,7 +129,8 @@ def make_stack(shape: Shape, layers: list[LayerWeights], final_norm: torch.Tenso
 def _projection(p: Projection):
     return load().Projection(p.weight, p.scale, p.bias, p.packed, list(p.rule[0]), list(p.rule[1]), p.gemv_rows,
                              p.tiles, gemv_cpu.BF16_ROWS.index(p.bf16_row), p.offset, p.bits, p.group,
-                             3 if p.widen is not None and p.kernel == "amx" else WIDEN.index(p.widen), p.tiles_amx)
+                             3 if p.widen is not None and p.kernel == "amx" else WIDEN.index(p.widen), p.tiles_amx,
+                             gemv_grouped_cpu.LOOPS.index(p.grouped_loop))
 
 
 def decode_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,

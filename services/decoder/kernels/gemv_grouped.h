@@ -19,8 +19,9 @@
 // A row's sums are the same whatever the other rows of x in the call and wherever the threads split the
 // weight rows (every row of x runs the same loop over each weight row). Without AVX512-VNNI, on AVX2 CPUs
 // (Zen 3, older Xeons), a 256-bit loop does the same with vpmaddubsw (pairs of byte products summed in 16
-// bits) and vpmaddwd (to 32-bit lanes); elsewhere a portable loop. Each sums in its own order; which one runs
-// is `Loop` (tests run every one the CPU has).
+// bits) and vpmaddwd (to 32-bit lanes); elsewhere a portable loop. The VNNI loop comes in two orders of work
+// (`pairs`, `chunks`), timed against each other at load (model/matmul_choice.py). Each sums in its own order;
+// which one runs is `Loop` (tests run every one the CPU has).
 #pragma once
 
 #include <torch/extension.h>
@@ -50,12 +51,14 @@ constexpr int64_t MAX_ROWS = 4;   // rows of x per call (gemv_grouped_cpu.MAX_RO
 constexpr int64_t CHUNK = 64;     // bytes of codes per vector step
 constexpr int64_t PAD = 8;        // zeros past XRow::s and sums, so a chunk's 8 groups can be read whole
 
-// The loops (gemv_grouped_cpu.LOOPS' indices): the widest this CPU runs, the AVX2 one, the portable one.
-enum class Loop : int64_t { widest = 0, avx2 = 1, portable = 2 };
+// The loops (gemv_grouped_cpu.LOOPS' indices): the two AVX512-VNNI loops, `pairs` and `chunks` (each the AVX2
+// loop, or else the portable one, where the CPU lacks VNNI), the AVX2 loop, the portable one.
+enum class Loop : int64_t { pairs = 0, avx2 = 1, portable = 2, chunks = 3 };
 
 inline bool runs(Loop loop) {
   switch (loop) {
-    case Loop::widest:
+    case Loop::pairs:
+    case Loop::chunks:
     case Loop::portable:
       return true;
     case Loop::avx2:
@@ -158,11 +161,76 @@ inline __m512i lane_groups(int64_t group_bytes) {
   return _mm512_load_si512(idx);
 }
 
-// acc[m, n] for M rows of x against weight row n, one chunk of 64 bytes at a time. A full chunk's group count
-// is per_chunk, not a division: two integer divisions per chunk took ~10% of a 2048 x 2048 call.
+// One chunk of codes against x's bytes for it (q: the chunk's XRow::q): the int32 lanes of the dot product.
+template <int BITS>
+__attribute__((always_inline)) inline __m512i chunk_dot(__m512i raw, const int8_t* q) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  if constexpr (BITS == 4) {
+    const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(raw, low), _mm512_loadu_si512(q));
+    return _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low), _mm512_loadu_si512(q + CHUNK));
+  } else {
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), raw, _mm512_loadu_si512(q));
+  }
+}
+
+// The `pairs` loop: acc[m, n] for M rows of x against weight row n. Codes are read two chunks (128 bytes) at a
+// time: the pair's groups (at most 16) have their scales widened in one conversion and multiplied by x's steps
+// once, then spread over each chunk's lanes; the offsets' term (sum over groups of offset * sums) is a pass of
+// its own, 16 groups a vector, after the codes. Fewer vector ops a byte than `chunks`: on a Zen 4 a 1 B-shaped
+// int4 pass ran 1.15x faster on one thread (bench/figures/widen_gemm_zen4.txt). A row's last chunk, when the row
+// has an odd count or a short one, runs alone. A full chunk's group count is per_chunk, not a division: two
+// integer divisions per chunk took ~10% of a 2048 x 2048 call.
 template <int M, int BITS>
-inline void row_grouped(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
-                        __m512i spread, int64_t n, float* acc) {
+inline void row_pairs(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
+                      __m512i spread, int64_t n, float* acc) {
+  constexpr int64_t QC = CHUNK * (BITS == 4 ? 2 : 1);  // bytes of XRow::q a chunk of codes takes
+  const int64_t bytes = sh.row_bytes(), gb = sh.group_bytes(), ng = sh.groups();
+  const int64_t per_chunk = CHUNK / gb;  // groups a chunk holds (2, 4 or 8)
+  const __m512i spread1 = _mm512_add_epi32(spread, _mm512_set1_epi32(static_cast<int32_t>(per_chunk)));
+  const __mmask16 pair_mask = static_cast<__mmask16>((1u << (2 * per_chunk)) - 1);
+  __m512 a[M];
+  for (int m = 0; m < M; ++m) a[m] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; (c + 2) * CHUNK <= bytes; c += 2) {
+    const int64_t g0 = c * per_chunk;
+    const __m512i r0 = _mm512_loadu_si512(wn + c * CHUNK), r1 = _mm512_loadu_si512(wn + (c + 1) * CHUNK);
+    const __m512 sw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(pair_mask, sn + g0));
+    for (int m = 0; m < M; ++m) {
+      const int8_t* q = xr[m].q.data() + c * QC;
+      const __m512 f = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(pair_mask, xr[m].s.data() + g0));
+      a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chunk_dot<BITS>(r0, q)), _mm512_permutexvar_ps(spread, f), a[m]);
+      a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chunk_dot<BITS>(r1, q + QC)), _mm512_permutexvar_ps(spread1, f),
+                             a[m]);
+    }
+  }
+  for (; c * CHUNK < bytes; ++c) {
+    const int64_t left = bytes - c * CHUNK, g0 = c * per_chunk;
+    const __mmask64 bmask = left >= CHUNK ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
+    const __mmask16 gmask = static_cast<__mmask16>((1u << (left >= CHUNK ? per_chunk : left / gb)) - 1);
+    const __m512i raw = _mm512_maskz_loadu_epi8(bmask, wn + c * CHUNK);
+    const __m512 sw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, sn + g0));
+    for (int m = 0; m < M; ++m) {
+      const __m512 f = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(gmask, xr[m].s.data() + g0));
+      a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chunk_dot<BITS>(raw, xr[m].q.data() + c * QC)),
+                             _mm512_permutexvar_ps(spread, f), a[m]);
+    }
+  }
+  __m512 off[M];
+  for (int m = 0; m < M; ++m) off[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; g += 16) {
+    const __mmask16 gmask = ng - g >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (ng - g)) - 1);
+    const __m512 ow = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, on + g));
+    for (int m = 0; m < M; ++m)
+      off[m] = _mm512_fmadd_ps(ow, _mm512_maskz_loadu_ps(gmask, xr[m].sums.data() + g), off[m]);
+  }
+  for (int m = 0; m < M; ++m) acc[m * sh.N + n] = _mm512_reduce_add_ps(a[m]) + _mm512_reduce_add_ps(off[m]);
+}
+
+// The `chunks` loop: acc[m, n] one chunk of 64 bytes at a time, the offsets' term inside it (the loop before
+// `pairs`, kept for CPUs where it is the faster: the plan times both at load).
+template <int M, int BITS>
+inline void row_chunks(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
+                      __m512i spread, int64_t n, float* acc) {
   const int64_t bytes = sh.row_bytes(), gb = sh.group_bytes();
   const int64_t per_chunk = CHUNK / gb;  // groups a chunk holds (2, 4 or 8)
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -328,9 +396,14 @@ void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::
       const at::Half* sn = scale + n * ng;
       const at::Half* on = offset + n * ng;
 #ifdef TESSERA_GROUPED_VNNI
-      if (loop == Loop::widest) {
-        if (sh.bits == 4) row_grouped<M, 4>(xr, wn, sn, on, sh, spread, n, y);
-        else row_grouped<M, 8>(xr, wn, sn, on, sh, spread, n, y);
+      if (loop == Loop::pairs) {
+        if (sh.bits == 4) row_pairs<M, 4>(xr, wn, sn, on, sh, spread, n, y);
+        else row_pairs<M, 8>(xr, wn, sn, on, sh, spread, n, y);
+        continue;
+      }
+      if (loop == Loop::chunks) {
+        if (sh.bits == 4) row_chunks<M, 4>(xr, wn, sn, on, sh, spread, n, y);
+        else row_chunks<M, 8>(xr, wn, sn, on, sh, spread, n, y);
         continue;
       }
 #endif
@@ -355,7 +428,7 @@ void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::
 // runs (they are what CPUs without it run).
 void gemv_grouped(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch::Tensor scale, torch::Tensor offset,
                   int64_t bits, int64_t group, c10::optional<torch::Tensor> bias, int64_t loop_index) {
-  TORCH_CHECK(loop_index >= 0 && loop_index <= 2, "gemv_grouped: loop must be 0, 1 or 2, got ", loop_index);
+  TORCH_CHECK(loop_index >= 0 && loop_index <= 3, "gemv_grouped: loop must be 0 to 3, got ", loop_index);
   const Loop loop = static_cast<Loop>(loop_index);
   TORCH_CHECK(runs(loop), "gemv_grouped: this CPU does not run the AVX2 loop");
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && out.dim() == 2, "gemv_grouped: x, codes and out must be 2-D");

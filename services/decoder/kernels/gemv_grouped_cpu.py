@@ -17,9 +17,12 @@ from services.common import native
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 MAX_ROWS = 4          # as gemv_cpu: every row of x within registers' reach; more rows go to GEMMs
-# The kernel's loops (gemv_grouped.h's Loop): the widest the CPU runs (AVX512-VNNI, else AVX2, else portable),
-# the AVX2 one, the portable one. Models run the first; tests run each the CPU has (`runs`).
-LOOPS = ("widest", "avx2", "portable")
+# The kernel's loops (gemv_grouped.h's Loop): the widest the CPU runs (AVX512-VNNI, else AVX2, else portable) in
+# two orders of work, `pairs` (two chunks of codes a step, the offsets in a pass of their own) and `chunks` (one
+# chunk a step); the AVX2 one; the portable one. Models run one of WIDEST (the plan's `gemv_grouped_loop`, timed
+# at load: model/matmul_choice.py); tests run each the CPU has (`runs`).
+LOOPS = ("pairs", "avx2", "portable", "chunks")
+WIDEST = ("chunks", "pairs")
 ACT_DTYPES = (torch.float32, torch.bfloat16)    # the activations it takes
 OPERATOR = native.Operator("gemv_grouped_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
@@ -41,6 +44,11 @@ def gemv_grouped(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offs
 def runs(loop: str) -> bool:
     """Whether this CPU runs `loop` (one of LOOPS)."""
     return bool(load().runs(LOOPS.index(loop)))
+
+
+def vnni() -> bool:
+    """Whether WIDEST's loops are the AVX512-VNNI ones (else both are the same AVX2 or portable loop)."""
+    return bool(load().vnni())
 
 
 def unpack_codes(codes: torch.Tensor, bits: int, group: int) -> torch.Tensor:

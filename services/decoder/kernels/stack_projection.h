@@ -42,15 +42,20 @@ struct Proj {
   int64_t N = 0, K = 0, gemv_rows = 0, bits = 0, group = 0, widen = 0;
   bool tiles_amx = false;
   tessera_gemv::Bf16Row bf16_row = tessera_gemv::Bf16Row::rowwise;  // the Linear's loop (gemv_bf16.h)
+  tessera_grouped::Loop grouped_loop = tessera_grouped::Loop::chunks;  // a grouped weight's (gemv_grouped.h)
 
   Proj() = default;
   Proj(at::Tensor w_, c10::optional<at::Tensor> s, c10::optional<at::Tensor> b, c10::optional<at::Tensor> packed_,
        std::vector<int64_t> starts_, std::vector<bool> flags_, int64_t gemv_rows_,
        c10::optional<at::Tensor> tiles_, int64_t bf16_row_, c10::optional<at::Tensor> offset_, int64_t bits_,
-       int64_t group_, int64_t widen_, bool tiles_amx_)
+       int64_t group_, int64_t widen_, bool tiles_amx_, int64_t grouped_loop_)
       : w(std::move(w_)), starts(std::move(starts_)), flags(std::move(flags_)), gemv_rows(gemv_rows_),
         bits(bits_), group(group_), widen(widen_), tiles_amx(tiles_amx_),
-        bf16_row(tessera_gemv::bf16_row(bf16_row_)) {
+        bf16_row(tessera_gemv::bf16_row(bf16_row_)),
+        grouped_loop(static_cast<tessera_grouped::Loop>(grouped_loop_)) {
+    TORCH_CHECK(grouped_loop_ >= 0 && grouped_loop_ <= 3 && tessera_grouped::runs(grouped_loop),
+                "decode_stack: grouped_loop must be a loop of gemv_grouped_cpu.LOOPS this CPU runs, got ",
+                grouped_loop_);
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
                 "decode_stack: a projection weight must be a contiguous 2-D CPU tensor");
     N = w.size(0);
@@ -163,8 +168,7 @@ struct Proj {
         const tessera_grouped::Shape sh{N, K, group, bits};
         tessera_grouped::with_rows(M, [&](auto R) {
           tessera_grouped::run<R.value>(xf, w.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
-                                        offset.data_ptr<at::Half>(), bp, y, sh,
-                                        tessera_grouped::Loop::widest);
+                                        offset.data_ptr<at::Half>(), bp, y, sh, grouped_loop);
         });
         break;
       }

@@ -253,37 +253,77 @@ def time_bf16_row(group: list[Linear], rows: int) -> dict[str, float]:
 
 
 def choose_bf16_row(model: nn.Module, record: execution.ExecutionPlan, timer: Bf16RowTimer | None = None) -> str:
-    """Set bf16_row on every Linear of a bf16 model whose bf16 weight runs gemv_cpu (after choose_gemv;
-    the `gemv_bf16_row` path of record). Pinned: that loop. Auto: one pass over all of them per loop and
-    row count (the plan's timer: fastest of REPS interleaved rounds), and interleave4 replaces the default
-    rowwise only where it beats it (plan.beats) at one row and no row count beats it: one loop for every
-    row count, so a row's sums do not depend on the batch. The chosen loop, or why rowwise."""
-    default, challenger = execution.PATHS["gemv_bf16_row"]
-    pin = record.pinned("gemv_bf16_row")
+    """Set bf16_row on every Linear of a bf16 model whose bf16 weight runs gemv_cpu (after choose_gemv; the
+    `gemv_bf16_row` path of record), by _choose_row_loop. The chosen loop, or why rowwise."""
     group = [m for m in model.modules() if isinstance(m, Linear) and m.gemv_rows and m.qweight is None
              and m.grouped is None and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
+    unavailable = "" if not group or gemv_cpu.load().bf16_dot() else \
+        "no bf16 dot product on this CPU: both loops widen to the fp32 one"
+    chosen, reason = _choose_row_loop(record, "gemv_bf16_row", group, "bf16 weight", timer or time_bf16_row,
+                                      lambda m: m.gemv_rows, unavailable)
+    for m in group:
+        m.bf16_row = chosen
+    return f"gemv bf16 loop: {chosen} ({reason})"
+
+
+@torch.inference_mode()
+def time_grouped_loop(group: list[Linear], rows: int) -> dict[str, float]:
+    """Each of gemv_grouped_cpu.WIDEST over every module in group at `rows` rows of its activations' dtype, as a
+    decode step streams the weights, by the plan's timer."""
+    xs = {(m.in_features, m.weight.dtype): torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in group}
+
+    def one_pass(loop: str) -> None:
+        for m in group:
+            grouped.grouped_linear(xs[m.in_features, m.weight.dtype], m.grouped, m.bias, "gemv", loop=loop)
+    return execution.fastest({loop: (lambda loop=loop: one_pass(loop)) for loop in gemv_grouped_cpu.WIDEST})
+
+
+def choose_grouped_loop(model: nn.Module, record: execution.ExecutionPlan, timer: Bf16RowTimer | None = None) -> str:
+    """Set grouped_loop on every Linear holding a grouped weight (before choose_gemv, which times the kernel in
+    it; the `gemv_grouped_loop` path of record), by _choose_row_loop over 1..MAX_ROWS rows. The chosen loop, or
+    why chunks."""
+    group = [m for m in model.modules() if isinstance(m, Linear) and m.grouped is not None]
+    unavailable = ""
+    if group:
+        try:
+            unavailable = "" if gemv_grouped_cpu.vnni() else "no AVX512-VNNI on this CPU: both are the same loop"
+        except native.BuildError as e:
+            unavailable = f"the few-row kernel is not built: {e}"
+    chosen, reason = _choose_row_loop(record, "gemv_grouped_loop", group, "grouped weight",
+                                      timer or time_grouped_loop, lambda m: gemv_grouped_cpu.MAX_ROWS, unavailable)
+    for m in group:
+        m.grouped_loop = chosen
+    return f"gemv grouped loop: {chosen} ({reason})"
+
+
+def _choose_row_loop(record: execution.ExecutionPlan, path: str, group: list[Linear], what: str,
+                     timer: Bf16RowTimer, rows_of: Callable[[Linear], int], unavailable: str) -> tuple[str, str]:
+    """(loop, why) for the few-row kernel's loop of record `path` (execution.PATHS[path]: the default, then the
+    challenger). Pinned: that loop. Auto: one pass per loop and row count over the modules in group that run that
+    many rows (rows_of: the most rows a module runs the kernel at), by the plan's timer (fastest of REPS
+    interleaved rounds); the challenger replaces the default only where it beats it (plan.beats) at one row and
+    no row count beats it: one loop for every row count, so a row's sums do not depend on the batch.
+    unavailable: why the loops cannot differ here ("" if they can)."""
+    default, challenger = execution.PATHS[path]
+    pin = record.pinned(path)
     chosen, timings, reason = default if pin == execution.AUTO else pin, [], ""
     if not group:
-        reason = "no bf16 weight runs the few-row kernel"
-    elif not gemv_cpu.load().bf16_dot():
-        reason = "no bf16 dot product on this CPU: both loops widen to the fp32 one"
+        reason = f"no {what} runs the few-row kernel"
+    elif unavailable:
+        reason = unavailable
     elif pin == execution.AUTO:
-        timer = timer or time_bf16_row
         wins: dict[int, bool] = {}
-        for rows in range(1, max(m.gemv_rows for m in group) + 1):
-            at = [m for m in group if m.gemv_rows >= rows]
-            best = timer(at, rows)
+        for rows in range(1, max(map(rows_of, group)) + 1):
+            best = timer([m for m in group if rows_of(m) >= rows], rows)
             timings += [execution.Timing(loop, best[loop], rows) for loop in (default, challenger)]
             wins[rows] = execution.beats(best[challenger], best[default]) or \
                 (rows > 1 and not execution.beats(best[default], best[challenger]))
         chosen = challenger if all(wins.values()) else default
-        reason = f"timed over {len(group)} bf16 weights"
+        reason = f"timed over {len(group)} {what}s"
     if pin != execution.AUTO:
-        reason = f"pinned by --fast-paths gemv_bf16_row={pin}" + (f"; {reason}" if reason else "")
-    for m in group:
-        m.bf16_row = chosen
-    record.record("gemv_bf16_row", chosen, timings, reason)
-    return f"gemv bf16 loop: {chosen} ({reason})"
+        reason = f"pinned by --fast-paths {path}={pin}" + (f"; {reason}" if reason else "")
+    record.record(path, chosen, timings, reason)
+    return chosen, reason
 
 
 # (modules of one shape, each path's call on its first module) -> {path: seconds for one call}.

@@ -26,7 +26,8 @@ from services.decoder.model.decoder import CausalLM
 from services.decoder.model.glue import choose as choose_glue
 from services.decoder.model.linear import pack_linears, quantize_linears
 from services.decoder.model.loader import load_model
-from services.decoder.model.matmul_choice import choose_bf16_row, choose_gemv, choose_grouped_matmul, choose_int8_gemm
+from services.decoder.model.matmul_choice import (choose_bf16_row, choose_gemv, choose_grouped_loop, choose_grouped_matmul,
+                                                   choose_int8_gemm)
 from services.decoder.model.screen import build as build_screen
 from services.decoder.runner import verify_cost
 from services.decoder.runner.attention import PagedAttention, Workspace, choose_decode_backend
@@ -70,6 +71,8 @@ class Runner:
         # timing at many rows; before choose_gemv, which times the kernel against it.
         choose_int8_gemm(model, plan)
         choose_grouped_matmul(model, plan)
+        # The few-row kernel's loop over grouped weights (two orders of work), by timing both at this model's.
+        choose_grouped_loop(model, plan)
         # Then the few-row kernel where it beats that path (decode at batch 1 to 4), by timing.
         choose_gemv(model, plan)
         # And its loop for bf16 activations over bf16 weights, by timing both at this model's weights.

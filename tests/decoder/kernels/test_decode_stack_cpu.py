@@ -19,6 +19,7 @@ from services.decoder.kernels.decode_stack_cpu import (
     set_arenas,
 )
 from services.decoder.kernels.gemv_cpu import BF16_ROWS
+from services.decoder.kernels.gemv_grouped_cpu import WIDEST
 from services.decoder.model import grouped
 from services.decoder.model.quantization import quantize
 from tests.tolerance import assert_close
@@ -100,10 +101,14 @@ def clone(layers: list[LayerWeights]) -> list[LayerWeights]:
 
 
 def run_loop(layers: list[LayerWeights], loop: str) -> None:
-    """Every projection's few-row kernel over bf16 x and weights runs `loop` (gemv_cpu.BF16_ROWS)."""
+    """Every projection's few-row kernel runs `loop`: over bf16 x and weights one of gemv_cpu.BF16_ROWS, over grouped
+    weights one of gemv_grouped_cpu.WIDEST."""
     for w in layers:
         for p in (w.qkv, w.o, w.gate_up, w.down):
-            p.bf16_row = loop
+            if loop in BF16_ROWS:
+                p.bf16_row = loop
+            else:
+                p.grouped_loop = loop
 
 
 def check(kind, rows, heads, kv_heads, head_dim, block_size, qk_norm, bias, library="plain", gemv_rows=KERNEL_ROWS,
@@ -153,6 +158,13 @@ def test_bf16_loops_match_reference(loop, rows, heads, kv_heads, head_dim, block
     check("bf16", rows, heads, kv_heads, head_dim, block_size, qk_norm, bias, loop=loop)
 
 
+@pytest.mark.parametrize("kind", GROUPED)
+@pytest.mark.parametrize("loop", WIDEST)
+@pytest.mark.parametrize("rows", [1, KERNEL_ROWS])
+def test_grouped_loops_match_reference(kind, loop, rows):
+    check(kind, rows, *SHAPES[1], loop=loop)
+
+
 @pytest.mark.parametrize("kind,library", [(k, lib) for k in ("fp32", "bf16") for lib in ("plain", "packed", "both")]
                          + [("bf16", "widened")])     # only a bf16 weight has a wider copy
 @pytest.mark.parametrize("rows,gemv_rows", [(2, 1), (KERNEL_ROWS + 1, KERNEL_ROWS), (16, 2)])
@@ -186,7 +198,7 @@ def test_quantized_rows_past_a_lower_gemv_rows_run_widen_gemm(kind, rows):
 
 
 @pytest.mark.parametrize("kind,loop", [("fp32", BF16_ROWS[0])] + [("bf16", loop) for loop in BF16_ROWS]
-                         + [(k, BF16_ROWS[0]) for k in GROUPED])
+                         + [(k, loop) for k in GROUPED for loop in WIDEST])
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_row_is_independent_of_the_others_and_the_thread_count_bit_for_bit(kind, loop, lora):
     g = torch.Generator().manual_seed(7)

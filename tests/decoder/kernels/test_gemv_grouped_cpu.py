@@ -14,8 +14,9 @@ from tests.tolerance import assert_close, is_close
 
 pytestmark = pytest.mark.numerics
 
-# Odd out widths; K a multiple of the group but not of the 64-byte chunk (a masked tail of fewer groups).
-SHAPES = [(7, 96, True), (130, 1536, False), (33, 160, True), (64, 32, False)]
+# Odd out widths; K a multiple of the group but not of the 64-byte chunk (a masked tail of fewer groups); an odd
+# count of whole chunks before a tail (448: the `pairs` loop's last whole chunk runs alone).
+SHAPES = [(7, 96, True), (130, 1536, False), (33, 160, True), (64, 32, False), (9, 448, True)]
 
 
 def call(x, gw, bias=None, loop=LOOPS[0]):

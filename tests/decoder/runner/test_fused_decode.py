@@ -8,7 +8,7 @@ import torch
 
 from services.common.plan import ExecutionPlan
 from services.decoder.engine.step import StepInput
-from services.decoder.kernels import decode_stack_cpu, tile_gemm_cpu, widen_gemm_cpu
+from services.decoder.kernels import decode_stack_cpu, gemv_grouped_cpu, tile_gemm_cpu, widen_gemm_cpu
 from services.decoder.model.linear import Linear
 from services.decoder.runner import Runner, attention
 from services.decoder.runner.batch import StepBatch
@@ -69,6 +69,7 @@ def runners(folder, variant: str) -> tuple[Runner, Runner]:
             for m in runner.model.modules():
                 if isinstance(m, Linear) and (m.qweight is not None or m.grouped is not None):
                     m.gemv_rows = decode_stack_cpu.KERNEL_ROWS
+                    m.grouped_loop = gemv_grouped_cpu.WIDEST[-1]    # timed at load too; both loops are tested
     fused.fused_decode, fused.decode_stack = FusedDecode.build(fused.model, fused.cache, fused.attention_backend,
                                                                ExecutionPlan(), timer=stack_wins)
     return fused, layers
