@@ -26,8 +26,13 @@ from services.decoder.model.decoder import CausalLM
 from services.decoder.model.glue import choose as choose_glue
 from services.decoder.model.linear import pack_linears, quantize_linears
 from services.decoder.model.loader import load_model
-from services.decoder.model.matmul_choice import (choose_bf16_row, choose_gemv, choose_grouped_loop, choose_grouped_matmul,
-                                                   choose_int8_gemm)
+from services.decoder.model.matmul_choice import (
+    choose_bf16_row,
+    choose_gemv,
+    choose_grouped_loop,
+    choose_grouped_matmul,
+    choose_int8_gemm,
+)
 from services.decoder.model.screen import build as build_screen
 from services.decoder.runner import verify_cost
 from services.decoder.runner.attention import PagedAttention, Workspace, choose_decode_backend
