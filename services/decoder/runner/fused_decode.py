@@ -16,7 +16,11 @@ Any other step runs the model's own layers, which stay the reference (tests comp
 `FusedDecode.build` makes it at load, when the model is on CPU in float32 or bfloat16 (int8 and grouped weights
 included, up to 4 rows), the decode attention is the C++ operator, the matmul path is chosen by
 timing, and the operator builds. It then times one step both ways at each of TIMING_ROWS and keeps
-the largest count up to which the stack beat the layers (plan.beats) at every one (`max_rows`, 0: never).
+the largest count up to which the layers beat the stack (plan.beats) at none (`max_rows`), if the stack beat
+the layers at one of them at least (else 0: never). Not "the stack beat the layers at every count": it runs the
+same kernels with fewer dispatches, so at a few rows of a large model (a 1 B model's 30-50 ms step) it gains
+less than the tie rule's margin, and a count where the two tied then kept the stack, and its panels, from every
+larger count.
 The `decode_stack` entry of --fast-paths (services/common/plan.py) pins it: off keeps it out (A/B
 benchmarks), on takes it up to the largest timing row count without timing.
 
@@ -158,7 +162,7 @@ class FusedDecode:
             best = execution.fastest(steps) if timer is None else \
                 {name: timer(name, rows, fn) for name, fn in steps.items()}
             timed.append((rows, best))
-            if not execution.beats(min(best["stack"], best.get("tiles", math.inf)), best["layers"]):
+            if execution.beats(best["layers"], min(best["stack"], best.get("tiles", math.inf))):
                 break
         for k, v in zip(cache.k, cache.v, strict=True):
             k[:largest * per_row].zero_()
@@ -173,15 +177,18 @@ class FusedDecode:
         if self.tiles:
             self.stack = self.tiled
         self.tiled = None           # the losing stack (and its panels, if they lost) is freed
-        detail, self.max_rows = [], 0
+        detail, self.max_rows, won = [], 0, False
         for rows, best in timed:
             tiles = f" (tiles {best['tiles'] * 1e3:.1f})" if "tiles" in best else ""
             detail.append(f"{rows} row{'s' if rows > 1 else ''} {best['stack'] * 1e3:.1f}{tiles} vs "
                           f"{best['layers'] * 1e3:.1f} ms")
             ours = best["tiles"] if self.tiles and "tiles" in best else best["stack"]
-            if not execution.beats(ours, best["layers"]):
+            if execution.beats(best["layers"], ours):
                 break
+            won = won or execution.beats(ours, best["layers"])
             self.max_rows = rows
+        if not won:
+            self.max_rows = 0
         names = {"stack": "on", "tiles": "on (panels)", "layers": "off"}
         measured = [execution.Timing(names[name], t, rows) for rows, best in timed for name, t in best.items()]
         return "; ".join(detail) + f" (stack vs layers; tiles {'on' if self.tiles else 'off' if tiled else 'n/a'})", \

@@ -140,6 +140,17 @@ def test_the_choice_is_made_from_measurement(folders):
                                        timer=lambda path, rows, fn: 1.0)
     assert fused is None and summary.startswith("off (the layers were as fast); timed 1 row 1000.0 vs 1000.0 ms")
 
+    # A tie (within plan.TIE) at some counts does not stop the stack at the larger ones where it wins (a large model's
+    # few-row steps, where it saves less than the margin); the first count where the layers win does.
+    layers = {1: 1.02, 2: 1.02, 3: 2.0, 4: 1.02, 16: 1.3, 64: 1.02}
+    fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, ExecutionPlan(),
+                                       timer=lambda path, rows, fn: 1.0 if path == "stack" else layers[rows])
+    assert fused.max_rows == 64
+    layers[64] = 0.9
+    fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, ExecutionPlan(),
+                                       timer=lambda path, rows, fn: 1.0 if path == "stack" else layers[rows])
+    assert fused.max_rows == 16 and summary.startswith("cpp rows<=16")
+
 
 PANEL_VARIANTS = [v for v, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))
                   if tile_gemm_cpu.available(dtype)]
