@@ -230,10 +230,9 @@ inline void row_pairs(const XRow* xr, const uint8_t* wn, const at::Half* sn, con
 // `pairs`, kept for CPUs where it is the faster: the plan times both at load).
 template <int M, int BITS>
 inline void row_chunks(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
-                      __m512i spread, int64_t n, float* acc) {
+                       __m512i spread, int64_t n, float* acc) {
   const int64_t bytes = sh.row_bytes(), gb = sh.group_bytes();
   const int64_t per_chunk = CHUNK / gb;  // groups a chunk holds (2, 4 or 8)
-  const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 a[M];
   __m256 off[M];
   for (int m = 0; m < M; ++m) {
@@ -248,17 +247,8 @@ inline void row_chunks(const XRow* xr, const uint8_t* wn, const at::Half* sn, co
     const __m512i raw = _mm512_maskz_loadu_epi8(bmask, wn + c * CHUNK);
     const __m256 sw = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(gmask, sn + g0));
     const __m256 ow = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(gmask, on + g0));
-    __m512i lo, hi;
-    if constexpr (BITS == 4) {
-      lo = _mm512_and_si512(raw, low);
-      hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-    } else {
-      lo = raw;
-    }
     for (int m = 0; m < M; ++m) {
-      const int8_t* q = xr[m].q.data() + c * CHUNK * (BITS == 4 ? 2 : 1);
-      __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
-      if constexpr (BITS == 4) d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(q + CHUNK));
+      const __m512i d = chunk_dot<BITS>(raw, xr[m].q.data() + c * CHUNK * (BITS == 4 ? 2 : 1));
       const __m256 sx = _mm256_maskz_loadu_ps(gmask, xr[m].s.data() + g0);
       const __m512 f = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_mul_ps(sw, sx)));
       a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), f, a[m]);
