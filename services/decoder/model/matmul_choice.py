@@ -350,8 +350,7 @@ def _grouped_calls(group: list[Linear], paths: tuple[str, ...]) -> dict[int, dic
     rows, packed for torch's 4-bit kernel once): at these counts the arithmetic, not the streaming of weights,
     decides, and a pass over all 16 layers of a 1B model took minutes at load."""
     m, n = group[0], min(group[0].out_features, GROUPED_OUT)
-    gw = m.grouped
-    part = grouped.GroupedWeight(gw.bits, gw.group, n, gw.in_features, gw.codes[:n], gw.scale[:n], gw.offset[:n])
+    part = m.grouped.rows(0, n)
     bias = None if m.bias is None else m.bias[:n]
     packed = grouped.int4pack(part, m.weight.dtype) if "int4pack" in paths else None
 

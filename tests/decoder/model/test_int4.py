@@ -57,6 +57,24 @@ def test_many_row_paths_match_the_reference(dtype, path, rows, out, k, bias):
     assert_close(y, grouped_linear_ref(x, gw, b), dtype=dtype, k=k)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_dequant_path_widens_a_large_weight_in_pieces(monkeypatch, dtype):
+    """Pieces of 3 output rows over 8 (two whole and a remainder), with the bias sliced to match: the reference's
+    result, and each piece dequantized from views of its own rows."""
+    g = torch.Generator().manual_seed(8)
+    gw = quantize(torch.randn(8, 64, generator=g), 4, 32)
+    x, b = torch.randn(5, 64, generator=g).to(dtype), torch.randn(8, generator=g).to(dtype)
+    monkeypatch.setattr(grouped, "DEQUANT_PIECE_BYTES", 3 * 64 * x.element_size())
+    widened = []
+    expand = grouped.expand
+    monkeypatch.setattr(grouped, "expand", lambda part, to: widened.append(part.out_features) or expand(part, to))
+    y = grouped_linear(x, gw, b, "dequant")
+    assert widened == [3, 3, 2] and y.dtype == dtype and y.shape == (5, 8)
+    assert_close(y, grouped_linear_ref(x, gw, b), dtype=dtype, k=64)
+    part = gw.rows(3, 6)
+    assert part.codes.data_ptr() == gw.codes[3].data_ptr() and torch.equal(dequantize(part), dequantize(gw)[3:6])
+
+
 def test_int4pack_takes_only_what_torch_does():
     assert grouped.int4pack_fits(quantize(torch.randn(32, 64), 4, 32))
     for gw in (quantize(torch.randn(33, 64), 4, 32), quantize(torch.randn(32, 64), 4, 16),
