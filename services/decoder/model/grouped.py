@@ -193,10 +193,10 @@ def dequantized_linear(x: torch.Tensor, gw: GroupedWeight, bias: torch.Tensor | 
     step = max(1, DEQUANT_PIECE_BYTES // (gw.in_features * x.element_size()))
     if step >= gw.out_features:
         return F.linear(x, expand(gw, x.dtype), b)
-    y = x.new_empty(x.shape[0], gw.out_features)
+    y = x.new_empty(*x.shape[:-1], gw.out_features)
     for start in range(0, gw.out_features, step):
         stop = min(start + step, gw.out_features)
-        y[:, start:stop] = F.linear(x, expand(gw.rows(start, stop), x.dtype), None if b is None else b[start:stop])
+        y[..., start:stop] = F.linear(x, expand(gw.rows(start, stop), x.dtype), None if b is None else b[start:stop])
     return y
 
 
