@@ -48,6 +48,9 @@ PATHS: dict[str, tuple[str, ...]] = {
     "int8_gemm": ("int8pack", "dequant", "dynamic", "tiles", "amx"),
     # decoder: the few-row kernel's loop for bf16 x over bf16 weights (services/decoder/model/matmul_choice.py)
     "gemv_bf16_row": ("rowwise", "interleave4"),
+    # decoder: whether the few-row kernel asks for dense weights ahead of the row it reads
+    # (services/decoder/model/matmul_choice.py)
+    "gemv_prefetch": ("off", "on"),
     # decoder: the few-row kernel's order of work over grouped 4/8-bit weights (services/decoder/model/matmul_choice.py)
     "gemv_grouped_loop": ("chunks", "pairs"),
     # decoder: many rows over grouped 4/8-bit weights: dequantized for the library matmul, torch's 4-bit kernel,
@@ -79,8 +82,9 @@ PATHS: dict[str, tuple[str, ...]] = {
 }
 
 # The paths each service runs.
-DECODER = ("linear", "gemv", "int8_gemm", "gemv_bf16_row", "gemv_grouped_loop", "grouped_matmul", "glue", "attention",
-           "decode_stack", "screen", "grammar_mask", "huge_pages", "malloc", "speculation", "lora_split")
+DECODER = ("linear", "gemv", "int8_gemm", "gemv_bf16_row", "gemv_prefetch", "gemv_grouped_loop", "grouped_matmul",
+           "glue", "attention", "decode_stack", "screen", "grammar_mask", "huge_pages", "malloc", "speculation",
+           "lora_split")
 POOLING = ("linear", "encoder_attention", "malloc")
 
 

@@ -79,10 +79,11 @@ inline void store_sums(__m512 (&a)[M][UNROLL], float* acc, int64_t n, int64_t N)
 }
 
 template <typename W, int M>
-inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, int64_t N) {
+inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, int64_t N, int64_t ahead) {
   __m512 a[M][UNROLL] = {};
   int64_t k = 0;
   for (; k + 16 * UNROLL <= K; k += 16 * UNROLL) {
+    prefetch_ahead(wn + k, ahead, sizeof(W) * 16 * UNROLL);
     for (int u = 0; u < UNROLL; ++u) {
       const __m512 wv = load16(wn + k + 16 * u, static_cast<__mmask16>(0xFFFF));
       for (int m = 0; m < M; ++m) a[m][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k + 16 * u), wv, a[m][u]);
@@ -113,14 +114,14 @@ inline float hsum(__m256 v) {
 }
 
 template <typename W, int M>
-inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, int64_t N) {
+inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, int64_t N, int64_t ahead) {
   // 16 ymm registers hold at most two rows' U = 4 accumulators; rows 3 and 4 take a second pass over
   // the weight row, from L1. U is the same for every M, so a row's sums do not depend on how many
   // rows share the call (the decode stack's batch invariance).
   constexpr int U = 4;
   if constexpr (M > 2) {
-    row1<W, 2>(x, wn, K, n, acc, N);
-    row1<W, M - 2>(x + 2 * K, wn, K, n, acc + 2 * N, N);
+    row1<W, 2>(x, wn, K, n, acc, N, ahead);
+    row1<W, M - 2>(x + 2 * K, wn, K, n, acc + 2 * N, N, 0);   // the row is in L1 by now
     return;
   }
   __m256 a[M][U];
@@ -128,6 +129,7 @@ inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, 
     for (int u = 0; u < U; ++u) a[m][u] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 * U <= K; k += 8 * U) {
+    prefetch_ahead(wn + k, ahead, sizeof(W) * 8 * U);
     for (int u = 0; u < U; ++u) {
       const __m256 wv = load8(wn + k + 8 * u);
       for (int m = 0; m < M; ++m) a[m][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8 * u), wv, a[m][u]);
@@ -149,10 +151,10 @@ inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, 
 
 template <typename W, int M>
 void rows_block(const float* x, const W* w, int64_t K, int64_t n0, int64_t n1, float* acc /* [M, N] */,
-                int64_t N) {
+                int64_t N, int64_t ahead) {
   int64_t n = n0;
 #ifdef TESSERA_GEMV_ROW1
-  for (; n < n1; ++n) row1<W, M>(x, w + n * K, K, n, acc, N);
+  for (; n < n1; ++n) row1<W, M>(x, w + n * K, K, n, acc, N, ahead);
 #endif
   for (; n + NB <= n1; n += NB) {
     const W* w0 = w + n * K;
@@ -326,11 +328,11 @@ void dispatch_q8(int64_t M, const float* x, const int8_t* w, const float* scale,
 }
 
 template <typename W, int M>
-void run(const float* x, const W* w, const float* bias, float* y, int64_t N, int64_t K) {
+void run(const float* x, const W* w, const float* bias, float* y, int64_t N, int64_t K, int64_t ahead) {
   // Blocks of weight rows per task: whole NB groups, at least 64 rows so a task is worth starting.
   const int64_t grain = 64;
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    rows_block<W, M>(x, w, K, n0, n1, y, N);
+    rows_block<W, M>(x, w, K, n0, n1, y, N, ahead);
     for (int m = 0; m < M; ++m) {
       float* ym = y + m * N;
       if (bias)
@@ -339,30 +341,34 @@ void run(const float* x, const W* w, const float* bias, float* y, int64_t N, int
   });
 }
 
+// ahead: prefetch_ahead's distance in bytes (0: none).
 template <typename W>
-void dispatch_rows(int64_t M, const float* x, const W* w, const float* bias, float* y, int64_t N, int64_t K) {
-  with_rows(M, [&](auto R) { run<W, R.value>(x, w, bias, y, N, K); });
+void dispatch_rows(int64_t M, const float* x, const W* w, const float* bias, float* y, int64_t N, int64_t K,
+                   int64_t ahead) {
+  with_rows(M, [&](auto R) { run<W, R.value>(x, w, bias, y, N, K, ahead); });
 }
 
 // y [M, N] fp32 = x [M, K] bf16 @ w [N, K] bf16 ^T (+ bias): the dot-product instruction where the CPU
 // has it, by `loop` (gemv_bf16.h), else x widened once and the fp32 loop (the same for either loop).
 void dispatch_bf16(int64_t M, const at::BFloat16* x, const at::BFloat16* w, const float* bias, float* y, int64_t N,
-                   int64_t K, Bf16Row loop) {
+                   int64_t K, Bf16Row loop, int64_t ahead) {
 #ifdef __AVX512BF16__
-  with_rows(M, [&](auto R) { run_dp<R.value>(x, w, bias, y, N, K, loop); });
+  with_rows(M, [&](auto R) { run_dp<R.value>(x, w, bias, y, N, K, loop, ahead); });
 #else
   std::vector<float> xs(M * K);
   for (int64_t i = 0; i < M * K; ++i) xs[i] = widen(x[i]);
-  dispatch_rows(M, xs.data(), w, bias, y, N, K);
+  dispatch_rows(M, xs.data(), w, bias, y, N, K, ahead);
 #endif
 }
 
 // out [M, N] = x [M, K] @ w[N, K]^T (* scale [N] fp32) (+ bias [N] fp32); all contiguous. x and out
 // are both float32 or both bfloat16: bf16 x is widened once into fp32 and the fp32 result rounded
 // once into out (round to nearest even), here rather than by two more torch ops per call.
-// bf16_row: gemv_bf16.h's loop for bf16 x over bf16 weights (Bf16Row's value).
+// bf16_row: gemv_bf16.h's loop for bf16 x over bf16 weights (Bf16Row's value); ahead: prefetch_ahead's distance
+// in bytes over fp32 and bf16 weights (0: none).
 void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
-          c10::optional<torch::Tensor> bias, int64_t bf16_row) {
+          c10::optional<torch::Tensor> bias, int64_t bf16_row, int64_t ahead) {
+  TORCH_CHECK(ahead >= 0, "gemv: ahead must be >= 0, got ", ahead);
   const Bf16Row loop = tessera_gemv::bf16_row(bf16_row);
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "gemv: x, w and out must be 2-D");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -403,14 +409,14 @@ void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<tor
   switch (w.scalar_type()) {
     case at::kFloat:
       TORCH_CHECK(!sp, "gemv: scale is for int8 weights");
-      dispatch_rows(M, xp, w.data_ptr<float>(), bp, yp, N, K);
+      dispatch_rows(M, xp, w.data_ptr<float>(), bp, yp, N, K, ahead);
       break;
     case at::kBFloat16:
       TORCH_CHECK(!sp, "gemv: scale is for int8 weights");
       if (bf16) {
-        dispatch_bf16(M, x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), bp, yp, N, K, loop);
+        dispatch_bf16(M, x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), bp, yp, N, K, loop, ahead);
       } else {
-        dispatch_rows(M, xp, w.data_ptr<at::BFloat16>(), bp, yp, N, K);
+        dispatch_rows(M, xp, w.data_ptr<at::BFloat16>(), bp, yp, N, K, ahead);
       }
       break;
     case at::kChar:

@@ -22,26 +22,36 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 # at a time against every row of x, or one row of x against four weight rows at a time. Same sums up to
 # their order; which streams faster depends on the CPU (model/matmul_choice.py times them at load).
 BF16_ROWS = ("rowwise", "interleave4")
+# How far ahead of the row it reads the loop over fp32 and bf16 weights asks for the weight (`prefetch`): 8 KiB,
+# the best of 2-16 KiB on a chain of SmolLM2's weights from memory on an Intel Xeon (gemv_bf16.h, prefetch_ahead).
+PREFETCH_BYTES = 8 << 10
 OPERATOR = native.Operator("gemv_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
-         bias: torch.Tensor | None = None, bf16_row: str = BF16_ROWS[0]) -> torch.Tensor:
+         bias: torch.Tensor | None = None, bf16_row: str = BF16_ROWS[0], prefetch: bool = False) -> torch.Tensor:
     """x [M <= MAX_ROWS, K] (fp32 or bf16) -> [M, N] in x's dtype = x @ (w * scale[:, None])^T + bias.
 
     w [N, K] contiguous float32, bfloat16, or int8 with scale [N] (int8 only); bias [N] or None.
     Products and sums in fp32 (bf16 weights widen exactly), one rounding to x's dtype at the end. Over
     int8 weights x is first rounded as round_blocks does and each block's products are summed in int32.
     bf16_row: one of BF16_ROWS, the loop for bf16 x over bf16 weights on a CPU with the bf16 dot product.
+    prefetch: over fp32 and bf16 weights (not bf16_row interleave4), ask for the weight PREFETCH_BYTES ahead of
+    the row being read; the same sums either way.
     Each row's result is the same whatever the other rows of x and the thread count.
     """
     if bf16_row not in BF16_ROWS:
         raise ValueError(f"gemv: bf16_row {bf16_row!r}: expected one of {', '.join(BF16_ROWS)}")
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
     load().gemv(out, x.contiguous(), w, None if scale is None else scale.float(),
-                None if bias is None else bias.float(), BF16_ROWS.index(bf16_row))
+                None if bias is None else bias.float(), BF16_ROWS.index(bf16_row), ahead(prefetch))
     return out
+
+
+def ahead(prefetch: bool) -> int:
+    """The kernel's prefetch distance in bytes for a Linear's `gemv_prefetch` (0: none)."""
+    return PREFETCH_BYTES if prefetch else 0
 
 
 def round_blocks(x: torch.Tensor) -> torch.Tensor:

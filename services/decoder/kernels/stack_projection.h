@@ -40,6 +40,7 @@ struct Proj {
   std::vector<int64_t> starts;
   std::vector<bool> flags;
   int64_t N = 0, K = 0, gemv_rows = 0, bits = 0, group = 0, widen = 0;
+  int64_t ahead = 0;  // the few-row kernel's prefetch distance over fp32 and bf16 weights, bytes (gemv_bf16.h)
   bool tiles_amx = false;
   tessera_gemv::Bf16Row bf16_row = tessera_gemv::Bf16Row::rowwise;  // the Linear's loop (gemv_bf16.h)
   tessera_grouped::Loop grouped_loop = tessera_grouped::Loop::chunks;  // a grouped weight's (gemv_grouped.h)
@@ -48,9 +49,9 @@ struct Proj {
   Proj(at::Tensor w_, c10::optional<at::Tensor> s, c10::optional<at::Tensor> b, c10::optional<at::Tensor> packed_,
        std::vector<int64_t> starts_, std::vector<bool> flags_, int64_t gemv_rows_,
        c10::optional<at::Tensor> tiles_, int64_t bf16_row_, c10::optional<at::Tensor> offset_, int64_t bits_,
-       int64_t group_, int64_t widen_, bool tiles_amx_, int64_t grouped_loop_)
+       int64_t group_, int64_t widen_, bool tiles_amx_, int64_t grouped_loop_, int64_t ahead_)
       : w(std::move(w_)), starts(std::move(starts_)), flags(std::move(flags_)), gemv_rows(gemv_rows_),
-        bits(bits_), group(group_), widen(widen_), tiles_amx(tiles_amx_),
+        bits(bits_), group(group_), widen(widen_), ahead(ahead_), tiles_amx(tiles_amx_),
         bf16_row(tessera_gemv::bf16_row(bf16_row_)),
         grouped_loop(static_cast<tessera_grouped::Loop>(grouped_loop_)) {
     TORCH_CHECK(grouped_loop_ >= 0 && grouped_loop_ <= 3 && tessera_grouped::runs(grouped_loop),
@@ -58,6 +59,7 @@ struct Proj {
                 grouped_loop_);
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
                 "decode_stack: a projection weight must be a contiguous 2-D CPU tensor");
+    TORCH_CHECK(ahead >= 0, "decode_stack: ahead must be >= 0, got ", ahead);
     N = w.size(0);
     K = w.size(1);
     const auto t = w.scalar_type();
@@ -146,7 +148,7 @@ struct Proj {
     const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (w.scalar_type() == at::kBFloat16) {
-        tessera_gemv::dispatch_bf16(M, x, w.data_ptr<at::BFloat16>(), bp, y, N, K, bf16_row);
+        tessera_gemv::dispatch_bf16(M, x, w.data_ptr<at::BFloat16>(), bp, y, N, K, bf16_row, ahead);
         return {y, nullptr};
       }
     }
@@ -159,10 +161,10 @@ struct Proj {
     }
     switch (w.scalar_type()) {
       case at::kFloat:
-        dispatch_rows(M, xf, w.data_ptr<float>(), bp, y, N, K);
+        dispatch_rows(M, xf, w.data_ptr<float>(), bp, y, N, K, ahead);
         break;
       case at::kBFloat16:
-        dispatch_rows(M, xf, w.data_ptr<at::BFloat16>(), bp, y, N, K);
+        dispatch_rows(M, xf, w.data_ptr<at::BFloat16>(), bp, y, N, K, ahead);
         break;
       case at::kByte: {
         const tessera_grouped::Shape sh{N, K, group, bits};

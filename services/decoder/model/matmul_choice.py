@@ -6,8 +6,10 @@ weight row once for all rows. `choose_gemv` times it against the Linear's own pa
 module of a shape (as a forward would stream them, not one weight hot in cache) at 1..4 rows,
 and each Linear keeps `gemv_rows`: up to how many rows the kernel runs. For bf16 activations over bf16
 weights the kernel has two loops (gemv_cpu.BF16_ROWS) whose speed depends on the CPU; `choose_bf16_row`
-times both over the model's weights and each Linear keeps `bf16_row`. Above `gemv_rows` an int8 weight runs
-one of quantization.GEMMS, `int8_gemm`, which `choose_int8_gemm` times per shape at many rows.
+times both over the model's weights and each Linear keeps `bf16_row`; `choose_gemv_prefetch` times the kernel
+with and without asking for the weights ahead of the row it reads, and each keeps `gemv_prefetch`. Above
+`gemv_rows` an int8 weight runs one of quantization.GEMMS, `int8_gemm`, which `choose_int8_gemm` times per shape
+at many rows.
 
 A Linear may instead hold a grouped 4/8-bit weight (model/grouped.py: `--quantization int4`, or a GGUF
 file's blocks through `set_grouped`): few rows run kernels/gemv_grouped_cpu (choose_gemv times it as it
@@ -267,6 +269,37 @@ def choose_bf16_row(model: nn.Module, record: execution.ExecutionPlan, timer: Bf
 
 
 @torch.inference_mode()
+def time_gemv_prefetch(group: list[Linear], rows: int) -> dict[str, float]:
+    """The few-row kernel without and with prefetching ("off", "on") over every module in group at `rows` rows of
+    its weight's dtype, as a decode step streams the weights, by the plan's timer."""
+    xs = {(m.in_features, m.weight.dtype): torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in group}
+
+    def one_pass(prefetch: bool) -> None:
+        for m in group:
+            gemv_cpu.gemv(xs[m.in_features, m.weight.dtype], m.weight, None, m.bias, m.bf16_row, prefetch)
+    return execution.fastest({"off": lambda: one_pass(False), "on": lambda: one_pass(True)})
+
+
+def choose_gemv_prefetch(model: nn.Module, record: execution.ExecutionPlan, timer: Bf16RowTimer | None = None) -> str:
+    """Set gemv_prefetch on every CPU Linear of model with a dense fp32 or bf16 weight (before choose_gemv, which
+    times the kernel with it; the `gemv_prefetch` path of record), by _choose_row_loop over 1..MAX_ROWS rows.
+    "on" or "off", and why."""
+    group = [m for m in model.modules() if isinstance(m, Linear) and m.qweight is None and m.grouped is None
+             and not m.released and m.weight.dtype in (torch.float32, torch.bfloat16) and m.weight.device.type == "cpu"]
+    unavailable = ""
+    if group:
+        try:
+            gemv_cpu.load()
+        except native.BuildError as e:
+            unavailable = f"the few-row kernel is not built: {e}"
+    chosen, reason = _choose_row_loop(record, "gemv_prefetch", group, "dense weight", timer or time_gemv_prefetch,
+                                      lambda m: gemv_cpu.MAX_ROWS, unavailable, same_sums=True)
+    for m in group:
+        m.gemv_prefetch = chosen == "on"
+    return f"gemv prefetch: {chosen} ({reason})"
+
+
+@torch.inference_mode()
 def time_grouped_loop(group: list[Linear], rows: int) -> dict[str, float]:
     """Each of gemv_grouped_cpu.WIDEST over every module in group at `rows` rows of its activations' dtype, as a
     decode step streams the weights, by the plan's timer."""
@@ -297,13 +330,15 @@ def choose_grouped_loop(model: nn.Module, record: execution.ExecutionPlan, timer
 
 
 def _choose_row_loop(record: execution.ExecutionPlan, path: str, group: list[Linear], what: str,
-                     timer: Bf16RowTimer, rows_of: Callable[[Linear], int], unavailable: str) -> tuple[str, str]:
+                     timer: Bf16RowTimer, rows_of: Callable[[Linear], int], unavailable: str,
+                     same_sums: bool = False) -> tuple[str, str]:
     """(loop, why) for the few-row kernel's loop of record `path` (execution.PATHS[path]: the default, then the
     challenger). Pinned: that loop. Auto: one pass per loop and row count over the modules in group that run that
     many rows (rows_of: the most rows a module runs the kernel at), by the plan's timer (fastest of REPS
     interleaved rounds); the challenger replaces the default only where it beats it (plan.beats) at one row and
-    no row count beats it: one loop for every row count, so a row's sums do not depend on the batch.
-    unavailable: why the loops cannot differ here ("" if they can)."""
+    no row count beats it: one loop for every row count, so a row's sums do not depend on the batch. same_sums (the
+    two compute the same sums in the same order): the challenger where it beats the default at some row count and
+    loses at none. unavailable: why the loops cannot differ here ("" if they can)."""
     default, challenger = execution.PATHS[path]
     pin = record.pinned(path)
     chosen, timings, reason = default if pin == execution.AUTO else pin, [], ""
@@ -313,12 +348,14 @@ def _choose_row_loop(record: execution.ExecutionPlan, path: str, group: list[Lin
         reason = unavailable
     elif pin == execution.AUTO:
         wins: dict[int, bool] = {}
+        beaten: list[bool] = []
         for rows in range(1, max(map(rows_of, group)) + 1):
             best = timer([m for m in group if rows_of(m) >= rows], rows)
             timings += [execution.Timing(loop, best[loop], rows) for loop in (default, challenger)]
             wins[rows] = execution.beats(best[challenger], best[default]) or \
-                (rows > 1 and not execution.beats(best[default], best[challenger]))
-        chosen = challenger if all(wins.values()) else default
+                ((rows > 1 or same_sums) and not execution.beats(best[default], best[challenger]))
+            beaten.append(execution.beats(best[challenger], best[default]))
+        chosen = challenger if all(wins.values()) and any(beaten) else default
         reason = f"timed over {len(group)} {what}s"
     if pin != execution.AUTO:
         reason = f"pinned by --fast-paths {path}={pin}" + (f"; {reason}" if reason else "")

@@ -264,7 +264,7 @@ def _projection(linear: Linear, tiles: bool) -> decode_stack_cpu.Projection:
         tile_gemm_cpu.pack(linear.weight) if tiles and tile_gemm_cpu.fits(linear.weight) else None
     return decode_stack_cpu.Projection(linear.weight, None, linear.bias, linear.gemv_rows, linear.packed,
                                        (rule.starts, rule.packed) if rule is not None else ((1,), (False,)),
-                                       panels, linear.bf16_row, tiles_amx=amx)
+                                       panels, linear.bf16_row, tiles_amx=amx, prefetch=linear.gemv_prefetch)
 
 
 def _quantized_rows(model: CausalLM) -> float:

@@ -29,6 +29,7 @@ from services.decoder.model.loader import load_model
 from services.decoder.model.matmul_choice import (
     choose_bf16_row,
     choose_gemv,
+    choose_gemv_prefetch,
     choose_grouped_loop,
     choose_grouped_matmul,
     choose_int8_gemm,
@@ -78,6 +79,8 @@ class Runner:
         choose_grouped_matmul(model, plan)
         # The few-row kernel's loop over grouped weights (two orders of work), by timing both at this model's.
         choose_grouped_loop(model, plan)
+        # Whether the few-row kernel asks for dense weights ahead of the row it reads, by timing both.
+        choose_gemv_prefetch(model, plan)
         # Then the few-row kernel where it beats that path (decode at batch 1 to 4), by timing.
         choose_gemv(model, plan)
         # And its loop for bf16 activations over bf16 weights, by timing both at this model's weights.
