@@ -83,7 +83,7 @@ inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, 
   __m512 a[M][UNROLL] = {};
   int64_t k = 0;
   for (; k + 16 * UNROLL <= K; k += 16 * UNROLL) {
-    prefetch_ahead(wn + k, ahead, sizeof(W) * 16 * UNROLL);
+    tessera_vec::prefetch_ahead(wn + k, ahead, sizeof(W) * 16 * UNROLL);
     for (int u = 0; u < UNROLL; ++u) {
       const __m512 wv = load16(wn + k + 16 * u, static_cast<__mmask16>(0xFFFF));
       for (int m = 0; m < M; ++m) a[m][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k + 16 * u), wv, a[m][u]);
@@ -129,7 +129,7 @@ inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, 
     for (int u = 0; u < U; ++u) a[m][u] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 * U <= K; k += 8 * U) {
-    prefetch_ahead(wn + k, ahead, sizeof(W) * 8 * U);
+    tessera_vec::prefetch_ahead(wn + k, ahead, sizeof(W) * 8 * U);
     for (int u = 0; u < U; ++u) {
       const __m256 wv = load8(wn + k + 8 * u);
       for (int m = 0; m < M; ++m) a[m][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8 * u), wv, a[m][u]);
@@ -266,7 +266,8 @@ inline void step_q8(__m512 (&a)[M], const int8_t* const (&q)[M], const int32_t* 
 // by signed bytes: the weights are flipped to unsigned (w + 128, an XOR of the sign bit) and each
 // lane starts at -128 * (its four q), so every lane ends at the exact signed sum.
 template <int M>
-inline void row_q8(const QuantRow* xr, const int8_t* wn, int64_t K, int64_t n, float* acc, int64_t N) {
+inline void row_q8(const QuantRow* xr, const int8_t* wn, int64_t K, int64_t n, float* acc, int64_t N,
+                   int64_t ahead) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int8_t* q[M];
   const int32_t* c[M];
@@ -279,6 +280,7 @@ inline void row_q8(const QuantRow* xr, const int8_t* wn, int64_t K, int64_t n, f
   __m512 a0[M] = {}, a1[M] = {};  // two chains, so one chunk's FMA need not wait for the last's
   int64_t k = 0;
   for (; k + 2 * QCHUNK <= K; k += 2 * QCHUNK) {
+    tessera_vec::prefetch_ahead(wn + k, ahead, 2 * QCHUNK);
     step_q8<M>(a0, q, c, s, _mm512_xor_si512(_mm512_loadu_si512(wn + k), flip), k);
     step_q8<M>(a1, q, c, s, _mm512_xor_si512(_mm512_loadu_si512(wn + k + QCHUNK), flip), k + QCHUNK);
   }
@@ -290,7 +292,7 @@ inline void row_q8(const QuantRow* xr, const int8_t* wn, int64_t K, int64_t n, f
 }
 #else
 template <int M>
-inline void row_q8(const QuantRow* xr, const int8_t* wn, int64_t K, int64_t n, float* acc, int64_t N) {
+inline void row_q8(const QuantRow* xr, const int8_t* wn, int64_t K, int64_t n, float* acc, int64_t N, int64_t) {
   for (int m = 0; m < M; ++m) {
     const int8_t* q = xr[m].q.data();
     float total = 0.0f;
@@ -308,14 +310,14 @@ inline void row_q8(const QuantRow* xr, const int8_t* wn, int64_t K, int64_t n, f
 
 template <int M>
 void run_q8(const float* x, const int8_t* w, const float* scale, const float* bias, float* y, int64_t N,
-            int64_t K) {
+            int64_t K, int64_t ahead) {
   // The caller's thread's buffers, kept between calls (no allocation per projection); the workers
   // read them through this pointer (their own thread_local would be another, empty one).
   static thread_local QuantRow mine[MAX_ROWS];
   const QuantRow* xr = mine;
   for (int m = 0; m < M; ++m) quantize_row(x + m * K, K, mine[m]);
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) row_q8<M>(xr, w + n * K, K, n, y, N);
+    for (int64_t n = n0; n < n1; ++n) row_q8<M>(xr, w + n * K, K, n, y, N, ahead);
     for (int m = 0; m < M; ++m)
       for (int64_t n = n0; n < n1; ++n) y[m * N + n] = y[m * N + n] * scale[n] + (bias ? bias[n] : 0.0f);
   });
@@ -323,8 +325,8 @@ void run_q8(const float* x, const int8_t* w, const float* scale, const float* bi
 
 // y [M, N] fp32 = (x [M, K] fp32 rounded as gemv_cpu.round_blocks) @ w [N, K] int8 ^T * scale [N] (+ bias).
 void dispatch_q8(int64_t M, const float* x, const int8_t* w, const float* scale, const float* bias, float* y,
-                 int64_t N, int64_t K) {
-  with_rows(M, [&](auto R) { run_q8<R.value>(x, w, scale, bias, y, N, K); });
+                 int64_t N, int64_t K, int64_t ahead) {
+  with_rows(M, [&](auto R) { run_q8<R.value>(x, w, scale, bias, y, N, K, ahead); });
 }
 
 template <typename W, int M>
@@ -341,7 +343,7 @@ void run(const float* x, const W* w, const float* bias, float* y, int64_t N, int
   });
 }
 
-// ahead: prefetch_ahead's distance in bytes (0: none).
+// ahead: tessera_vec::prefetch_ahead's distance in bytes (0: none).
 template <typename W>
 void dispatch_rows(int64_t M, const float* x, const W* w, const float* bias, float* y, int64_t N, int64_t K,
                    int64_t ahead) {
@@ -364,8 +366,8 @@ void dispatch_bf16(int64_t M, const at::BFloat16* x, const at::BFloat16* w, cons
 // out [M, N] = x [M, K] @ w[N, K]^T (* scale [N] fp32) (+ bias [N] fp32); all contiguous. x and out
 // are both float32 or both bfloat16: bf16 x is widened once into fp32 and the fp32 result rounded
 // once into out (round to nearest even), here rather than by two more torch ops per call.
-// bf16_row: gemv_bf16.h's loop for bf16 x over bf16 weights (Bf16Row's value); ahead: prefetch_ahead's distance
-// in bytes over fp32 and bf16 weights (0: none).
+// bf16_row: gemv_bf16.h's loop for bf16 x over bf16 weights (Bf16Row's value); ahead: tessera_vec::prefetch_ahead's
+// distance in bytes (0: none).
 void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
           c10::optional<torch::Tensor> bias, int64_t bf16_row, int64_t ahead) {
   TORCH_CHECK(ahead >= 0, "gemv: ahead must be >= 0, got ", ahead);
@@ -421,7 +423,7 @@ void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<tor
       break;
     case at::kChar:
       TORCH_CHECK(sp, "gemv: int8 weights need a scale");
-      dispatch_q8(M, xp, w.data_ptr<int8_t>(), sp, bp, yp, N, K);
+      dispatch_q8(M, xp, w.data_ptr<int8_t>(), sp, bp, yp, N, K, ahead);
       break;
     default:
       TORCH_CHECK(false, "gemv: weights must be float32, bfloat16 or int8, got ", w.scalar_type());

@@ -22,23 +22,14 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include "../../common/kernels/vec.h"
+
 #include <cstdint>
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
 
 namespace tessera_gemv {
-
-// The weight's `bytes` at p + ahead asked into cache (ahead 0: nothing asked; the hardware prefetchers alone).
-// Why: the more work per weight byte (more rows of x), the fewer cache lines the out-of-order window keeps in
-// flight, so the stream from memory slows as rows are added. On an Intel Xeon (family 6 model 207, 2 threads)
-// a chain of 30 3072 x 576 fp32 weights (212 MB) took 8.4 ms at one row and 10.8 at four; asked 8 KiB ahead,
-// 4.7 and 5.2 ms. Whether it helps is timed at load (model/matmul_choice.py, the gemv_prefetch path).
-inline void prefetch_ahead(const void* p, int64_t ahead, int64_t bytes) {
-  if (!ahead) return;
-  const char* c = static_cast<const char*>(p) + ahead;
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
-}
 
 // The values are gemv_cpu.BF16_ROWS' indices.
 enum class Bf16Row : int64_t { rowwise = 0, interleave4 = 1 };
@@ -57,7 +48,7 @@ inline void row1_dp(const at::BFloat16* x, const at::BFloat16* wn, int64_t K, in
   __m512 a[M][DP_UNROLL] = {};
   int64_t k = 0;
   for (; k + 32 * DP_UNROLL <= K; k += 32 * DP_UNROLL) {
-    prefetch_ahead(wn + k, ahead, 2 * 32 * DP_UNROLL);
+    tessera_vec::prefetch_ahead(wn + k, ahead, 2 * 32 * DP_UNROLL);
     for (int u = 0; u < DP_UNROLL; ++u) {
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(wn + k + 32 * u);
       for (int m = 0; m < M; ++m)

@@ -22,7 +22,7 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 # at a time against every row of x, or one row of x against four weight rows at a time. Same sums up to
 # their order; which streams faster depends on the CPU (model/matmul_choice.py times them at load).
 BF16_ROWS = ("rowwise", "interleave4")
-# How far ahead of the row it reads the loop over fp32 and bf16 weights asks for the weight (`prefetch`): 8 KiB,
+# How far ahead of the row it reads the loop over fp32, bf16 and int8 weights asks for the weight (`prefetch`): 8 KiB,
 # the best of 2-16 KiB on a chain of SmolLM2's weights from memory on an Intel Xeon (gemv_bf16.h, prefetch_ahead).
 PREFETCH_BYTES = 8 << 10
 OPERATOR = native.Operator("gemv_cpu", SOURCE)
@@ -37,8 +37,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     Products and sums in fp32 (bf16 weights widen exactly), one rounding to x's dtype at the end. Over
     int8 weights x is first rounded as round_blocks does and each block's products are summed in int32.
     bf16_row: one of BF16_ROWS, the loop for bf16 x over bf16 weights on a CPU with the bf16 dot product.
-    prefetch: over fp32 and bf16 weights (not bf16_row interleave4), ask for the weight PREFETCH_BYTES ahead of
-    the row being read; the same sums either way.
+    prefetch: ask for the weight PREFETCH_BYTES ahead of the row being read (not in bf16_row interleave4, nor
+    in the portable loop of CPUs without AVX2); the same sums either way.
     Each row's result is the same whatever the other rows of x and the thread count.
     """
     if bf16_row not in BF16_ROWS:

@@ -29,6 +29,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "../../common/kernels/vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -371,7 +373,7 @@ inline void row_portable(const XRow* xr, const uint8_t* wn, const at::Half* sn, 
 
 template <int M>
 void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::Half* offset, const float* bias,
-         float* y, const Shape& sh, Loop loop) {
+         float* y, const Shape& sh, Loop loop, int64_t ahead) {
   // The caller's thread's buffers, kept between calls; the workers read them through this pointer.
   static thread_local XRow mine[MAX_ROWS];
   const XRow* xr = mine;
@@ -380,11 +382,17 @@ void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::
 #ifdef TESSERA_GROUPED_VNNI
   const __m512i spread = lane_groups(sh.group_bytes());
 #endif
+  // The row `ahead` bytes of codes further on, with its scales and offsets, is asked for as each row starts
+  // (tessera_vec::prefetch_ahead), whichever loop reads the row.
+  const int64_t rows_ahead = ahead ? std::max<int64_t>(1, ahead / rb) : 0;
   at::parallel_for(0, sh.N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wn = codes + n * rb;
       const at::Half* sn = scale + n * ng;
       const at::Half* on = offset + n * ng;
+      tessera_vec::prefetch_ahead(wn, rows_ahead * rb, rb);
+      tessera_vec::prefetch_ahead(sn, rows_ahead * ng * 2, ng * 2);
+      tessera_vec::prefetch_ahead(on, rows_ahead * ng * 2, ng * 2);
 #ifdef TESSERA_GROUPED_VNNI
       if (loop == Loop::pairs) {
         if (sh.bits == 4) row_pairs<M, 4>(xr, wn, sn, on, sh, spread, n, y);
@@ -415,9 +423,10 @@ void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::
 // out [M, N] = x [M, K] @ w^T (+ bias [N] fp32), w given by codes uint8 [N, K * bits / 8] and scale, offset fp16
 // [N, K / group] (grouped.py's layout). x and out are both float32 or both bfloat16: bf16 x is widened once and
 // the fp32 result rounded once into out. loop: a Loop's value; tests run the narrower loops where a wider one
-// runs (they are what CPUs without it run).
+// runs (they are what CPUs without it run). ahead: run's prefetch distance in bytes (0: none).
 void gemv_grouped(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch::Tensor scale, torch::Tensor offset,
-                  int64_t bits, int64_t group, c10::optional<torch::Tensor> bias, int64_t loop_index) {
+                  int64_t bits, int64_t group, c10::optional<torch::Tensor> bias, int64_t loop_index, int64_t ahead) {
+  TORCH_CHECK(ahead >= 0, "gemv_grouped: ahead must be >= 0, got ", ahead);
   TORCH_CHECK(loop_index >= 0 && loop_index <= 3, "gemv_grouped: loop must be 0 to 3, got ", loop_index);
   const Loop loop = static_cast<Loop>(loop_index);
   TORCH_CHECK(runs(loop), "gemv_grouped: this CPU does not run the AVX2 loop");
@@ -463,7 +472,7 @@ void gemv_grouped(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::Half* sp = scale.data_ptr<at::Half>();
   const at::Half* op = offset.data_ptr<at::Half>();
-  with_rows(M, [&](auto R) { run<R.value>(xp, cp, sp, op, bp, yp, sh, loop); });
+  with_rows(M, [&](auto R) { run<R.value>(xp, cp, sp, op, bp, yp, sh, loop, ahead); });
   if (bf16) {
     at::BFloat16* ob = out.data_ptr<at::BFloat16>();
     for (int64_t i = 0; i < M * N; ++i) ob[i] = at::BFloat16(ys[i]);

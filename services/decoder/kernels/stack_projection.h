@@ -40,7 +40,7 @@ struct Proj {
   std::vector<int64_t> starts;
   std::vector<bool> flags;
   int64_t N = 0, K = 0, gemv_rows = 0, bits = 0, group = 0, widen = 0;
-  int64_t ahead = 0;  // the few-row kernel's prefetch distance over fp32 and bf16 weights, bytes (gemv_bf16.h)
+  int64_t ahead = 0;  // the few-row kernels' prefetch distance, bytes (tessera_vec::prefetch_ahead)
   bool tiles_amx = false;
   tessera_gemv::Bf16Row bf16_row = tessera_gemv::Bf16Row::rowwise;  // the Linear's loop (gemv_bf16.h)
   tessera_grouped::Loop grouped_loop = tessera_grouped::Loop::chunks;  // a grouped weight's (gemv_grouped.h)
@@ -170,12 +170,12 @@ struct Proj {
         const tessera_grouped::Shape sh{N, K, group, bits};
         tessera_grouped::with_rows(M, [&](auto R) {
           tessera_grouped::run<R.value>(xf, w.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
-                                        offset.data_ptr<at::Half>(), bp, y, sh, grouped_loop);
+                                        offset.data_ptr<at::Half>(), bp, y, sh, grouped_loop, ahead);
         });
         break;
       }
       default:
-        tessera_gemv::dispatch_q8(M, xf, w.data_ptr<int8_t>(), sp, bp, y, N, K);
+        tessera_gemv::dispatch_q8(M, xf, w.data_ptr<int8_t>(), sp, bp, y, N, K, ahead);
     }
     return {y, nullptr};
   }

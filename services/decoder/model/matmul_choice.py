@@ -270,29 +270,40 @@ def choose_bf16_row(model: nn.Module, record: execution.ExecutionPlan, timer: Bf
 
 @torch.inference_mode()
 def time_gemv_prefetch(group: list[Linear], rows: int) -> dict[str, float]:
-    """The few-row kernel without and with prefetching ("off", "on") over every module in group at `rows` rows of
-    its weight's dtype, as a decode step streams the weights, by the plan's timer."""
-    xs = {(m.in_features, m.weight.dtype): torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in group}
+    """The few-row kernel without and with prefetching ("off", "on") over every module in group at `rows` rows (of
+    a dense weight's dtype; fp32 over int8 weights), as a decode step streams the weights, by the plan's timer."""
+    def dtype(m: Linear) -> torch.dtype:
+        return torch.float32 if m.qweight is not None else m.weight.dtype
+    xs = {(m.in_features, dtype(m)): torch.randn(rows, m.in_features, dtype=dtype(m)) for m in group}
 
     def one_pass(prefetch: bool) -> None:
         for m in group:
-            gemv_cpu.gemv(xs[m.in_features, m.weight.dtype], m.weight, None, m.bias, m.bf16_row, prefetch)
+            x = xs[m.in_features, dtype(m)]
+            if m.grouped is not None:
+                grouped.grouped_linear(x, m.grouped, m.bias, "gemv", loop=m.grouped_loop, prefetch=prefetch)
+            elif m.qweight is not None:
+                gemv_cpu.gemv(x, m.qweight, m.qscale, m.bias, prefetch=prefetch)
+            else:
+                gemv_cpu.gemv(x, m.weight, None, m.bias, m.bf16_row, prefetch)
     return execution.fastest({"off": lambda: one_pass(False), "on": lambda: one_pass(True)})
 
 
 def choose_gemv_prefetch(model: nn.Module, record: execution.ExecutionPlan, timer: Bf16RowTimer | None = None) -> str:
-    """Set gemv_prefetch on every CPU Linear of model with a dense fp32 or bf16 weight (before choose_gemv, which
-    times the kernel with it; the `gemv_prefetch` path of record), by _choose_row_loop over 1..MAX_ROWS rows.
-    "on" or "off", and why."""
-    group = [m for m in model.modules() if isinstance(m, Linear) and m.qweight is None and m.grouped is None
-             and not m.released and m.weight.dtype in (torch.float32, torch.bfloat16) and m.weight.device.type == "cpu"]
+    """Set gemv_prefetch on every CPU Linear of model with a grouped, an int8 or a dense fp32 or bf16 weight (after
+    choose_grouped_loop and before choose_gemv, which times the kernel with it; the `gemv_prefetch` path of
+    record), by _choose_row_loop over 1..MAX_ROWS rows. "on" or "off", and why."""
+    group = [m for m in model.modules() if isinstance(m, Linear) and m.weight.device.type == "cpu" and (
+        m.grouped is not None or m.qweight is not None
+        or (not m.released and m.weight.dtype in (torch.float32, torch.bfloat16)))]
     unavailable = ""
     if group:
         try:
             gemv_cpu.load()
+            if any(m.grouped is not None for m in group):
+                gemv_grouped_cpu.load()
         except native.BuildError as e:
             unavailable = f"the few-row kernel is not built: {e}"
-    chosen, reason = _choose_row_loop(record, "gemv_prefetch", group, "dense weight", timer or time_gemv_prefetch,
+    chosen, reason = _choose_row_loop(record, "gemv_prefetch", group, "weight", timer or time_gemv_prefetch,
                                       lambda m: gemv_cpu.MAX_ROWS, unavailable, same_sums=True)
     for m in group:
         m.gemv_prefetch = chosen == "on"

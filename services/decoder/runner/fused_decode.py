@@ -250,12 +250,12 @@ def _projection(linear: Linear, tiles: bool) -> decode_stack_cpu.Projection:
     widen, kernel = _widen(linear)
     if linear.qweight is not None:
         return decode_stack_cpu.Projection(linear.qweight, linear.qscale, linear.bias, linear.gemv_rows, widen=widen,
-                                           kernel=kernel)
+                                           kernel=kernel, prefetch=linear.gemv_prefetch)
     if linear.grouped is not None:
         gw = linear.grouped
         return decode_stack_cpu.Projection(gw.codes, gw.scale, linear.bias, linear.gemv_rows, offset=gw.offset,
                                            bits=gw.bits, group=gw.group, widen=widen, kernel=kernel,
-                                           grouped_loop=linear.grouped_loop)
+                                           grouped_loop=linear.grouped_loop, prefetch=linear.gemv_prefetch)
     rule = linear.rule
     # bf16 on a CPU with the tile unit: its panels (AVX-512's bf16 dot product ran a 16-row step's projections at a
     # third of the library's speed on an Intel Xeon with AMX); else tile_gemm_cpu's where the weight fits.
