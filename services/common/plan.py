@@ -48,7 +48,7 @@ PATHS: dict[str, tuple[str, ...]] = {
     "int8_gemm": ("int8pack", "dequant", "dynamic", "tiles", "amx"),
     # decoder: the few-row kernel's loop for bf16 x over bf16 weights (services/decoder/model/matmul_choice.py)
     "gemv_bf16_row": ("rowwise", "interleave4"),
-    # decoder: whether the few-row kernel asks for dense weights ahead of the row it reads
+    # decoder: whether the few-row kernels ask for the weights ahead of the row they read
     # (services/decoder/model/matmul_choice.py)
     "gemv_prefetch": ("off", "on"),
     # decoder: the few-row kernel's order of work over grouped 4/8-bit weights (services/decoder/model/matmul_choice.py)

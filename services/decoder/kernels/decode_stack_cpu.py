@@ -53,8 +53,7 @@ class Projection:
     tiles: torch.Tensor | None = None
     # bf16 x over a bf16 weight: which of gemv_cpu.BF16_ROWS the few-row kernel runs (its Linear's choice).
     bf16_row: str = gemv_cpu.BF16_ROWS[0]
-    # A dense or int8 weight: whether the few-row kernel asks for it ahead of the row it reads (gemv_cpu.gemv's
-    # prefetch).
+    # Whether the few-row kernel asks for the weight ahead of the row it reads (gemv_cpu.ahead).
     prefetch: bool = False
     # A grouped weight (model/grouped.py's layout): weight its uint8 codes [out, in * bits // 8], scale and offset
     # fp16 [out, in // group]; gemv_grouped_cpu runs it up to KERNEL_ROWS rows, as int8, by grouped_loop (one of its

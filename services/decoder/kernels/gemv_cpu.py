@@ -22,8 +22,9 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 # at a time against every row of x, or one row of x against four weight rows at a time. Same sums up to
 # their order; which streams faster depends on the CPU (model/matmul_choice.py times them at load).
 BF16_ROWS = ("rowwise", "interleave4")
-# How far ahead of the row it reads the loop over fp32, bf16 and int8 weights asks for the weight (`prefetch`): 8 KiB,
-# the best of 2-16 KiB on a chain of SmolLM2's weights from memory on an Intel Xeon (gemv_bf16.h, prefetch_ahead).
+# How far ahead of the row they read the few-row kernels ask for the weight (`prefetch`; the grouped kernel's too): 8
+# KiB, the best of 2-16 KiB on a chain of 3072 x 576 fp32 weights from memory on an Intel Xeon (common/kernels/vec.h,
+# prefetch_ahead).
 PREFETCH_BYTES = 8 << 10
 OPERATOR = native.Operator("gemv_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
