@@ -278,13 +278,8 @@ def time_gemv_prefetch(group: list[Linear], rows: int) -> dict[str, float]:
 
     def one_pass(prefetch: bool) -> None:
         for m in group:
-            x = xs[m.in_features, dtype(m)]
-            if m.grouped is not None:
-                grouped.grouped_linear(x, m.grouped, m.bias, "gemv", loop=m.grouped_loop, prefetch=prefetch)
-            elif m.qweight is not None:
-                gemv_cpu.gemv(x, m.qweight, m.qscale, m.bias, prefetch=prefetch)
-            else:
-                gemv_cpu.gemv(x, m.weight, None, m.bias, m.bf16_row, prefetch)
+            m.gemv_prefetch = prefetch
+            m.gemv(xs[m.in_features, dtype(m)])
     return execution.fastest({"off": lambda: one_pass(False), "on": lambda: one_pass(True)})
 
 
@@ -358,15 +353,13 @@ def _choose_row_loop(record: execution.ExecutionPlan, path: str, group: list[Lin
     elif unavailable:
         reason = unavailable
     elif pin == execution.AUTO:
-        wins: dict[int, bool] = {}
-        beaten: list[bool] = []
+        wins, losses = [], []     # per row count from 1: the challenger beats the default; the default beats it
         for rows in range(1, max(map(rows_of, group)) + 1):
             best = timer([m for m in group if rows_of(m) >= rows], rows)
             timings += [execution.Timing(loop, best[loop], rows) for loop in (default, challenger)]
-            wins[rows] = execution.beats(best[challenger], best[default]) or \
-                ((rows > 1 or same_sums) and not execution.beats(best[default], best[challenger]))
-            beaten.append(execution.beats(best[challenger], best[default]))
-        chosen = challenger if all(wins.values()) and any(beaten) else default
+            wins.append(execution.beats(best[challenger], best[default]))
+            losses.append(execution.beats(best[default], best[challenger]))
+        chosen = challenger if not any(losses) and (any(wins) if same_sums else wins[0]) else default
         reason = f"timed over {len(group)} {what}s"
     if pin != execution.AUTO:
         reason = f"pinned by --fast-paths {path}={pin}" + (f"; {reason}" if reason else "")
