@@ -150,14 +150,16 @@ def test_panels_match_reference_and_each_row_is_its_own(dtype, n, k, bias):
 
 def test_refusals():
     gw = quantize(torch.randn(8, 64), 4, 32)
+    # The module's own checks, reached directly: through gemm_grouped a CPU without AVX-512 refuses first (no kernel).
+    raw = widen_gemm_cpu.load().gemm_grouped
     with pytest.raises(RuntimeError, match=r"x must be a contiguous \[M, 64\]"):
-        call(torch.randn(1, 96), gw)
+        raw(torch.empty(1, 8), torch.randn(1, 96), gw.codes, gw.scale, gw.offset, 4, 32, None, False, False)
     with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
-        gemm_grouped(torch.randn(1, 64), gw.codes, gw.scale, gw.offset, 5, 32)
+        raw(torch.empty(1, 8), torch.randn(1, 64), gw.codes, gw.scale, gw.offset, 5, 32, None, False, False)
     with pytest.raises(RuntimeError, match="both be float32 or both bfloat16"):
-        call(torch.randn(1, 64).half(), gw, None, torch.float32)
+        raw(torch.empty(1, 8), torch.randn(1, 64).half(), gw.codes, gw.scale, gw.offset, 4, 32, None, False, False)
     with pytest.raises(RuntimeError, match=r"scale and offset must be float16 \[N, 2\]"):
-        gemm_grouped(torch.randn(1, 64), gw.codes, gw.scale.float(), gw.offset, 4, 32)
+        raw(torch.empty(1, 8), torch.randn(1, 64), gw.codes, gw.scale.float(), gw.offset, 4, 32, None, False, False)
     with pytest.raises(ValueError, match="widen_gemm: no kernel here for torch.bfloat16 x"):
         call(torch.randn(1, 64).bfloat16(), gw, None, torch.float32)
     with pytest.raises(RuntimeError, match=r"gemm_int8: scale must be float32 \[8\]"):
@@ -168,7 +170,6 @@ def test_refusals():
     with pytest.raises(ValueError, match="no tile-unit kernel here for torch.float32 x .products torch.float32"):
         call(torch.randn(1, 64), gw, None, torch.float32, "amx")
     with pytest.raises(RuntimeError, match="the tile unit multiplies in bf16"):
-        widen_gemm_cpu.load().gemm_grouped(torch.empty(1, 8), torch.randn(1, 64), gw.codes, gw.scale, gw.offset, 4,
-                                           32, None, False, True)
+        raw(torch.empty(1, 8), torch.randn(1, 64), gw.codes, gw.scale, gw.offset, 4, 32, None, False, True)
     with pytest.raises(ValueError, match="dtype torch.float16"):
         widen_gemm_cpu.dequantize(gw.codes, gw.scale, gw.offset, 4, 32, torch.float16)

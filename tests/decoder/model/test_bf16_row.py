@@ -24,6 +24,13 @@ def bf16_model() -> nn.Sequential:
     return model
 
 
+@pytest.fixture
+def bf16_dot(monkeypatch):
+    """A CPU with the bf16 dot product, where the two loops differ (the rule is tested on any CPU: the timer is
+    given, nothing runs the kernel)."""
+    monkeypatch.setattr(gemv_cpu, "load", lambda: types.SimpleNamespace(bf16_dot=lambda: True))
+
+
 def timer_of(ms: dict[int, tuple[float, float]], calls: list):
     """A Bf16RowTimer: ms[rows] = (rowwise, interleave4) milliseconds per pass."""
     def timer(group, rows):
@@ -39,7 +46,7 @@ def timer_of(ms: dict[int, tuple[float, float]], calls: list):
     ({1: (9.0, 6.4), 2: (4.0, 5.1)}, "rowwise"),         # faster at one row, beaten at two
     ({1: (6.4, 6.2), 2: (5.1, 5.0)}, "rowwise"),         # within the tie rule: the default stays
 ])
-def test_the_loop_follows_the_timings(ms, expected):
+def test_the_loop_follows_the_timings(ms, expected, bf16_dot):
     model, record, calls = bf16_model(), ExecutionPlan(), []
     summary = choose_bf16_row(model, record, timer_of(ms, calls))
     assert [m.bf16_row for m in model] == [expected, expected, "rowwise", "rowwise"]
@@ -54,7 +61,7 @@ def test_the_loop_follows_the_timings(ms, expected):
 
 
 @pytest.mark.parametrize("loop", gemv_cpu.BF16_ROWS)
-def test_a_pin_is_not_timed(loop):
+def test_a_pin_is_not_timed(loop, bf16_dot):
     model, record = bf16_model(), ExecutionPlan(f"gemv_bf16_row={loop}", execution.DECODER)
     choose_bf16_row(model, record, lambda *a: pytest.fail("nothing is timed when pinned"))
     assert [m.bf16_row for m in model][:2] == [loop, loop]
