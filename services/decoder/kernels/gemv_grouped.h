@@ -18,8 +18,8 @@
 //
 // A row's sums are the same whatever the other rows of x in the call and wherever the threads split the
 // weight rows (every row of x runs the same loop over each weight row). Without AVX512-VNNI, on AVX2 CPUs
-// (Zen 3, older Xeons), a 256-bit loop does the same with vpmaddubsw (pairs of byte products summed in 16
-// bits) and vpmaddwd (to 32-bit lanes); elsewhere a portable loop. The VNNI loop comes in two orders of work
+// (Zen 2, Zen 3, older Xeons), a 256-bit loop does the same with vpmaddubsw (pairs of byte products summed in 16
+// bits) and vpmaddwd (to 32-bit lanes), its two halves' lanes then summed in pairs; elsewhere a portable loop. The VNNI loop comes in two orders of work
 // (`pairs`, `chunks`), timed against each other at load (model/matmul_choice.py). Each sums in its own order;
 // which one runs is `Loop` (tests run every one the CPU has).
 #pragma once
@@ -114,6 +114,20 @@ inline int32_t round_group(const float* xg, int64_t G, float step, int8_t* q) {
     total = _mm512_add_epi32(total, qi);
   }
   return _mm512_reduce_add_epi32(total);
+#elif defined(TESSERA_GROUPED_AVX2)
+  const __m256 sv = _mm256_set1_ps(step), lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+  __m256i total = _mm256_setzero_si256();
+  for (int64_t i = 0; i < G; i += 8) {
+    const __m256i qi = _mm256_cvtps_epi32(
+        _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_loadu_ps(xg + i), sv), nlim), lim));
+    const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(w16, w16));
+    total = _mm256_add_epi32(total, qi);
+  }
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  return _mm_cvtsi128_si32(t);
 #else
   int32_t total = 0;
   for (int64_t i = 0; i < G; ++i) {
@@ -287,30 +301,36 @@ __attribute__((always_inline)) inline __m256i dot_half(const uint8_t* w, const i
   }
 }
 
+// The chunk's group of lane L of hadd(d0, d1), d0 and d1 the dot products of its two halves: hadd sums lane
+// pairs within each 128-bit half, so lane L = 4 p + i sums lanes 4 p + 2 (i % 2) and + 1 of half i / 2, bytes
+// 32 (i / 2) + 4 (4 p + 2 (i % 2)) .. + 7 of the chunk (one group: a group is at least 8 bytes).
+inline __m256i lane_groups_avx2(int64_t group_bytes) {
+  alignas(32) int32_t idx[8];
+  for (int L = 0; L < 8; ++L) {
+    const int p = L / 4, i = L % 4;
+    idx[L] = static_cast<int32_t>((32 * (i / 2) + 4 * (4 * p + 2 * (i % 2))) / group_bytes);
+  }
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
+}
+
+// 8 fp16 values from p widened to fp32 (exactly), never reading past p + readable (zeros there).
+inline __m256 load8_half(const at::Half* p, int64_t readable) {
+  if (readable >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) uint16_t part[8] = {};
+  std::memcpy(part, p, sizeof(uint16_t) * readable);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(part)));
+}
+
 template <int M, int BITS>
 inline void row_avx2(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
-                     int64_t n, float* acc) {
-  const int64_t bytes = sh.row_bytes(), gb = sh.group_bytes(), per_chunk = CHUNK / gb;
-  // Lane l of half h belongs to the chunk's group (32 h + 4 l) / gb.
-  __m256i spread[2];
-  for (int h = 0; h < 2; ++h) {
-    alignas(32) int32_t idx[8];
-    for (int l = 0; l < 8; ++l) idx[l] = static_cast<int32_t>((32 * h + 4 * l) / gb);
-    spread[h] = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
-  }
-  __m256 a[M][2], off[M];
-  for (int m = 0; m < M; ++m) a[m][0] = a[m][1] = off[m] = _mm256_setzero_ps();
-  // The row's scales and offsets in fp32, zero past its groups, so each chunk reads 8 of each whole (AVX2 has no
-  // masked 16-bit loads); the offsets' lanes past a chunk's groups are masked off (their sums are another
-  // chunk's).
-  static thread_local std::vector<float> sf, of;
-  const int64_t ng = sh.groups();
-  sf.assign(ng + PAD, 0.0f);
-  of.assign(ng + PAD, 0.0f);
-  for (int64_t g = 0; g < ng; ++g) {
-    sf[g] = half_to_float(sn + g);
-    of[g] = half_to_float(on + g);
-  }
+                     __m256i spread, int64_t n, float* acc) {
+  const int64_t bytes = sh.row_bytes(), gb = sh.group_bytes(), per_chunk = CHUNK / gb, ng = sh.groups();
+  __m256 a[M], off[M];
+  for (int m = 0; m < M; ++m) a[m] = off[m] = _mm256_setzero_ps();
+  // Each chunk reads 8 scales and offsets from its first group, widened as they are read: past the row's groups
+  // that is the next row's (unused: spread never picks them, and the offsets' lanes past a chunk's groups are
+  // masked off, their sums being another chunk's), and past the last row's, zeros.
+  const int64_t readable = (sh.N - n) * ng;
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 full = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(per_chunk)), lanes));
   alignas(32) uint8_t tail[CHUNK];
@@ -318,26 +338,32 @@ inline void row_avx2(const XRow* xr, const uint8_t* wn, const at::Half* sn, cons
     const int64_t left = std::min(CHUNK, bytes - c * CHUNK), g0 = c * per_chunk;
     const uint8_t* w = wn + c * CHUNK;
     __m256 keep = full;
-    if (left < CHUNK) {  // the row's last, short chunk: zeros past it (x is zero there too)
-      std::memset(tail, 0, CHUNK);
-      std::memcpy(tail, w, left);
-      w = tail;
+    int halves = 2;
+    if (left < CHUNK) {  // the row's last, short chunk
       keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(left / gb)), lanes));
+      if (left == CHUNK / 2) {
+        halves = 1;  // one whole half: the other's sums would be zero
+      } else {  // zeros past it (x is zero there too)
+        std::memset(tail, 0, CHUNK);
+        std::memcpy(tail, w, left);
+        w = tail;
+      }
     }
-    const __m256 sw = _mm256_loadu_ps(sf.data() + g0);
-    const __m256 ow = _mm256_and_ps(_mm256_loadu_ps(of.data() + g0), keep);
+    const __m256 sw = load8_half(sn + g0, readable - g0);
+    const __m256 ow = _mm256_and_ps(load8_half(on + g0, readable - g0), keep);
     for (int m = 0; m < M; ++m) {
       const int8_t* q = xr[m].q.data() + c * CHUNK * (BITS == 4 ? 2 : 1);
       const __m256 f = _mm256_mul_ps(sw, _mm256_loadu_ps(xr[m].s.data() + g0));
-      for (int h = 0; h < 2; ++h) {
-        const __m256i d = dot_half<BITS>(w + 32 * h, q + 32 * h);
-        a[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(f, spread[h]), a[m][h]);
-      }
+      // The two halves' lanes summed in pairs first, in int32 (exact), so one conversion and one FMA take the
+      // chunk: on a Zen 2 the float work per chunk, not the bytes, set the pace.
+      const __m256i d = _mm256_hadd_epi32(dot_half<BITS>(w, q),
+                                          halves == 2 ? dot_half<BITS>(w + 32, q + 32) : _mm256_setzero_si256());
+      a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(f, spread), a[m]);
       off[m] = _mm256_fmadd_ps(ow, _mm256_loadu_ps(xr[m].sums.data() + g0), off[m]);
     }
   }
   for (int m = 0; m < M; ++m) {
-    const __m256 v = _mm256_add_ps(_mm256_add_ps(a[m][0], a[m][1]), off[m]);
+    const __m256 v = _mm256_add_ps(a[m], off[m]);
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     acc[m * sh.N + n] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
@@ -382,6 +408,9 @@ void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::
 #ifdef TESSERA_GROUPED_VNNI
   const __m512i spread = lane_groups(sh.group_bytes());
 #endif
+#ifdef TESSERA_GROUPED_AVX2
+  const __m256i spread2 = lane_groups_avx2(sh.group_bytes());
+#endif
   // The row `ahead` bytes of codes further on, with its scales and offsets, is asked for as each row starts
   // (tessera_vec::prefetch_ahead), whichever loop reads the row.
   const int64_t rows_ahead = ahead ? std::max<int64_t>(1, ahead / rb) : 0;
@@ -407,8 +436,8 @@ void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::
 #endif
 #ifdef TESSERA_GROUPED_AVX2
       if (loop != Loop::portable) {
-        if (sh.bits == 4) row_avx2<M, 4>(xr, wn, sn, on, sh, n, y);
-        else row_avx2<M, 8>(xr, wn, sn, on, sh, n, y);
+        if (sh.bits == 4) row_avx2<M, 4>(xr, wn, sn, on, sh, spread2, n, y);
+        else row_avx2<M, 8>(xr, wn, sn, on, sh, spread2, n, y);
         continue;
       }
 #endif
