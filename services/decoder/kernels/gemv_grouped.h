@@ -19,9 +19,9 @@
 // A row's sums are the same whatever the other rows of x in the call and wherever the threads split the
 // weight rows (every row of x runs the same loop over each weight row). Without AVX512-VNNI, on AVX2 CPUs
 // (Zen 2, Zen 3, older Xeons), a 256-bit loop does the same with vpmaddubsw (pairs of byte products summed in 16
-// bits) and vpmaddwd (to 32-bit lanes), its two halves' lanes then summed in pairs; elsewhere a portable loop. The VNNI loop comes in two orders of work
-// (`pairs`, `chunks`), timed against each other at load (model/matmul_choice.py). Each sums in its own order;
-// which one runs is `Loop` (tests run every one the CPU has).
+// bits) and vpmaddwd (to 32-bit lanes), its two halves' lanes then summed in pairs; elsewhere a portable loop.
+// The VNNI loop comes in two orders of work (`pairs`, `chunks`), timed against each other at load
+// (model/matmul_choice.py). Each sums in its own order; which one runs is `Loop` (tests run every one the CPU has).
 #pragma once
 
 #include <torch/extension.h>
