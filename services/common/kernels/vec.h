@@ -1,20 +1,46 @@
 // Vector helpers shared by the CPU kernels of the decoder (paged attention, the elementwise glue, the
-// decode stack, the few-row matmuls) and of the pooling service (encoder attention): bf16 widening, a branch-free
-// exp for non-positive arguments, 16-lane vectors (GCC/Clang vector extensions) and their reductions, a prefetch.
+// decode stack, the few-row matmuls) and of the pooling service (encoder attention): the few-row matmuls' row
+// dispatch, bf16 widening, a branch-free exp for non-positive arguments, 16-lane vectors (GCC/Clang vector
+// extensions) and their reductions, a prefetch.
 // Written for -march=native builds (services/common/native.py): intrinsics only where the CPU has them.
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
 namespace tessera_vec {
+
+// The few-row matmuls (the decoder's gemv.h, gemv_bf16.h, gemv_grouped.h) keep the accumulators of PASS_ROWS rows of
+// x in registers at once, and take up to MAX_ROWS rows a call: the rows past PASS_ROWS take each weight row again
+// while it is in L1, so the weights are read from memory once (a speculative verification step of 1 + 4 drafts
+// rows costs about what one row does) and each row's sums are those of its own one-row call.
+constexpr int64_t PASS_ROWS = 4, MAX_ROWS = 2 * PASS_ROWS;
+
+// f(std::integral_constant<int, M>) for the call's row count M in [1, MAX_ROWS]: each kernel is a template on M,
+// so its rows' accumulators are registers. who: the kernel's name for the refusal.
+template <typename F>
+inline void with_rows(int64_t M, const char* who, F&& f) {
+  switch (M) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    default: TORCH_CHECK(false, who, ": at most ", MAX_ROWS, " rows, got ", M);
+  }
+}
 
 // The `bytes` at p + ahead asked into cache (ahead 0: nothing asked; the hardware prefetchers alone), for the
 // few-row matmuls over weights streamed from memory (the decoder's gemv.h, gemv_bf16.h, gemv_grouped.h). Why: the

@@ -3,8 +3,9 @@
 // At batch 1 a decode step is a chain of matrix-vector products whose cost is reading the
 // weights once; the library GEMMs are tuned for many rows and read the weights at about half
 // the rate the machine streams them. This loop streams each weight row once for all
-// M <= 4 rows of x: x stays in L1, four weight rows are reduced at a time (independent
-// accumulators, so the FMA latency is hidden), and the rows are split over the threads.
+// M <= MAX_ROWS rows of x: x stays in L1, each row of x has independent accumulators (so the FMA
+// latency is hidden), rows past PASS_ROWS take the weight row again from L1 (vec.h), and the weight rows
+// are split over the threads.
 // Weights are float32 or bfloat16 (widened exactly to fp32), x is fp32 and the sums are fp32; or int8
 // with one fp32 scale per row (model/quantization.py), for which x is rounded to int8 in blocks of
 // QBLOCK inputs and the products summed in int32 (see dispatch_q8).
@@ -39,20 +40,10 @@ inline float widen(at::BFloat16 v) {
 }
 
 constexpr int64_t NB = 4;        // weight rows reduced together
-constexpr int64_t MAX_ROWS = 4;  // rows of x per call (gemv_cpu.MAX_ROWS)
+using tessera_vec::MAX_ROWS;  // rows of x per call (gemv_cpu.MAX_ROWS), PASS_ROWS of them a pass
 
-// f(std::integral_constant<int, M>) for the call's row count M in [1, MAX_ROWS]: each kernel is a
-// template on M, so its rows' accumulators are registers.
 template <typename F>
-inline void with_rows(int64_t M, F&& f) {
-  switch (M) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    default: TORCH_CHECK(false, "gemv: at most 4 rows, got ", M);
-  }
-}
+inline void with_rows(int64_t M, F&& f) { tessera_vec::with_rows(M, "gemv", f); }
 
 #ifdef __AVX512F__
 #define TESSERA_GEMV_ROW1 1
@@ -81,6 +72,11 @@ inline void store_sums(__m512 (&a)[M][UNROLL], float* acc, int64_t n, int64_t N)
 
 template <typename W, int M>
 inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, int64_t N, int64_t ahead) {
+  if constexpr (M > PASS_ROWS) {
+    row1<W, PASS_ROWS>(x, wn, K, n, acc, N, ahead);
+    row1<W, M - PASS_ROWS>(x + PASS_ROWS * K, wn, K, n, acc + PASS_ROWS * N, N, 0);  // the row is in L1 by now
+    return;
+  }
   __m512 a[M][UNROLL] = {};
   int64_t k = 0;
   for (; k + 16 * UNROLL <= K; k += 16 * UNROLL) {
@@ -210,6 +206,11 @@ inline void step_q8(__m512 (&a)[M], const int8_t* const (&q)[M], const int32_t* 
 template <int M>
 inline void row_q8(const QuantRow* xr, const int8_t* wn, int64_t K, int64_t n, float* acc, int64_t N,
                    int64_t ahead) {
+  if constexpr (M > PASS_ROWS) {
+    row_q8<PASS_ROWS>(xr, wn, K, n, acc, N, ahead);
+    row_q8<M - PASS_ROWS>(xr + PASS_ROWS, wn, K, n, acc + PASS_ROWS * N, N, 0);
+    return;
+  }
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int8_t* q[M];
   const int32_t* c[M];
@@ -253,6 +254,11 @@ inline void step_q8(__m256 (&a)[M], const int8_t* const (&q)[M], const float* co
 template <int M>
 inline void row_q8(const QuantRow* xr, const int8_t* wn, int64_t K, int64_t n, float* acc, int64_t N,
                    int64_t ahead) {
+  if constexpr (M > PASS_ROWS) {
+    row_q8<PASS_ROWS>(xr, wn, K, n, acc, N, ahead);
+    row_q8<M - PASS_ROWS>(xr + PASS_ROWS, wn, K, n, acc + PASS_ROWS * N, N, 0);
+    return;
+  }
   const int8_t* q[M];
   const float* s[M];
   for (int m = 0; m < M; ++m) {
@@ -365,7 +371,7 @@ void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<tor
               "gemv: x and out must both be float32 or both bfloat16");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(), "gemv: tensors must be contiguous");
   TORCH_CHECK(!x.is_cuda() && !w.is_cuda(), "gemv: CPU tensors only");
-  TORCH_CHECK(M >= 1 && M <= 4, "gemv: at most 4 rows, got ", M);
+  TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "gemv: at most ", MAX_ROWS, " rows, got ", M);
   const float* sp = nullptr;
   const float* bp = nullptr;
   if (scale.has_value()) {

@@ -34,6 +34,8 @@ namespace tessera_gemv {
 // The values are gemv_cpu.BF16_ROWS' indices.
 enum class Bf16Row : int64_t { rowwise = 0, interleave4 = 1 };
 
+using tessera_vec::PASS_ROWS;
+
 inline Bf16Row bf16_row(int64_t index) {
   TORCH_CHECK(index == 0 || index == 1, "gemv: bf16_row must be 0 (rowwise) or 1 (interleave4), got ", index);
   return static_cast<Bf16Row>(index);
@@ -45,6 +47,11 @@ constexpr int64_t DP_UNROLL = 4;  // row1_dp's accumulators per row of x
 template <int M>
 inline void row1_dp(const at::BFloat16* x, const at::BFloat16* wn, int64_t K, int64_t n, float* acc, int64_t N,
                     int64_t ahead) {
+  if constexpr (M > PASS_ROWS) {
+    row1_dp<PASS_ROWS>(x, wn, K, n, acc, N, ahead);
+    row1_dp<M - PASS_ROWS>(x + PASS_ROWS * K, wn, K, n, acc + PASS_ROWS * N, N, 0);
+    return;
+  }
   __m512 a[M][DP_UNROLL] = {};
   int64_t k = 0;
   for (; k + 32 * DP_UNROLL <= K; k += 32 * DP_UNROLL) {

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from services.common import native
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-MAX_ROWS = 4          # the kernel keeps every row of x in registers' reach; more rows go to GEMMs
+# Rows of x per call: PASS_ROWS in registers, the rest over each weight row again from L1 (common/kernels/vec.h).
+PASS_ROWS = 4
+MAX_ROWS = 2 * PASS_ROWS
 QBLOCK = 32           # over int8 weights, x is rounded to int8 in blocks of this many inputs
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 # The loops for bf16 x over bf16 weights (gemv_bf16.h), in the order of its Bf16Row values: one weight row

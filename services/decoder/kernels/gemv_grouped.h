@@ -41,7 +41,8 @@
 
 namespace tessera_grouped {
 
-constexpr int64_t MAX_ROWS = 4;   // rows of x per call (gemv_grouped_cpu.MAX_ROWS)
+using tessera_vec::MAX_ROWS;    // rows of x per call (gemv_grouped_cpu.MAX_ROWS), PASS_ROWS of them a pass
+using tessera_vec::PASS_ROWS;
 
 // The loops (gemv_grouped_cpu.LOOPS' indices): the two AVX512-VNNI loops, `pairs` and `chunks` (each the AVX2
 // loop, or else the portable one, where the CPU lacks VNNI), the AVX2 loop, the portable one.
@@ -64,15 +65,7 @@ inline bool runs(Loop loop) {
 }
 
 template <typename F>
-inline void with_rows(int64_t M, F&& f) {
-  switch (M) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    default: TORCH_CHECK(false, "gemv_grouped: at most 4 rows, got ", M);
-  }
-}
+inline void with_rows(int64_t M, F&& f) { tessera_vec::with_rows(M, "gemv_grouped", f); }
 
 inline float half_to_float(const at::Half* p) { return static_cast<float>(*p); }
 
@@ -323,6 +316,31 @@ void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::
   // (tessera_vec::prefetch_ahead), whichever loop reads the row.
   const int64_t rows_ahead = ahead ? std::max<int64_t>(1, ahead / rb) : 0;
   at::parallel_for(0, sh.N, 64, [&](int64_t n0, int64_t n1) {
+    // Weight row n against the R rows of x at xq, into their rows of out.
+    auto pass = [&](auto R, const XRow* xq, float* out, int64_t n, const uint8_t* wn, const at::Half* sn,
+                    const at::Half* on) {
+      constexpr int P = decltype(R)::value;
+#ifdef TESSERA_GROUPED_VNNI
+      if (loop == Loop::pairs) {
+        if (sh.bits == 4) row_pairs<P, 4>(xq, wn, sn, on, sh, spread, n, out);
+        else row_pairs<P, 8>(xq, wn, sn, on, sh, spread, n, out);
+        return;
+      }
+      if (loop == Loop::chunks) {
+        if (sh.bits == 4) row_chunks<P, 4>(xq, wn, sn, on, sh, spread, n, out);
+        else row_chunks<P, 8>(xq, wn, sn, on, sh, spread, n, out);
+        return;
+      }
+#endif
+#ifdef TESSERA_GROUPED_AVX2
+      if (loop != Loop::portable) {
+        if (sh.bits == 4) row_avx2<P, 4>(xq, wn, sn, on, sh, spread2, n, out);
+        else row_avx2<P, 8>(xq, wn, sn, on, sh, spread2, n, out);
+        return;
+      }
+#endif
+      row_portable<P>(xq, wn, sn, on, sh, n, out);
+    };
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wn = codes + n * rb;
       const at::Half* sn = scale + n * ng;
@@ -330,26 +348,10 @@ void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::
       tessera_vec::prefetch_ahead(wn, rows_ahead * rb, rb);
       tessera_vec::prefetch_ahead(sn, rows_ahead * ng * 2, ng * 2);
       tessera_vec::prefetch_ahead(on, rows_ahead * ng * 2, ng * 2);
-#ifdef TESSERA_GROUPED_VNNI
-      if (loop == Loop::pairs) {
-        if (sh.bits == 4) row_pairs<M, 4>(xr, wn, sn, on, sh, spread, n, y);
-        else row_pairs<M, 8>(xr, wn, sn, on, sh, spread, n, y);
-        continue;
-      }
-      if (loop == Loop::chunks) {
-        if (sh.bits == 4) row_chunks<M, 4>(xr, wn, sn, on, sh, spread, n, y);
-        else row_chunks<M, 8>(xr, wn, sn, on, sh, spread, n, y);
-        continue;
-      }
-#endif
-#ifdef TESSERA_GROUPED_AVX2
-      if (loop != Loop::portable) {
-        if (sh.bits == 4) row_avx2<M, 4>(xr, wn, sn, on, sh, spread2, n, y);
-        else row_avx2<M, 8>(xr, wn, sn, on, sh, spread2, n, y);
-        continue;
-      }
-#endif
-      row_portable<M>(xr, wn, sn, on, sh, n, y);
+      pass(std::integral_constant<int, std::min<int>(M, PASS_ROWS)>{}, xr, y, n, wn, sn, on);
+      // The rows past PASS_ROWS take the weight row again, from L1 (vec.h).
+      if constexpr (M > PASS_ROWS)
+        pass(std::integral_constant<int, M - PASS_ROWS>{}, xr + PASS_ROWS, y + PASS_ROWS * sh.N, n, wn, sn, on);
     }
     if (bias)
       for (int m = 0; m < M; ++m)
@@ -385,7 +387,7 @@ void gemv_grouped(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch
   TORCH_CHECK(x.is_contiguous() && codes.is_contiguous() && out.is_contiguous(),
               "gemv_grouped: tensors must be contiguous");
   TORCH_CHECK(!x.is_cuda() && !codes.is_cuda(), "gemv_grouped: CPU tensors only");
-  TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "gemv_grouped: at most 4 rows, got ", M);
+  TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "gemv_grouped: at most ", MAX_ROWS, " rows, got ", M);
   const float* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),

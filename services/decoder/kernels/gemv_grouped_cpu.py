@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from services.common import native
+from services.decoder.kernels import gemv_cpu
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-MAX_ROWS = 4          # as gemv_cpu: every row of x within registers' reach; more rows go to GEMMs
+MAX_ROWS = gemv_cpu.MAX_ROWS   # as gemv_cpu: 4 rows of x in registers, the rest over the weight row again from L1
 # The kernel's loops (gemv_grouped.h's Loop): the widest the CPU runs (AVX512-VNNI, else AVX2, else portable) in
 # two orders of work, `pairs` (two chunks of codes a step, the offsets in a pass of their own) and `chunks` (one
 # chunk a step); the AVX2 one; the portable one. Models run one of WIDEST (the plan's `gemv_grouped_loop`, timed

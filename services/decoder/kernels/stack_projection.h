@@ -28,8 +28,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
 
 // One projection: weight [N, K] float32, bfloat16 or int8 (with fp32 per-row scale), and how the
 // model's Linear runs it: the few-row kernel up to gemv_rows rows (its load-time choice, at most
-// MAX_ROWS), above that its oneDNN-packed copy for the row counts its rule gives (rows in
-// [starts[i], starts[i+1]) packed iff flags[i]; a bf16 weight's copy may be fp32), else plain. Or grouped
+// MAX_ROWS), above that (and above PASS_ROWS) its panels where it has them, else its oneDNN-packed copy for
+// the row counts its rule gives (rows in [starts[i], starts[i+1]) packed iff flags[i]; a bf16 weight's copy
+// may be fp32), else plain. Or grouped
 // (gemv_grouped.h): weight uint8 codes [N, K * bits / 8], scale and offset fp16 [N, K / group], the kernel
 // gemv_grouped.h's. Above their gemv_rows, int8 and grouped weights whose Linear runs widen_gemm.h (widen: 1 fp32
 // products, 2 bf16) or amx_gemm.h (widen 3) run it here too; others are refused there.
@@ -103,8 +104,8 @@ struct Proj {
                                                  tessera_widen::available(widen == 2 ? at::kBFloat16 : at::kFloat))),
                 "decode_stack: widen is 1 or 2 (widen_gemm.h) or 3 (amx_gemm.h) for an int8 or grouped weight, on a "
                 "CPU that runs that kernel");
-    TORCH_CHECK(gemv_rows >= 0 && gemv_rows <= tessera_gemv::MAX_ROWS, "decode_stack: gemv_rows must be 0 to ",
-                tessera_gemv::MAX_ROWS);
+    TORCH_CHECK(gemv_rows >= 0 && gemv_rows <= tessera_vec::MAX_ROWS, "decode_stack: gemv_rows must be 0 to ",
+                tessera_vec::MAX_ROWS);
     TORCH_CHECK(!scale.defined() || t == at::kByte || scale.numel() == N, "decode_stack: scale must be [", N, "]");
     TORCH_CHECK(!bias.defined() || bias.numel() == N, "decode_stack: bias must be [", N, "]");
   }
@@ -121,7 +122,7 @@ struct Proj {
   template <typename T>
   std::pair<const float*, const T*> operator()(const T* x, float* y, int64_t M, at::Tensor& hold) const {
     constexpr auto dtype = at::CppTypeToScalarType<T>::value;
-    if (tiles.defined() && M > tessera_gemv::MAX_ROWS && tiles.scalar_type() == dtype) {
+    if (tiles.defined() && M > std::max(gemv_rows, tessera_vec::PASS_ROWS) && tiles.scalar_type() == dtype) {
       const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
       if (tiles_amx) tessera_amx::gemm_packed(x, M, tiles.data_ptr<at::BFloat16>(), N, K, bp, y);
       else tessera_tiles::gemm(x, M, tiles.data_ptr<T>(), bp, y, N, K);

@@ -286,7 +286,7 @@ def time_gemv_prefetch(group: list[Linear], rows: int) -> dict[str, float]:
 def choose_gemv_prefetch(model: nn.Module, record: execution.ExecutionPlan, timer: Bf16RowTimer | None = None) -> str:
     """Set gemv_prefetch on every CPU Linear of model with a grouped, an int8 or a dense fp32 or bf16 weight (after
     choose_grouped_loop and before choose_gemv, which times the kernel with it; the `gemv_prefetch` path of
-    record), by _choose_row_loop over 1..MAX_ROWS rows. "on" or "off", and why."""
+    record), by _choose_row_loop. "on" or "off", and why."""
     group = [m for m in model.modules() if isinstance(m, Linear) and m.weight.device.type == "cpu" and (
         m.grouped is not None or m.qweight is not None
         or (not m.released and m.weight.dtype in (torch.float32, torch.bfloat16)))]
@@ -319,7 +319,7 @@ def time_grouped_loop(group: list[Linear], rows: int) -> dict[str, float]:
 
 def choose_grouped_loop(model: nn.Module, record: execution.ExecutionPlan, timer: Bf16RowTimer | None = None) -> str:
     """Set grouped_loop on every Linear holding a grouped weight (before choose_gemv, which times the kernel in
-    it; the `gemv_grouped_loop` path of record), by _choose_row_loop over 1..MAX_ROWS rows. The chosen loop, or
+    it; the `gemv_grouped_loop` path of record), by _choose_row_loop. The chosen loop, or
     why chunks."""
     group = [m for m in model.modules() if isinstance(m, Linear) and m.grouped is not None]
     unavailable = ""
@@ -340,11 +340,11 @@ def _choose_row_loop(record: execution.ExecutionPlan, path: str, group: list[Lin
                      same_sums: bool = False) -> tuple[str, str]:
     """(loop, why) for the few-row kernel's loop of record `path` (execution.PATHS[path]: the default, then the
     challenger). Pinned: that loop. Auto: one pass per loop and row count over the modules in group that run that
-    many rows (rows_of: the most rows a module runs the kernel at), by the plan's timer (fastest of REPS
-    interleaved rounds); the challenger replaces the default only where it beats it (plan.beats) at one row and
-    no row count beats it: one loop for every row count, so a row's sums do not depend on the batch. same_sums (the
-    two compute the same sums in the same order): the challenger where it beats the default at some row count and
-    loses at none. unavailable: why the loops cannot differ here ("" if they can)."""
+    many rows (rows_of: the most rows a module runs the kernel at), up to PASS_ROWS, by the plan's timer (fastest
+    of REPS interleaved rounds); the challenger replaces the default only where it beats it (plan.beats) at one row
+    and no row count beats it: one loop for every row count, so a row's sums do not depend on the batch. same_sums
+    (the two compute the same sums in the same order): the challenger where it beats the default at some row count
+    and loses at none. unavailable: why the loops cannot differ here ("" if they can)."""
     default, challenger = execution.PATHS[path]
     pin = record.pinned(path)
     chosen, timings, reason = default if pin == execution.AUTO else pin, [], ""
@@ -354,7 +354,8 @@ def _choose_row_loop(record: execution.ExecutionPlan, path: str, group: list[Lin
         reason = unavailable
     elif pin == execution.AUTO:
         wins, losses = [], []     # per row count from 1: the challenger beats the default; the default beats it
-        for rows in range(1, max(map(rows_of, group)) + 1):
+        # Rows past PASS_ROWS run the same loop again over each weight row, from L1: 1..PASS_ROWS rows decide.
+        for rows in range(1, min(max(map(rows_of, group)), gemv_cpu.PASS_ROWS) + 1):
             best = timer([m for m in group if rows_of(m) >= rows], rows)
             timings += [execution.Timing(loop, best[loop], rows) for loop in (default, challenger)]
             wins.append(execution.beats(best[challenger], best[default]))

@@ -26,7 +26,7 @@ benchmarks), on takes it up to the largest timing row count without timing.
 
 Where tile_gemm_cpu runs for the model's dtype (AVX-512; for bf16 the bf16 dot product), a second
 stack runs the projections that fit (tile_gemm_cpu.fits) through it above the few-row kernel's rows.
-It is timed too, at those of TIMING_ROWS above KERNEL_ROWS, and replaces the first only if it was
+It is timed too, at those of TIMING_ROWS above KERNEL_ROWS (8), and replaces the first only if it was
 faster at every one and by the plan's tie rule over their sum (then its panel copy of the weights stays
 resident; otherwise it is dropped).
 Over 30 layers of weights read from memory (a 64-row step), the panels ran 1.16-1.19x oneDNN's packed

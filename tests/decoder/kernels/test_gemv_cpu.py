@@ -57,6 +57,17 @@ def test_each_row_is_independent_of_the_thread_count_bit_for_bit(dtype, rows):
         assert torch.equal(gemv(x[-1:], w)[0], one[-1])
 
 
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+def test_each_row_is_its_own_one_row_call_bit_for_bit(kind):
+    """Rows past the first pass of four take each weight row again: every row's sums are still its own."""
+    g = torch.Generator().manual_seed(5)
+    w, scale = weights(kind, 130, 1536, g)
+    x = torch.randn(MAX_ROWS, 1536, generator=g)
+    alone = torch.cat([gemv(x[i:i + 1], w, scale) for i in range(MAX_ROWS)])
+    for rows in range(1, MAX_ROWS + 1):
+        assert torch.equal(gemv(x[:rows], w, scale), alone[:rows])
+
+
 def test_round_blocks():
     """Per block of QBLOCK: steps of max|block| / 127, ties to even; an all-zero block stays zero; a
     short last block has its own scale."""
@@ -82,7 +93,7 @@ def test_int8_weights_round_the_activations():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: gemv(torch.randn(MAX_ROWS + 1, 8), torch.randn(4, 8)), "at most 4 rows"),
+    (lambda: gemv(torch.randn(MAX_ROWS + 1, 8), torch.randn(4, 8)), f"at most {MAX_ROWS} rows"),
     (lambda: gemv(torch.randn(1, 8), torch.randn(4, 9)), "x has 8 columns"),
     (lambda: gemv(torch.randn(1, 8), torch.zeros(4, 8, dtype=torch.int8)), "int8 weights need a scale"),
     (lambda: gemv(torch.randn(1, 8), torch.randn(4, 8), torch.ones(4)), "scale is for int8 weights"),

@@ -85,8 +85,8 @@ def test_rounding_x_is_what_the_reference_models():
 
 def test_refusals():
     gw = quantize(torch.randn(8, 64), 4, 32)
-    with pytest.raises(RuntimeError, match="at most 4 rows"):
-        call(torch.randn(5, 64), gw)
+    with pytest.raises(RuntimeError, match=f"at most {MAX_ROWS} rows"):
+        call(torch.randn(MAX_ROWS + 1, 64), gw)
     with pytest.raises(RuntimeError, match=r"codes must be uint8 \[N, 48\]"):
         call(torch.randn(1, 96), gw)
     with pytest.raises(RuntimeError, match="bits must be 4 or 8"):

@@ -97,7 +97,7 @@ def test_the_choice_follows_the_timings(ms, expected):
     choice = record.get("gemv_prefetch")
     assert choice.chosen == expected and choice.reason == "timed over 4 weights"
     assert summary == f"gemv prefetch: {expected} (timed over 4 weights)"
-    assert calls == [(4, r) for r in range(1, gemv_cpu.MAX_ROWS + 1)]
+    assert calls == [(4, r) for r in range(1, gemv_cpu.PASS_ROWS + 1)]
     assert [(t.rows, t.candidate) for t in choice.timings] == [(r, c) for r in range(1, 5) for c in ("off", "on")]
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from services.common import plan as execution
 from services.common.plan import ExecutionPlan
-from services.decoder.kernels import gemv_grouped_cpu
+from services.decoder.kernels import gemv_cpu, gemv_grouped_cpu
 from services.decoder.model import grouped
 from services.decoder.model.linear import Linear
 from services.decoder.model.matmul_choice import choose_grouped_loop
@@ -50,8 +50,8 @@ def test_the_loop_follows_the_timings(ms, expected, monkeypatch):
     choice = record.get("gemv_grouped_loop")
     assert choice.chosen == expected and choice.reason == "timed over 2 grouped weights"
     assert summary == f"gemv grouped loop: {expected} (timed over 2 grouped weights)"
-    # Every row count the kernel takes, over every grouped weight, whatever rows choose_gemv gives them later.
-    assert calls == [(2, r) for r in range(1, gemv_grouped_cpu.MAX_ROWS + 1)]
+    # Every row count of the kernel's first pass, over every grouped weight, whatever rows choose_gemv gives them later.
+    assert calls == [(2, r) for r in range(1, gemv_cpu.PASS_ROWS + 1)]
     assert [(t.rows, t.candidate) for t in choice.timings] == [
         (r, loop) for r in range(1, 5) for loop in gemv_grouped_cpu.WIDEST]
 

@@ -10,7 +10,7 @@ from torch import nn
 from services.common import plan as execution
 from services.common.plan import ExecutionPlan
 from services.decoder.engine.step import StepInput
-from services.decoder.kernels import widen_gemm_cpu
+from services.decoder.kernels import gemv_cpu, widen_gemm_cpu
 from services.decoder.model import grouped, load_model, matmul_choice
 from services.decoder.model.grouped import dequantize, grouped_linear, grouped_linear_ref, int4pack, quantize
 from services.decoder.model.linear import Linear, fuse, fusible, quantize_linears
@@ -155,11 +155,11 @@ def test_each_pinned_path_matches_the_reference(pin, gemv, dtype):
     choose_grouped_matmul(model, record, lambda *a: pytest.fail("nothing is timed when pinned"))
     choose_gemv(model, record, lambda *a: pytest.fail("nothing is timed when pinned"))
     m = model[1]                                          # 64 x 96 at 4 bits: torch's kernel takes it
-    assert m.grouped_path == pin and m.gemv_rows == (4 if gemv == "on" else 0)
+    assert m.grouped_path == pin and m.gemv_rows == (gemv_cpu.MAX_ROWS if gemv == "on" else 0)
     g = torch.Generator().manual_seed(1)
-    for rows in (1, 3, 4, 5, 33):
+    for rows in (1, 3, 4, 5, gemv_cpu.MAX_ROWS + 1, 33):
         x = torch.randn(rows, 96, generator=g).to(dtype)
-        few = gemv == "on" and rows <= 4
+        few = gemv == "on" and rows <= gemv_cpu.MAX_ROWS
         with torch.no_grad():
             y = m(x)
         assert torch.equal(y, grouped_linear(x, m.grouped, None, "gemv" if few else pin, m.int4pack))

@@ -11,6 +11,7 @@ from torch import nn
 from services.common import native
 from services.common.plan import ExecutionPlan
 from services.decoder.kernels import gemv_cpu
+from services.decoder.kernels.gemv_cpu import MAX_ROWS
 from services.decoder.model.linear import Linear, quantize_linears
 from services.decoder.model.matmul_choice import choose_gemv
 from tests.tolerance import assert_close
@@ -36,8 +37,8 @@ def test_the_first_pass_does_not_count():
         return (1e-7, 1e-6) if first else (2e-6, 1e-6)
 
     model = nn.Sequential(Linear(64, 96), Linear(96, 32))
-    assert choose_gemv(model, ExecutionPlan(), timer) == "gemv rows<=4 on 96x64,32x96"
-    assert [m.gemv_rows for m in model] == [4, 4]
+    assert choose_gemv(model, ExecutionPlan(), timer) == f"gemv rows<={MAX_ROWS} on 96x64,32x96"
+    assert [m.gemv_rows for m in model] == [MAX_ROWS, MAX_ROWS]
 
 
 @pytest.mark.parametrize(("lead", "passes"), [(10.0, 1), (2.0, 3)])
@@ -51,8 +52,8 @@ def test_a_decisive_timed_pass_ends_the_timing(lead, passes):
         return (lead * 1e-6, 1e-6)
 
     model = nn.Sequential(Linear(64, 96))
-    assert choose_gemv(model, ExecutionPlan(), timer) == "gemv rows<=4 on 96x64"
-    assert len(calls) == 4 * (1 + passes)       # the discarded warm-up pass, then the timed ones
+    assert choose_gemv(model, ExecutionPlan(), timer) == f"gemv rows<={MAX_ROWS} on 96x64"
+    assert len(calls) == MAX_ROWS * (1 + passes)       # the discarded warm-up pass, then the timed ones
 
 @pytest.mark.parametrize("quantized", [False, True])
 def test_gemv_rows_follow_the_measurements(quantized):
@@ -81,15 +82,15 @@ def test_gemv_rows_follow_the_measurements(quantized):
 
 
 def test_a_near_tie_at_few_rows_does_not_keep_the_kernel_from_more_rows():
-    """The library 5 % faster at 2 rows, the kernel 3x faster at 3 and 4: rows<=4 (the least summed time over
-    1..MAX_ROWS rows); the library far faster at 4: rows<=3; the kernel 10 % faster at 1 row only, no sum well
+    """The library 5 % faster at 2 rows, the kernel 3x faster from 3 rows: rows<=8 (the least summed time over
+    1..MAX_ROWS rows); the library far faster from 4: rows<=3; the kernel 10 % faster at 1 row only, no sum well
     below that threshold's: rows<=1, the largest count up to which it won at every count."""
-    costs = {96: {1: (1.0, 0.9), 2: (1.0, 1.05), 3: (3.0, 1.0), 4: (3.0, 1.0)},
-             32: {1: (1.0, 0.5), 2: (1.0, 0.5), 3: (1.0, 0.5), 4: (1.0, 9.0)},
-             160: {1: (1.0, 0.9), 2: (1.0, 1.2), 3: (1.0, 1.2), 4: (1.4, 1.3)}}
+    costs = {96: {1: (1.0, 0.9), 2: (1.0, 1.05), **{r: (3.0, 1.0) for r in range(3, MAX_ROWS + 1)}},
+             32: {1: (1.0, 0.5), 2: (1.0, 0.5), 3: (1.0, 0.5), **{r: (1.0, 9.0) for r in range(4, MAX_ROWS + 1)}},
+             160: {1: (1.0, 0.9), 2: (1.0, 1.2), 3: (1.0, 1.2), **{r: (1.4, 1.3) for r in range(4, MAX_ROWS + 1)}}}
     model = nn.Sequential(Linear(64, 96), Linear(96, 32), Linear(32, 160))
     assert choose_gemv(model, ExecutionPlan(), lambda group, rows: costs[group[0].out_features][rows]) == \
-        "gemv rows<=4 on 96x64; rows<=3 on 32x96; rows<=1 on 160x32"
+        f"gemv rows<={MAX_ROWS} on 96x64; rows<=3 on 32x96; rows<=1 on 160x32"
 
 
 def test_an_unavailable_kernel_is_reported_and_never_used(monkeypatch, caplog):

@@ -178,8 +178,8 @@ def test_expert_gemv_rows_follow_the_measurements_and_the_pins():
     assert summary == "gemv rows<=2 on experts 8x64x64"
     assert [(c.name, c.chosen) for c in record.choices] == [
         ("gemv 96x64+b", "off"), ("gemv experts 8x64x64", "on rows<=2"), ("gemv experts 4x96x64", "off")]
-    assert choose_gemv(model, ExecutionPlan("gemv=on")).startswith("gemv rows<=4")
-    assert [m.gemv_rows for m in model] == [4, 4, 4, 4]
+    assert choose_gemv(model, ExecutionPlan("gemv=on")).startswith(f"gemv rows<={gemv_cpu.MAX_ROWS}")
+    assert [m.gemv_rows for m in model] == [gemv_cpu.MAX_ROWS] * 4
     choose_gemv(model, ExecutionPlan("gemv=off"))
     assert [m.gemv_rows for m in model] == [0, 0, 0, 0]
 

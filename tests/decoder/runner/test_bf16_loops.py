@@ -89,7 +89,8 @@ def test_the_timed_choice_is_in_the_plan(folders):
     assert choice.chosen in BF16_ROWS and all(m.bf16_row == choice.chosen for m in on_kernel)
     if gemv_cpu.load().bf16_dot():
         assert choice.reason == f"timed over {len(on_kernel)} bf16 weights"
-        assert {(t.rows, t.candidate) for t in choice.timings} == {(r, c) for r in range(1, 5) for c in BF16_ROWS}
+        rows = range(1, gemv_cpu.PASS_ROWS + 1)
+        assert {(t.rows, t.candidate) for t in choice.timings} == {(r, c) for r in rows for c in BF16_ROWS}
         assert all(t.seconds > 0 for t in choice.timings)
     else:
         assert choice.reason.startswith("no bf16 dot product on this CPU") and not choice.timings
