@@ -29,7 +29,7 @@ from .paged_attention_cpu import paged_decode_ref
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 KERNEL_ROWS = gemv_cpu.MAX_ROWS   # the few-row kernel's most rows; above a projection's gemv_rows, the library's
-TILES_ABOVE = 4                   # the panels (tiles) run above this many rows and above gemv_rows
+TILES_ABOVE = 4                   # the panels (tiles) run above this many rows, before gemv_cpu
 # LoRA targets in lora.weights.TARGETS order (q, k, v, o, gate, up, down): the rows of lora_offsets/lora_ranks.
 NUM_TARGETS = 7
 WIDEN = (None, torch.float32, torch.bfloat16)     # Projection.widen as the operator takes it (its index)
@@ -48,9 +48,9 @@ class Projection:
     gemv_rows: int = KERNEL_ROWS
     packed: torch.Tensor | None = None
     rule: tuple[tuple[int, ...], tuple[bool, ...]] = ((1,), (False,))
-    # Above TILES_ABOVE rows and its gemv_rows, a weight with tiles = tile_gemm_cpu.pack(weight) runs tile_gemm_cpu
-    # instead (fp32 sums, like the others); with tiles_amx, tiles = widen_gemm_cpu.pack_panels(weight) (bf16) runs
-    # on the tile unit.
+    # Above TILES_ABOVE rows, whatever its gemv_rows, a weight with tiles = tile_gemm_cpu.pack(weight) runs
+    # tile_gemm_cpu instead (fp32 sums, like the others); with tiles_amx, tiles = widen_gemm_cpu.pack_panels(weight)
+    # (bf16) runs on the tile unit.
     tiles: torch.Tensor | None = None
     # bf16 x over a bf16 weight: which of gemv_cpu.BF16_ROWS the few-row kernel runs (its Linear's choice).
     bf16_row: str = gemv_cpu.BF16_ROWS[0]
@@ -144,8 +144,8 @@ def decode_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s
     Row m is one token at cache slot slots[m] (int64) attending to block_tables[m] (int32, [M, nb])
     up to context_lens[m] keys (int32, its position + 1). cos/sin [M, D] from Rotary.cos_sin (sin's
     first half negated). Every layer writes the rows' K/V into its cache at `slots`, as the model's
-    own layers do; see decode_stack_ref for the computation. Each projection runs gemv_cpu up to its
-    gemv_rows rows, else tile_gemm_cpu above TILES_ABOVE rows (if it has tiles), else its packed or plain
+    own layers do; see decode_stack_ref for the computation. Each projection runs tile_gemm_cpu above
+    TILES_ABOVE rows (if it has tiles), else gemv_cpu up to its gemv_rows rows, else its packed or plain
     library matmul (int8 and grouped weights: widen_gemm_cpu where they have `widen`, else refused).
     lora_offsets, lora_ranks [NUM_TARGETS, M] int32 (or None: no adapters): each row's span per target in the
     arenas set on the stack (set_arenas); a row of rank 0 for every target comes out bit for bit as without them.

@@ -16,6 +16,8 @@ namespace tessera_stack {
 
 using tessera_gemv::dispatch_rows;
 
+constexpr int64_t TILES_ABOVE = 4;  // a projection's panels (tiles) run above this many rows (decode_stack_cpu.py's)
+
 // oneDNN's packed linear (services/common/linear_path.py's packed path), called through the dispatcher:
 // the op is registered by torch itself, and a boxed call needs no C++ signature from its headers.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
@@ -28,9 +30,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
 
 // One projection: weight [N, K] float32, bfloat16 or int8 (with fp32 per-row scale), and how the
 // model's Linear runs it: the few-row kernel up to gemv_rows rows (its load-time choice, at most
-// MAX_ROWS), above that (and above PASS_ROWS) its panels where it has them, else its oneDNN-packed copy for
-// the row counts its rule gives (rows in [starts[i], starts[i+1]) packed iff flags[i]; a bf16 weight's copy
-// may be fp32), else plain. Or grouped
+// MAX_ROWS), above that its oneDNN-packed copy for the row counts its rule gives (rows in
+// [starts[i], starts[i+1]) packed iff flags[i]; a bf16 weight's copy may be fp32), else plain. Or grouped
 // (gemv_grouped.h): weight uint8 codes [N, K * bits / 8], scale and offset fp16 [N, K / group], the kernel
 // gemv_grouped.h's. Above their gemv_rows, int8 and grouped weights whose Linear runs widen_gemm.h (widen: 1 fp32
 // products, 2 bf16) or amx_gemm.h (widen 3) run it here too; others are refused there.
@@ -122,7 +123,7 @@ struct Proj {
   template <typename T>
   std::pair<const float*, const T*> operator()(const T* x, float* y, int64_t M, at::Tensor& hold) const {
     constexpr auto dtype = at::CppTypeToScalarType<T>::value;
-    if (tiles.defined() && M > std::max(gemv_rows, tessera_vec::PASS_ROWS) && tiles.scalar_type() == dtype) {
+    if (tiles.defined() && M > TILES_ABOVE && tiles.scalar_type() == dtype) {
       const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
       if (tiles_amx) tessera_amx::gemm_packed(x, M, tiles.data_ptr<at::BFloat16>(), N, K, bp, y);
       else tessera_tiles::gemm(x, M, tiles.data_ptr<T>(), bp, y, N, K);

@@ -14,7 +14,7 @@ Linear chose at load for that row count (gemv_cpu, packed or plain). A step take
 Any other step runs the model's own layers, which stay the reference (tests compare the two).
 
 `FusedDecode.build` makes it at load, when the model is on CPU in float32 or bfloat16 (int8 and grouped weights
-included, up to 4 rows), the decode attention is the C++ operator, the matmul path is chosen by
+included, up to their few-row kernel's rows), the decode attention is the C++ operator, the matmul path is chosen by
 timing, and the operator builds. It then times one step both ways at each of TIMING_ROWS and keeps
 the largest count up to which the layers beat the stack (plan.beats) at none (`max_rows`), if the stack beat
 the layers at one of them at least (else 0: never). Not "the stack beat the layers at every count": it runs the
@@ -25,8 +25,8 @@ The `decode_stack` entry of --fast-paths (services/common/plan.py) pins it: off 
 benchmarks), on takes it up to the largest timing row count without timing.
 
 Where tile_gemm_cpu runs for the model's dtype (AVX-512; for bf16 the bf16 dot product), a second
-stack runs the projections that fit (tile_gemm_cpu.fits) through it above the few-row kernel's rows.
-It is timed too, at those of TIMING_ROWS above KERNEL_ROWS (8), and replaces the first only if it was
+stack runs the projections that fit (tile_gemm_cpu.fits) through it above 4 rows (TILES_ABOVE).
+It is timed too, at those of TIMING_ROWS above that, and replaces the first only if it was
 faster at every one and by the plan's tie rule over their sum (then its panel copy of the weights stays
 resident; otherwise it is dropped).
 Over 30 layers of weights read from memory (a 64-row step), the panels ran 1.16-1.19x oneDNN's packed
@@ -146,7 +146,7 @@ class FusedDecode:
 
     @torch.inference_mode()
     def choose(self, cache: KVCache, timer: Timer | None = None) -> tuple[str, list[execution.Timing]]:
-        """Time a decode step of r rows both ways (and on the tiled stack, above KERNEL_ROWS) for each r in
+        """Time a decode step of r rows both ways (and on the tiled stack, above TILES_ABOVE) for each r in
         timing_rows, in order, over blocks of the runner's own cache (zeroed again afterwards: no request
         owns a block at load), at TIMING_CONTEXT keys or what the cache holds. Sets max_rows and which
         stack runs; returns the timings in words, e.g. "1 row 9.1 vs 14.0 ms; ...; 64 rows 60.1 (tiles 51.0) vs
@@ -203,7 +203,7 @@ class FusedDecode:
         embeds = torch.randn(rows, self.model.config.hidden_size).to(cache.k[0].dtype)
         steps = {"stack": lambda: self(embeds.clone(), positions, plan),
                  "layers": lambda: self.model(embeds.clone(), positions, PagedAttention(cache, plan, Workspace()))}
-        if self.tiled is not None and rows > decode_stack_cpu.KERNEL_ROWS:
+        if self.tiled is not None and rows > decode_stack_cpu.TILES_ABOVE:
             steps["tiles"] = lambda: self._run(self.tiled, embeds.clone(), positions, plan)
         return steps
 

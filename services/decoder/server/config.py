@@ -18,7 +18,7 @@ ENV_PREFIX = "TESSERA_DECODER_"
 QUANTIZATION_MODES = ("none", "int8", "int4")
 QUANTIZATION_HELP = ("weight quantization of the projections and LM head: int8 keeps int8 weights with one "
                      "scale per output channel (a quarter of fp32's weight bytes, for batch-1 latency on CPU; "
-                     "steps of up to 4 rows round the activations to int8 in blocks of 32, as llama.cpp's Q8_0, "
+                     "steps of up to 8 rows round the activations to int8 in blocks of 32, as llama.cpp's Q8_0, "
                      "larger ones to bf16 or to two int8 parts, by the matmul --fast-paths int8_gemm chose); "
                      "int4 keeps 4-bit codes with an fp16 scale and offset per group of 32 "
                      "inputs (5 bits a weight; few rows round the activations to int8 per group); none keeps the "

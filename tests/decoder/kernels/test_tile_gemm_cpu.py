@@ -38,7 +38,7 @@ def test_the_panel_layouts():
 
 @pytest.mark.parametrize("dtype", [d for d, runs in RUNS.items() if runs] or
                          [pytest.param(None, marks=pytest.mark.skip(reason="no AVX-512: see the availability test"))])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 13, 64])
 @pytest.mark.parametrize("n,k,bias", [(64, 2, False), (192, 96, True), (960, 576, False), (128, 1536, True)])
 def test_matches_reference(dtype, rows, n, k, bias):
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
@@ -47,6 +47,18 @@ def test_matches_reference(dtype, rows, n, k, bias):
     y = tile_gemm(x, pack(w), b)
     assert y.dtype == torch.float32 and y.shape == (rows, n)
     assert_close(y, gemv_ref(x, w, None, b), dtype=torch.float32, k=k)
+
+
+@pytest.mark.parametrize("dtype", [d for d, runs in RUNS.items() if runs] or
+                         [pytest.param(None, marks=pytest.mark.skip(reason="no AVX-512: see the availability test"))])
+def test_each_row_is_its_own_one_row_call_bit_for_bit(dtype):
+    """Rows go in tiles of six, the last 1-5 in one tile of their own: a row's sums never depend on the tile."""
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(128, 576, generator=g).to(dtype), torch.randn(11, 576, generator=g).to(dtype)
+    panels = pack(w)
+    alone = torch.cat([tile_gemm(x[i:i + 1], panels) for i in range(11)])
+    for rows in range(1, 12):
+        assert torch.equal(tile_gemm(x[:rows], panels), alone[:rows])
 
 
 @pytest.mark.parametrize("shape,dtype", [((96, 64), torch.bfloat16), ((64, 63), torch.bfloat16),
