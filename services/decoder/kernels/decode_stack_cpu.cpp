@@ -91,6 +91,14 @@ class DecodeStack {
     lora_grain_ = grain;
   }
 
+  // The row count above which every projection with panels runs them (the execution plan's measurement at load:
+  // runner/fused_decode.py). Between steps.
+  void set_tiles_above(int64_t rows) {
+    TORCH_CHECK(rows >= 1, "decode_stack.set_tiles_above: rows must be >= 1, got ", rows);
+    for (Layer& L : layers_)
+      for (Proj* p : {&L.qkv, &L.o, &L.gate_up, &L.down}) p->tiles_above = rows;
+  }
+
   // Target t's arena of `layer` (t in lora.weights.TARGETS order): A [P, K], Bt [P, N] contiguous in the model's
   // dtype, K and N its projection's (columns()); None clears it. Between steps only (the step reads them).
   void set_lora(int64_t layer, int64_t target, c10::optional<at::Tensor> A, c10::optional<at::Tensor> Bt) {
@@ -313,6 +321,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_layers", &DecodeStack::num_layers)
       .def("set_lora", &DecodeStack::set_lora, "a layer's arena for one LoRA target (None, None: none)",
            pybind11::arg("layer"), pybind11::arg("target"), pybind11::arg("A"), pybind11::arg("Bt"))
+      .def("set_tiles_above", &DecodeStack::set_tiles_above, "the rows above which projections run their panels")
       .def("set_lora_grain", &DecodeStack::set_lora_grain, "the LoRA rows' least work per task (lora_rows.h)",
            pybind11::arg("grain"))
       .def("forward", &DecodeStack::forward, "every layer of a few-row decode step, x in place",

@@ -16,7 +16,7 @@ namespace tessera_stack {
 
 using tessera_gemv::dispatch_rows;
 
-constexpr int64_t TILES_ABOVE = 4;  // a projection's panels (tiles) run above this many rows (decode_stack_cpu.py's)
+constexpr int64_t TILES_ABOVE = 4;  // a projection's panels (tiles) run above this many rows unless the stack sets it
 
 // oneDNN's packed linear (services/common/linear_path.py's packed path), called through the dispatcher:
 // the op is registered by torch itself, and a boxed call needs no C++ signature from its headers.
@@ -43,6 +43,7 @@ struct Proj {
   std::vector<bool> flags;
   int64_t N = 0, K = 0, gemv_rows = 0, bits = 0, group = 0, widen = 0;
   int64_t ahead = 0;  // the few-row kernels' prefetch distance, bytes (tessera_vec::prefetch_ahead)
+  int64_t tiles_above = TILES_ABOVE;  // rows above which `tiles` run, where defined (DecodeStack::set_tiles_above)
   bool tiles_amx = false;
   tessera_gemv::Bf16Row bf16_row = tessera_gemv::Bf16Row::rowwise;  // the Linear's loop (gemv_bf16.h)
   tessera_grouped::Loop grouped_loop = tessera_grouped::Loop::chunks;  // a grouped weight's (gemv_grouped.h)
@@ -123,7 +124,7 @@ struct Proj {
   template <typename T>
   std::pair<const float*, const T*> operator()(const T* x, float* y, int64_t M, at::Tensor& hold) const {
     constexpr auto dtype = at::CppTypeToScalarType<T>::value;
-    if (tiles.defined() && M > TILES_ABOVE && tiles.scalar_type() == dtype) {
+    if (tiles.defined() && M > tiles_above && tiles.scalar_type() == dtype) {
       const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
       if (tiles_amx) tessera_amx::gemm_packed(x, M, tiles.data_ptr<at::BFloat16>(), N, K, bp, y);
       else tessera_tiles::gemm(x, M, tiles.data_ptr<T>(), bp, y, N, K);

@@ -26,9 +26,10 @@ benchmarks), on takes it up to the largest timing row count without timing.
 
 Where tile_gemm_cpu runs for the model's dtype (AVX-512; for bf16 the bf16 dot product), a second
 stack runs the projections that fit (tile_gemm_cpu.fits) through it above 4 rows (TILES_ABOVE).
-It is timed too, at those of TIMING_ROWS above that, and replaces the first only if it was
-faster at every one and by the plan's tie rule over their sum (then its panel copy of the weights stays
-resident; otherwise it is dropped).
+It is timed too, at every one of TIMING_ROWS from 2, and replaces the first only if it was faster at every
+one above TILES_ABOVE and by the plan's tie rule over their sum (then its panel copy of the weights stays
+resident; otherwise it is dropped); kept, its panels run from the fewest rows down to which they beat the
+few-row kernel at every timed count.
 Over 30 layers of weights read from memory (a 64-row step), the panels ran 1.16-1.19x oneDNN's packed
 GEMM in bf16 and 1.05-1.07x in fp32 on a Zen 4.
 """
@@ -65,6 +66,7 @@ class FusedDecode:
         self.model, self.stack = model, stack
         self.tiled = tiled          # the stack with tile_gemm_cpu projections, until choose() decides
         self.tiles = False          # whether self.stack is that one
+        self.tiles_above = decode_stack_cpu.TILES_ABOVE     # its panels run above this many rows
         self.tiled_timed = False    # whether the tiled stack was timed at all
         self.max_rows = 0
         self.pool: AdapterPool | None = None    # the adapter store whose arenas the stack holds
@@ -111,7 +113,8 @@ class FusedDecode:
         summary = (f"cpp rows<={fused.max_rows}" if fused.max_rows else "off (the layers were as fast)") + \
             f"; timed {timings}"
         record.record("decode_stack", f"on rows<={fused.max_rows}" if fused.max_rows else "off", measured,
-                      f"panels {'on' if fused.tiles else 'off'}" if fused.tiled_timed else "")
+                      (f"panels on from {fused.tiles_above + 1} rows" if fused.tiles else "panels off")
+                      if fused.tiled_timed else "")
         return (fused if fused.max_rows else None), summary
 
     def attach_lora(self, store: AdapterStore) -> None:
@@ -146,7 +149,7 @@ class FusedDecode:
 
     @torch.inference_mode()
     def choose(self, cache: KVCache, timer: Timer | None = None) -> tuple[str, list[execution.Timing]]:
-        """Time a decode step of r rows both ways (and on the tiled stack, above TILES_ABOVE) for each r in
+        """Time a decode step of r rows both ways (and on the tiled stack, from 2 rows) for each r in
         timing_rows, in order, over blocks of the runner's own cache (zeroed again afterwards: no request
         owns a block at load), at TIMING_CONTEXT keys or what the cache holds. Sets max_rows and which
         stack runs; returns the timings in words, e.g. "1 row 9.1 vs 14.0 ms; ...; 64 rows 60.1 (tiles 51.0) vs
@@ -155,6 +158,8 @@ class FusedDecode:
         per_row = max(1, min(-(-TIMING_CONTEXT // bs), cache.num_blocks // largest))
         context = min(TIMING_CONTEXT, per_row * bs)
         timed = []                  # (rows, best seconds per path)
+        if self.tiled is not None:
+            self.tiled.set_tiles_above(1)       # timed from 2 rows: the panels may win below TILES_ABOVE too
         for rows in self.timing_rows:
             if rows * per_row > cache.num_blocks:
                 break
@@ -167,14 +172,23 @@ class FusedDecode:
         for k, v in zip(cache.k, cache.v, strict=True):
             k[:largest * per_row].zero_()
             v[:largest * per_row].zero_()
-        tiled = [best for _, best in timed if "tiles" in best]
+        tiled = [best for rows, best in timed if "tiles" in best and rows > decode_stack_cpu.TILES_ABOVE]
         # Kept, the panels are one more copy of the weights: so they must be faster at every timed row
-        # count and by the tie rule over all of them. By the tie rule at each count, the choice at 64 rows (where they
-        # gain least, 6-9% at load on a Zen 4) flipped with the machine's noise from run to run.
+        # count above TILES_ABOVE and by the tie rule over all of them. By the tie rule at each count, the choice at
+        # 64 rows (where they gain least, 6-9% at load on a Zen 4) flipped with the machine's noise from run to run.
         self.tiled_timed = bool(tiled)
         self.tiles = bool(tiled) and all(best["tiles"] < best["stack"] for best in tiled) and \
             execution.beats(sum(best["tiles"] for best in tiled), sum(best["stack"] for best in tiled))
         if self.tiles:
+            # Kept, they also run at the fewer rows where they beat the few-row kernel (plan.beats) at every timed
+            # count up to TILES_ABOVE: on a Zen 4 (family 25 model 17) an fp32 SmolLM2 step of 3-4 rows took
+            # 13.9-14.1 ms on them against 15.6-20.6 on the few-row kernel, which reads the weights at a fraction
+            # of the machine's rate once more than two rows of x compete for L1 beside them.
+            few = {rows: best for rows, best in timed if "tiles" in best and rows <= decode_stack_cpu.TILES_ABOVE}
+            while self.tiles_above > 1 and self.tiles_above in few and \
+                    execution.beats(few[self.tiles_above]["tiles"], few[self.tiles_above]["stack"]):
+                self.tiles_above -= 1
+            self.tiled.set_tiles_above(self.tiles_above)
             self.stack = self.tiled
         self.tiled = None           # the losing stack (and its panels, if they lost) is freed
         detail, self.max_rows, won = [], 0, False
@@ -182,7 +196,7 @@ class FusedDecode:
             tiles = f" (tiles {best['tiles'] * 1e3:.1f})" if "tiles" in best else ""
             detail.append(f"{rows} row{'s' if rows > 1 else ''} {best['stack'] * 1e3:.1f}{tiles} vs "
                           f"{best['layers'] * 1e3:.1f} ms")
-            ours = best["tiles"] if self.tiles and "tiles" in best else best["stack"]
+            ours = best["tiles"] if self.tiles and "tiles" in best and rows > self.tiles_above else best["stack"]
             if execution.beats(best["layers"], ours):
                 break
             won = won or execution.beats(ours, best["layers"])
@@ -191,8 +205,8 @@ class FusedDecode:
             self.max_rows = 0
         names = {"stack": "on", "tiles": "on (panels)", "layers": "off"}
         measured = [execution.Timing(names[name], t, rows) for rows, best in timed for name, t in best.items()]
-        return "; ".join(detail) + f" (stack vs layers; tiles {'on' if self.tiles else 'off' if tiled else 'n/a'})", \
-            measured
+        tiles = f"on from {self.tiles_above + 1} rows" if self.tiles else "off" if tiled else "n/a"
+        return "; ".join(detail) + f" (stack vs layers; tiles {tiles})", measured
 
     def _steps(self, cache: KVCache, rows: int, context: int, per_row: int) -> dict[str, Callable[[], object]]:
         """One step of `rows` decode rows at `context` keys, row r on blocks [r * per_row, (r + 1) * per_row),
@@ -203,7 +217,7 @@ class FusedDecode:
         embeds = torch.randn(rows, self.model.config.hidden_size).to(cache.k[0].dtype)
         steps = {"stack": lambda: self(embeds.clone(), positions, plan),
                  "layers": lambda: self.model(embeds.clone(), positions, PagedAttention(cache, plan, Workspace()))}
-        if self.tiled is not None and rows > decode_stack_cpu.TILES_ABOVE:
+        if self.tiled is not None and rows > 1:
             steps["tiles"] = lambda: self._run(self.tiled, embeds.clone(), positions, plan)
         return steps
 

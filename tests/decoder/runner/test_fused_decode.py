@@ -81,9 +81,10 @@ def test_decode_steps_match_the_layers(folders, name, variant):
     fused, layers = runners(folders[name], variant)
     widest = 4 if variant in FEW else 64
     assert fused.decode_stack.startswith(f"cpp rows<={widest}; timed 1 row 1000.0 vs 2000.0 ms")
-    # Steps above 4 rows run the panels wherever the CPU runs them for the dtype and a projection fits
-    # (every case has one: a 64-wide hidden or a 192-wide gate_up), so the comparison below covers them;
-    # int8 and grouped weights never take them (above 4 rows, the tiles variants run widen_gemm instead).
+    # Steps of 2 rows and more run the panels (the timer has them win at every count from 2) wherever the CPU runs
+    # them for the dtype and a projection fits (every case has one: a 64-wide hidden or a 192-wide gate_up), so the
+    # comparison below covers them; int8 and grouped weights never take them (above their few-row kernel's rows, the
+    # tiles variants run widen_gemm instead).
     dtype = fused.cache.k[0].dtype
     dense = [m.weight for layer in fused.model.model.layers
              for m in (layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up, layer.mlp.down_proj)
@@ -91,8 +92,8 @@ def test_decode_steps_match_the_layers(folders, name, variant):
     # (bf16 on a CPU with AMX: the tile unit's panels, which take any bf16 weight)
     amx = dtype == torch.bfloat16 and widen_gemm_cpu.amx() and bool(dense)
     tiles = variant not in FEW and (amx or tile_gemm_cpu.available(dtype) and any(map(tile_gemm_cpu.fits, dense)))
-    assert fused.fused_decode.tiles == tiles
-    assert fused.decode_stack.endswith(f"tiles {'on' if tiles else 'n/a'})")
+    assert fused.fused_decode.tiles == tiles and fused.fused_decode.tiles_above == (1 if tiles else 4)
+    assert fused.decode_stack.endswith(f"tiles {'on from 2 rows' if tiles else 'n/a'})")
     g = random.Random(5)
     prompts = [[g.randrange(4, 160) for _ in range(3 + 2 * i)] for i in range(16)]
     seqs = {r: [Seq(f"s{i}", list(p)) for i, p in enumerate(prompts)] for r in "fl"}
@@ -128,12 +129,12 @@ def test_the_choice_is_made_from_measurement(folders):
     def timer(path, rows, fn):
         seen.append((path, rows))
         fn()
-        return {"stack": 1.0 + (rows >= 3) * 5, "layers": 2.0}[path]
+        return {"stack": 1.0 + (rows >= 3) * 5, "layers": 2.0, "tiles": 9.0}[path]
 
     fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, ExecutionPlan(),
                                        timer=timer)
     assert fused.max_rows == 2 and summary.startswith("cpp rows<=2; timed 1 row 1000.0 vs 2000.0 ms")
-    assert seen == [(path, rows) for rows in (1, 2, 3) for path in ("stack", "layers")]
+    assert [s for s in seen if s[0] != "tiles"] == [(path, rows) for rows in (1, 2, 3) for path in ("stack", "layers")]
     assert all(not k.any() for k in runner.cache.k) and all(not v.any() for v in runner.cache.v)
 
     fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, ExecutionPlan(),
@@ -156,18 +157,22 @@ PANEL_VARIANTS = [v for v, dtype in (("bf16", torch.bfloat16), ("fp32", torch.fl
                   if tile_gemm_cpu.available(dtype)]
 
 
-# (tiles' time at 16 rows, at 64 rows, kept) with the stack at 1.0 at both: kept only when faster at
-# each and by WIN over both.
-PANEL_CHOICES = [(0.5, 1.5, False),     # slower at 64 rows
-                 (0.7, 1.01, False),    # ahead by 15% over both, but slower at 64 rows
-                 (0.98, 0.98, False),   # faster at each, but by 2% only
-                 (0.9, 0.99, True)]     # faster at each, by 5.8% over both
+# (tiles' time at 2, 3 and 4 rows, at 16 rows, at 64 rows, kept, the fewest rows they run at) with the stack at 1.0:
+# kept only when faster at 16 and 64 rows and by the tie rule over both; then they run from the fewest rows down to
+# which they beat the stack at every count.
+PANEL_CHOICES = [((0.5, 0.5, 0.5), 0.5, 1.5, False, None),     # slower at 64 rows
+                 ((0.7, 0.7, 0.7), 0.7, 1.01, False, None),    # ahead by 15% over both, but slower at 64 rows
+                 ((0.98, 0.98, 0.98), 0.98, 0.98, False, None),   # faster at each, but by 2% only
+                 ((0.9, 0.9, 0.9), 0.9, 0.99, True, 2),         # faster at each, by 5.8% over both, and at 2-4 rows
+                 ((1.0, 0.9, 0.9), 0.9, 0.99, True, 3),         # tied at 2 rows
+                 ((0.9, 1.0, 0.9), 0.9, 0.99, True, 4),         # tied at 3 rows: not at 2 either
+                 ((0.9, 0.9, 1.0), 0.9, 0.99, True, 5)]         # tied at 4 rows: above 4 only
 
 
 @pytest.mark.skipif(not PANEL_VARIANTS, reason="no AVX-512: the panels are never built here "
                     "(test_decode_steps_match_the_layers checks that)")
-@pytest.mark.parametrize("at16,at64,kept", PANEL_CHOICES)
-def test_the_panels_run_only_where_they_were_faster(folders, at16, at64, kept):
+@pytest.mark.parametrize("few,at16,at64,kept,least", PANEL_CHOICES)
+def test_the_panels_run_only_where_they_were_faster(folders, few, at16, at64, kept, least):
     runner = Runner.from_folder(folders[CASES[0]], PANEL_VARIANTS[0], block_size=BLOCK, num_blocks=BLOCKS,
                                 fast_paths=PINS)
     seen = []
@@ -175,14 +180,15 @@ def test_the_panels_run_only_where_they_were_faster(folders, at16, at64, kept):
     def timer(path, rows, fn):
         seen.append((path, rows))
         fn()
-        return {"stack": 1.0, "layers": 2.0, "tiles": at16 if rows < 64 else at64}[path]
+        return {"stack": 1.0, "layers": 2.0, "tiles": few[rows - 2] if rows <= 4 else at16 if rows < 64 else at64}[path]
 
     fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, ExecutionPlan(),
                                        timer=timer)
     assert fused.tiles == kept and fused.tiled is None and fused.max_rows == 64
     assert f"16 rows 1000.0 (tiles {at16 * 1000:.1f}) vs 2000.0 ms" in summary
-    assert summary.endswith(f"tiles {'on' if kept else 'off'})")
-    assert [rows for path, rows in seen if path == "tiles"] == [16, 64]
+    assert summary.endswith(f"tiles {f'on from {least} rows' if kept else 'off'})")
+    assert fused.tiles_above == (least - 1 if kept else decode_stack_cpu.TILES_ABOVE)
+    assert [rows for path, rows in seen if path == "tiles"] == [2, 3, 4, 16, 64]
 
 
 def test_when_it_stays_off(folders):
