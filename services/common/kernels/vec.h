@@ -25,8 +25,9 @@ namespace tessera_vec {
 // rows costs about what one row does) and each row's sums are those of its own one-row call.
 constexpr int64_t PASS_ROWS = 4, MAX_ROWS = 2 * PASS_ROWS;
 
-// f(std::integral_constant<int, M>) for the call's row count M in [1, MAX_ROWS]: each kernel is a template on M,
-// so its rows' accumulators are registers. who: the kernel's name for the refusal.
+// f(std::integral_constant<int, M>) for the call's row count M in [1, MAX_ROWS] (the few-row matmuls', and the
+// blocks of rows of the decoder's lora_rows.h): each kernel is a template on M, so its rows' accumulators are
+// registers. who: the kernel's name for the refusal.
 template <typename F>
 inline void with_rows(int64_t M, const char* who, F&& f) {
   switch (M) {

@@ -33,6 +33,7 @@ using tessera_glue::rnd;
 using tessera_vec::widen;
 
 constexpr int BLOCK = 8;  // rows sharing one read of their adapter's rows: their accumulators fill the registers
+static_assert(BLOCK <= tessera_vec::MAX_ROWS, "a block's rows are one of tessera_vec::with_rows' counts");
 
 // Up to BLOCK rows with one (offset, rank).
 struct Block {
@@ -329,21 +330,6 @@ void block(const XR* const* x, Y* const* y, const W* a, const W* bt, int64_t K, 
 #endif
 }
 
-// f(std::integral_constant<int, R>) for R = count in [1, BLOCK].
-template <typename F>
-inline void with_count(int64_t count, F&& f) {
-  switch (count) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 7: return f(std::integral_constant<int, 7>{});
-    default: return f(std::integral_constant<int, 8>{});
-  }
-}
-
 
 // A task's least work, in arena weights read (and multiplied by a block's rows): below twice it a call runs on one
 // thread. Which of the two wins depends on the CPU and the dtype (a split adds the threads' wake-up, a lone thread
@@ -429,7 +415,7 @@ void rows(const Job<X, W, Y>* jobs, int count, int64_t grain) {
         next = NJ.A + tasks[i + 1].block.offset * NJ.K;
         next_bytes = tasks[i + 1].block.rank * NJ.K * sizeof(W);
       }
-      with_count(b.count, [&](auto R) {
+      tessera_vec::with_rows(b.count, "lora rows", [&](auto R) {
         block<R.value, ROUND>(xs, ys, a, bt, K, N, b.rank, h.data(), d.data(), hp.data(), next, next_bytes);
       });
     }
