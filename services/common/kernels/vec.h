@@ -21,8 +21,7 @@ namespace tessera_vec {
 
 // The few-row matmuls (the decoder's gemv.h, gemv_bf16.h, gemv_grouped.h) keep the accumulators of PASS_ROWS rows of
 // x in registers at once, and take up to MAX_ROWS rows a call: the rows past PASS_ROWS take each weight row again
-// while it is in L1, so the weights are read from memory once (a speculative verification step of 1 + 4 drafts
-// rows costs about what one row does) and each row's sums are those of its own one-row call.
+// while it is in L1, so the weights are read from memory once, and each row's sums are those of its own one-row call.
 constexpr int64_t PASS_ROWS = 4, MAX_ROWS = 2 * PASS_ROWS;
 
 // f(std::integral_constant<int, M>) for the call's row count M in [1, MAX_ROWS] (the few-row matmuls', and the
