@@ -135,14 +135,16 @@ class GrammarCompiler:
         log.info("structured outputs ready: xgrammar %s, %s vocabulary of %d, stop tokens %s (%.2f s)",
                  version("xgrammar"), info.vocab_type.name, info.vocab_size, list(stop_token_ids),
                  time.perf_counter() - start)
-        self._vocabulary.set_result(vocab)
-        # Pinned: the one input-free grammar, asked for by any client, never waits behind a crafted compile.
+        # Pinned: the one input-free grammar, asked for by any client, never waits behind a crafted compile. Queued
+        # before the vocabulary is published, so no request waiting on it can take the compile threads first (its
+        # compile waits on the vocabulary for the moment until the line after).
         json_object = GrammarSpec.json_object()
         try:
             self._cache.get_or_start(json_object.key, lambda: self._pool.submit(self._compile, json_object),
                                      pin=True)
         except RuntimeError:
             pass    # closed before the vocabulary was ready: nothing is served any more
+        self._vocabulary.set_result(vocab)
 
     @property
     def cache(self) -> FutureCache:
