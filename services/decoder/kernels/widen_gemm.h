@@ -13,7 +13,8 @@
 //
 // The product is in dot-product form: a tile of up to MR rows of x and NR rows of the buffer keeps MR x NR
 // accumulators of 16 fp32 lanes along k (bf16: vdpbf16ps, a pair of products a lane, exact in fp32; fp32:
-// FMA), each reduced to its sum once at the end. x and the buffer are interleaved by vectors of STEP inputs
+// FMA), each reduced to its sum once at the end. CPUs with AVX2 and FMA but no AVX-512 multiply in fp32 in
+// another form (widen_gemm_avx2.h). x and the buffer are interleaved by vectors of STEP inputs
 // (a tile's rows' k-th vectors side by side), so a tile reads both in order: rows of x and of the weight
 // 4 KiB apart (K = 2048 in bf16) fell into the same L1 sets and ran the tile at a third of its speed.
 // Rows of x past M and buffer rows past N are zeros whose sums are dropped, as are inputs past K.
@@ -35,15 +36,30 @@
 
 #include "tile_gemm.h"
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TESSERA_WIDEN_AVX2
+#endif
+#if defined(__AVX512F__) || defined(TESSERA_WIDEN_AVX2)
+#define TESSERA_WIDEN
+#endif
+#ifdef TESSERA_WIDEN_AVX2
+#include "widen_gemm_avx2.h"
+#endif
+
 namespace tessera_widen {
 
 constexpr int64_t BLOCK = 32;  // weight rows a thread widens at a time (bf16, K = 8192: 512 KiB, in L2)
 constexpr int NR = 4;          // buffer rows per tile
 constexpr int MR = 6;          // rows of x per tile: 24 accumulators, 4 weight vectors and 1 of x in registers
 
-// Whether this build multiplies in a dtype: the instruction sets tile_gemm.h's panels need (AVX-512; for bf16
-// also the bf16 dot product).
-using tessera_tiles::available;
+// Whether this build multiplies in a dtype: fp32 with AVX-512 or AVX2 and FMA, bf16 with the bf16 dot product.
+inline bool available(at::ScalarType t) {
+#ifdef TESSERA_WIDEN
+  return t == at::kBFloat16 ? tessera_tiles::AVAILABLE_BF16 : t == at::kFloat;
+#else
+  return false;
+#endif
+}
 
 // fp32 -> bf16 by round to nearest even, as c10::BFloat16 rounds (the values here are finite).
 inline uint16_t to_bf16_bits(float f) {
@@ -51,6 +67,14 @@ inline uint16_t to_bf16_bits(float f) {
   std::memcpy(&u, &f, 4);
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
+
+// Inputs per vector of T (the interleaving's unit): 16 fp32 (AVX2: 8) or 32 bf16.
+template <typename T>
+#ifdef TESSERA_WIDEN_AVX2
+constexpr int64_t STEP = std::is_same_v<T, float> ? 8 : 32;
+#else
+constexpr int64_t STEP = std::is_same_v<T, float> ? 16 : 32;
+#endif
 
 #ifdef __AVX512F__
 // 16 codes (bytes) -> scale * code + offset in fp32 (exact product: a code has at most 8 bits, an fp16 scale
@@ -67,15 +91,34 @@ inline void store16(__m512 v, T* dst) {
   }
 }
 
+// Codes k .. k + 15 of a row into at(k): one vector (a step holds 16 or 32 inputs).
+template <typename T, typename At>
+inline void widen16(__m128i codes, __m512 s, __m512 o, At at, int64_t k) {
+  store16(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)), s, o), at(k));
+}
+#elif defined(TESSERA_WIDEN_AVX2)
+// 8 values in fp32 stored as T (bf16: rounded to nearest even, as above).
 template <typename T>
-inline void widen16(__m128i codes, __m512 s, __m512 o, T* dst) {
-  store16(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)), s, o), dst);
+inline void store8(__m256 v, T* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm256_storeu_ps(dst, v);
+  } else {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    // packus pairs 128-bit halves: [r0..3 r0..3 | r4..7 r4..7]; 64-bit elements 0 and 2 are r0..7.
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(p));
+  }
+}
+
+// Codes k .. k + 15 of a row into at(k) and at(k + 8): an fp32 step holds 8 inputs.
+template <typename T, typename At>
+inline void widen16(__m128i codes, __m256 s, __m256 o, At at, int64_t k) {
+  store8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), s, o), at(k));
+  store8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8))), s, o), at(k + 8));
 }
 #endif
-
-// Inputs per vector of T (the interleaving's unit): 16 fp32 or 32 bf16.
-template <typename T>
-constexpr int64_t STEP = std::is_same_v<T, float> ? 16 : 32;
 
 // One weight row (K inputs, groups of G, `bits`-bit codes in grouped.py's layout) dequantized: input k goes to
 // dst[(k / STEP) * stride + k % STEP] (stride STEP: a plain row).
@@ -88,21 +131,25 @@ inline void dequantize_row(const uint8_t* wn, const at::Half* sn, const at::Half
     const float s = static_cast<float>(sn[g]), o = static_cast<float>(on[g]);
     const uint8_t* b = wn + g * gb;
     const int64_t k0 = g * G;
-    auto at = [&](int64_t i) { return dst + (k0 + i) / S * stride + (k0 + i) % S; };  // i: a multiple of 16
+    auto at = [&](int64_t i) { return dst + (k0 + i) / S * stride + (k0 + i) % S; };  // i: a multiple of 8
+#ifdef TESSERA_WIDEN
 #ifdef __AVX512F__
     const __m512 vs = _mm512_set1_ps(s), vo = _mm512_set1_ps(o);
+#else
+    const __m256 vs = _mm256_set1_ps(s), vo = _mm256_set1_ps(o);
+#endif
     const __m128i low = _mm_set1_epi8(0x0F);
     if (bits == 8) {
       for (int64_t i = 0; i < G; i += 16)
-        widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)), vs, vo, at(i));
+        widen16<T>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)), vs, vo, at, i);
     } else if (G == 32) {  // 16 bytes: codes 0..15 in the low nibbles, 16..31 in the high ones
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-      widen16(_mm_and_si128(raw, low), vs, vo, at(0));
-      widen16(_mm_and_si128(_mm_srli_epi16(raw, 4), low), vs, vo, at(16));
+      widen16<T>(_mm_and_si128(raw, low), vs, vo, at, 0);
+      widen16<T>(_mm_and_si128(_mm_srli_epi16(raw, 4), low), vs, vo, at, 16);
     } else {  // G == 16: 8 bytes, codes 0..7 low, 8..15 high
       const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b));
-      widen16(_mm_unpacklo_epi64(_mm_and_si128(raw, low), _mm_and_si128(_mm_srli_epi16(raw, 4), low)), vs, vo,
-              at(0));
+      widen16<T>(_mm_unpacklo_epi64(_mm_and_si128(raw, low), _mm_and_si128(_mm_srli_epi16(raw, 4), low)), vs, vo,
+                 at, 0);
     }
 #else
     for (int64_t i = 0; i < G; i += 16) {
@@ -166,16 +213,16 @@ inline void tile(const T* xt, const T* wt, int64_t steps, float (*sums)[NR]) {
   for (int m = 0; m < R; ++m) _mm_storeu_ps(sums[m], sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
 }
 
-template <typename T>
+#endif
+
+#ifdef __AVX512F__
+// A tile of `rows` (1 .. MR) rows of x.
+template <typename T, int R = 1>
 inline void tile_rows(int64_t rows, const T* xt, const T* wt, int64_t steps, float (*sums)[NR]) {
-  switch (rows) {
-    case 1: return tile<1>(xt, wt, steps, sums);
-    case 2: return tile<2>(xt, wt, steps, sums);
-    case 3: return tile<3>(xt, wt, steps, sums);
-    case 4: return tile<4>(xt, wt, steps, sums);
-    case 5: return tile<5>(xt, wt, steps, sums);
-    default: return tile<MR>(xt, wt, steps, sums);
+  if constexpr (R < MR) {
+    if (rows != R) return tile_rows<T, R + 1>(rows, xt, wt, steps, sums);
   }
+  tile<R>(xt, wt, steps, sums);
 }
 #endif
 
@@ -197,6 +244,22 @@ struct Grouped {
     dequantize_row(codes + n * (K * bits / 8), scale + n * ng, offset + n * ng, K, G, bits, dst, stride);
   }
   float row_scale(int64_t) const { return 1.f; }
+#ifdef TESSERA_WIDEN_AVX2
+  // Inputs k0 .. k0 + 7 of row n in fp32 (k0 a multiple of 8: one group, G being 16 or 32).
+  __m256 vec8(int64_t n, int64_t k0) const {
+    const int64_t g = k0 / G, i = k0 % G, ng = K / G;
+    const uint8_t* b = codes + n * (K * bits / 8) + g * (G * bits / 8);
+    __m128i c;
+    if (bits == 8) {
+      c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + i));
+    } else {  // byte j: code j in the low nibble, code j + G / 2 in the high one
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + i % (G / 2)));
+      c = _mm_and_si128(i < G / 2 ? raw : _mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+    }
+    const float s = _cvtsh_ss(scale[n * ng + g].x), o = _cvtsh_ss(offset[n * ng + g].x);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)), _mm256_set1_ps(s), _mm256_set1_ps(o));
+  }
+#endif
 };
 
 // An int8 weight with a scale per row: the codes widened (exact in bf16 and fp32), the scale on the sums.
@@ -216,11 +279,20 @@ struct Int8Rows {
       for (; i + 16 <= n_in; i += 16)
         store16(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + k0 + i)))),
                 d + i);
+#elif defined(TESSERA_WIDEN_AVX2)
+      for (; i + 8 <= n_in; i += 8)
+        store8(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qn + k0 + i)))),
+               d + i);
 #endif
       for (; i < n_in; ++i) d[i] = from_float<T>(static_cast<float>(qn[k0 + i]));
     }
   }
   float row_scale(int64_t n) const { return scale[n]; }
+#ifdef TESSERA_WIDEN_AVX2
+  __m256 vec8(int64_t n, int64_t k0) const {  // the codes k0 .. k0 + 7 of row n in fp32
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + n * K + k0))));
+  }
+#endif
 };
 
 // y [M, N] in X = x [M, K] @ w^T (* the rows' scales) (+ bias [N] fp32), X float or BFloat16, w one of the
@@ -230,7 +302,9 @@ template <typename X, typename T, typename Source>
 inline void gemm(const X* x, int64_t M, const Source& w, int64_t N, int64_t K, const float* bias, X* y) {
   TORCH_CHECK(available(c10::CppTypeToScalarType<T>::value), "widen_gemm: this build has no kernel for ",
               c10::CppTypeToScalarType<T>::value, " products");
-#ifdef __AVX512F__
+#ifdef TESSERA_WIDEN_AVX2
+  if constexpr (std::is_same_v<X, float> && std::is_same_v<T, float>) tessera_widen_avx2::gemm(x, M, w, N, K, bias, y);
+#elif defined(__AVX512F__)
   constexpr int64_t S = STEP<T>;
   const int64_t steps = (K + S - 1) / S, tiles = (M + MR - 1) / MR;
   // x interleaved: tile t, step s, row r of the tile -> xp[((t * steps + s) * MR + r) * S ...], zeros past M and K.

@@ -1,10 +1,10 @@
 """Many-row matmul on CPU over quantized weights widened block by block in cache: grouped 4/8-bit weights
-(model/grouped.py's layout) and int8 weights with a scale per output row (model/quantization.py), on AVX-512 dot
-products ("dot") or on the tile unit ("amx"); a bf16 weight's panels for the tile unit (pack_panels,
+(model/grouped.py's layout) and int8 weights with a scale per output row (model/quantization.py), on AVX-512 or
+AVX2 dot products ("dot") or on the tile unit ("amx"); a bf16 weight's panels for the tile unit (pack_panels,
 gemm_panels: the decode stack's); and a grouped weight's dequantization to fp32 or bf16. A C++ operator.
 
 The kernel is widen_gemm_cpu.cpp next to this file (widen_gemm.h, amx_gemm.h), compiled once per machine by
-native.load (`make kernels`); the matmul needs AVX-512 (for products in bf16 also the bf16 dot product:
+native.load (`make kernels`); the matmul needs AVX-512 or AVX2 with FMA (for products in bf16 AVX-512's bf16 dot product:
 `products_for`; "amx" and the panels AMX with bf16: `amx`), the dequantization runs everywhere. Their torch
 references are gemv_grouped_cpu.dequantize (the weight in fp32, then rounded to the dtype: equal bit for bit)
 and F.linear over it with x in the products' dtype (the matmul: the same products, fp32 sums in another order);
@@ -22,7 +22,8 @@ from services.common import native
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 DTYPES = (torch.float32, torch.bfloat16)    # the activations and dequantized weights it takes
-# Where the products run: the AVX-512 (bf16) dot product (widen_gemm.h) or the tile unit (AMX, amx_gemm.h).
+# Where the products run: vector FMAs or AVX-512's bf16 dot product (widen_gemm.h), or the tile unit (AMX,
+# amx_gemm.h).
 KERNELS = ("dot", "amx")
 # The execution plan's many-row paths (int8_gemm, grouped_matmul) that run here, and the kernel of each.
 PATH_KERNELS = {"tiles": "dot", "amx": "amx"}
@@ -32,8 +33,8 @@ load = OPERATOR.load      # the compiled module; native.BuildError with the reas
 
 
 def runs(products: torch.dtype) -> bool:
-    """Whether this build computes the matmul's products in `products` (fp32: AVX-512; bf16: also the bf16 dot
-    product)."""
+    """Whether this build computes the matmul's products in `products` (fp32: AVX-512, or AVX2 with FMA; bf16:
+    AVX-512's bf16 dot product)."""
     if products not in DTYPES:
         return False
     try:

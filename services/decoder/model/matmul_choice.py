@@ -429,8 +429,8 @@ def choose_grouped_matmul(model: nn.Module, record: execution.ExecutionPlan, tim
     if pin not in (execution.AUTO, default) and not any(pin in paths for paths in usable.values()):
         why = {"int4pack": f"no grouped weight fits torch's 4-bit kernel (4-bit, groups of {grouped.INT4PACK_GROUP}, "
                            f"out_features a multiple of {grouped.INT4PACK_N})",
-               "tiles": "this CPU or build has no widen_gemm_cpu kernel for the model's dtype (it needs AVX-512, "
-                        "and for bf16 the bf16 dot product)",
+               "tiles": "this CPU or build has no widen_gemm_cpu kernel for the model's dtype (it needs AVX-512 or "
+                        "AVX2 with FMA, and for bf16 the bf16 dot product)",
                "amx": widen_gemm_cpu.NO_TILE_UNIT}[pin]
         raise ValueError(f"--fast-paths {name}={pin}: {why}")
     chosen: dict[str, list[str]] = {}

@@ -28,7 +28,7 @@ path of the execution plan, chosen per weight shape at load by model/matmul_choi
   the remainder's at a 254x finer one), both summed exactly in int32 by torch's int8 GEMM (torch._int_mm:
   oneDNN, VNNI or AMX) in one call over twice the rows, then multiplied by the rows' and the output
   channels' scales. The activations lose less than bf16 rounding loses (`dynamic_linear`).
-- `tiles`: kernels/widen_gemm_cpu, where the CPU has AVX-512: each thread widens 32 rows of the weight at a
+- `tiles`: kernels/widen_gemm_cpu, where the CPU has AVX-512 or AVX2 with FMA: each thread widens 32 rows of the weight at a
   time into a buffer in its cache and multiplies every activation row against it (in bf16 where the CPU has
   the bf16 dot product, as `dequant`; else in fp32), the fp32 sums times the rows' scales. No library call
   per tile, and no bf16 rounding of the sums before the scales.
@@ -180,7 +180,7 @@ def unusable(name: str, dtype: torch.dtype) -> str:
         return ("torch._int_mm's int32 sums are not exact on this CPU's dispatch (AVX2 byte multiply-adds "
                 "saturate)")
     if name == "tiles" and not widen_gemm_cpu.available(dtype):
-        return f"this CPU or build has no widen_gemm_cpu kernel for {dtype} (it needs AVX-512)"
+        return f"this CPU or build has no widen_gemm_cpu kernel for {dtype} (it needs AVX-512 or AVX2 with FMA)"
     if name == "amx" and widen_gemm_cpu.products_for(dtype, "amx") is None:
         return widen_gemm_cpu.NO_TILE_UNIT
     return ""

@@ -18,9 +18,9 @@ from tests.tolerance import assert_close
 pytestmark = pytest.mark.numerics
 
 FLAGS = set(Path("/proc/cpuinfo").read_text().split())
-# What the matmul needs per products' dtype: AVX-512, and for bf16 the bf16 dot product.
-NEEDS = {torch.float32: {"avx512f"}, torch.bfloat16: {"avx512f", "avx512_bf16"}}
-RUNS = {dtype: needs <= FLAGS for dtype, needs in NEEDS.items()}
+# What the matmul needs per products' dtype: AVX-512 or AVX2 with FMA, and for bf16 the bf16 dot product.
+NEEDS = {torch.float32: ({"avx512f"}, {"avx2", "fma"}), torch.bfloat16: ({"avx512f", "avx512_bf16"},)}
+RUNS = {dtype: any(needs <= FLAGS for needs in options) for dtype, options in NEEDS.items()}
 # The tile unit's kernel needs AMX's tiles and bf16 products (and Linux's leave, which these kernels have).
 AMX = {"amx_tile", "amx_bf16"} <= FLAGS
 # (x's dtype, the products', the kernel): every triple the module computes, each where this CPU runs it.
