@@ -245,19 +245,11 @@ struct Grouped {
   }
   float row_scale(int64_t) const { return 1.f; }
 #ifdef TESSERA_WIDEN_AVX2
-  // Inputs k0 .. k0 + 7 of row n in fp32 (k0 a multiple of 8: one group, G being 16 or 32).
-  __m256 vec8(int64_t n, int64_t k0) const {
-    const int64_t g = k0 / G, i = k0 % G, ng = K / G;
-    const uint8_t* b = codes + n * (K * bits / 8) + g * (G * bits / 8);
-    __m128i c;
-    if (bits == 8) {
-      c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + i));
-    } else {  // byte j: code j in the low nibble, code j + G / 2 in the high one
-      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + i % (G / 2)));
-      c = _mm_and_si128(i < G / 2 ? raw : _mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
-    }
-    const float s = _cvtsh_ss(scale[n * ng + g].x), o = _cvtsh_ss(offset[n * ng + g].x);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)), _mm256_set1_ps(s), _mm256_set1_ps(o));
+  // Inputs k0 .. k0 + len - 1 of row n into dst in fp32 (k0 and len multiples of G, which is 16 or 32).
+  void part(int64_t n, int64_t k0, int64_t len, float* dst) const {
+    const int64_t g0 = k0 >> (G == 32 ? 5 : 4), ng = K >> (G == 32 ? 5 : 4);
+    dequantize_row(codes + n * (K * bits / 8) + g0 * (G * bits / 8), scale + n * ng + g0, offset + n * ng + g0, len,
+                   G, bits, dst, STEP<float>);
   }
 #endif
 };
@@ -289,8 +281,10 @@ struct Int8Rows {
   }
   float row_scale(int64_t n) const { return scale[n]; }
 #ifdef TESSERA_WIDEN_AVX2
-  __m256 vec8(int64_t n, int64_t k0) const {  // the codes k0 .. k0 + 7 of row n in fp32
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + n * K + k0))));
+  void part(int64_t n, int64_t k0, int64_t len, float* dst) const {  // codes k0 .. k0 + len - 1 of row n (len % 8 == 0)
+    for (int64_t i = 0; i < len; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + n * K + k0 + i)))));
   }
 #endif
 };

@@ -1,10 +1,10 @@
 // widen_gemm.h's many-row matmul on CPUs with AVX2 and FMA but no AVX-512 (Zen 2, Zen 3, older Xeons):
-// y[m, n] = sum_k x[m, k] * w[n, k] in fp32, w widened from its codes (Source::vec8) into panels in cache.
+// y[m, n] = sum_k x[m, k] * w[n, k] in fp32, w widened from its codes (Source::part) into panels in cache.
 //
 // Why not widen_gemm.h's dot-product form: with 16 vector registers its tile is 3 rows of x by 4 weight rows,
 // 7 loads for 12 FMAs, and a 2-core Zen 3 ran it at half the library's fp32 GFLOP/s. Here the product is in
 // outer-product form, as the BLAS kernels are: a panel holds PANEL weight rows transposed (input k's 16 weights
-// side by side), widened 8 x 8 at a time through a register transpose; a tile of up to PR rows of x keeps
+// side by side), widened a few rows of inputs at a time and transposed 8 x 8 in registers; a tile of up to PR rows of x keeps
 // PR x 2 vectors of sums, each input of x broadcast once against the panel's two vectors: 12 FMAs for 2 loads
 // and 6 broadcasts. Every sum is one FMA chain over k = 0 .. K - 1 in order, so a row's result is the same
 // whatever the other rows of x, the tiles and the thread count.
@@ -23,6 +23,7 @@ namespace tessera_widen_avx2 {
 
 constexpr int64_t PANEL = 16;  // weight rows per panel: two 8-lane vectors of sums per row of x
 constexpr int PR = 6;          // rows of x per tile: 12 sums, 2 panel vectors and 1 broadcast in registers
+constexpr int64_t KC = 128;    // inputs of a panel widened at a time (a multiple of every group size)
 
 // Rows r[0..7] (8 inputs each) -> dst + j * ds for input j = 0..7 (8 rows side by side).
 inline void transpose_store(const __m256 (&r)[8], float* dst, int64_t ds) {
@@ -44,15 +45,22 @@ inline void transpose_store(const __m256 (&r)[8], float* dst, int64_t ds) {
 }
 
 // Weight rows n0 .. n0 + rows - 1 (rows <= PANEL) as a panel: input k's weights at panel[k * PANEL ..], zeros
-// for rows past `rows`.
+// for rows past `rows`. KC inputs of each row at a time are widened in a row-major scratch in L1 (Source::part,
+// the codes' own vector loop, a group's scale and offset taken once) and transposed from there.
 template <typename Source>
 inline void widen_panel(const Source& w, int64_t n0, int64_t rows, int64_t K, float* panel) {
+  alignas(32) static thread_local float scratch[PANEL * KC];
+  std::fill(scratch + rows * KC, scratch + PANEL * KC, 0.f);
   __m256 r[8];
-  for (int64_t k0 = 0; k0 < K; k0 += 8)
-    for (int64_t h = 0; h < PANEL; h += 8) {
-      for (int64_t i = 0; i < 8; ++i) r[i] = h + i < rows ? w.vec8(n0 + h + i, k0) : _mm256_setzero_ps();
-      transpose_store(r, panel + k0 * PANEL + h, PANEL);
-    }
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t len = std::min(KC, K - k0);
+    for (int64_t i = 0; i < rows; ++i) w.part(n0 + i, k0, len, scratch + i * KC);
+    for (int64_t k = 0; k < len; k += 8)
+      for (int64_t h = 0; h < PANEL; h += 8) {
+        for (int64_t i = 0; i < 8; ++i) r[i] = _mm256_load_ps(scratch + (h + i) * KC + k);
+        transpose_store(r, panel + (k0 + k) * PANEL + h, PANEL);
+      }
+  }
 }
 
 // Sums [R, PANEL] of x's rows (x, row stride K) against a panel, as one FMA chain per sum over k.
@@ -79,10 +87,11 @@ inline void tile_rows(int64_t rows, const float* x, int64_t K, const float* pane
   tile<R>(x, K, panel, acc);
 }
 
-// y [M, N] = x [M, K] @ w^T times the rows' scales (+ bias [N]), fp32 throughout; K a multiple of 8.
+// y [M, N] = x [M, K] @ w^T times the rows' scales (+ bias [N]), fp32 throughout; K a multiple of 16
+// (every int8 and grouped weight's: quantization.K_MULTIPLE, the groups).
 template <typename Source>
 inline void gemm(const float* x, int64_t M, const Source& w, int64_t N, int64_t K, const float* bias, float* y) {
-  TORCH_CHECK(K % 8 == 0, "widen_gemm: the AVX2 kernel takes K a multiple of 8, got ", K);
+  TORCH_CHECK(K % 16 == 0, "widen_gemm: the AVX2 kernel takes K a multiple of 16, got ", K);
   at::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t p0, int64_t p1) {
     static thread_local std::vector<float> panel;
     panel.resize(K * PANEL);
