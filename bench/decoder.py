@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import json
 import statistics
 import sys
@@ -84,6 +85,10 @@ class Tessera:
         self.cfg = EngineConfig(block_size=16, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                 max_num_seqs=max_seqs, max_model_len=4096)
         self.cold()
+        # As the service does once its models are loaded (services/common/server.py, ready): what is loaded is
+        # frozen, so the collector's full passes during steps walk only what the steps allocated.
+        gc.collect()
+        gc.freeze()
 
     def cold(self) -> None:
         """A new engine core over the same runner: every block free, nothing in the prefix cache."""

@@ -80,8 +80,8 @@ def main(argv=None) -> None:
                     others = [s for p, s in best.items() if p.startswith(fmt) and p.split()[1] not in WIDEN]
                     if path in best and others:
                         ratios[path].append(min(others) / best[path])
-    print("widened in cache (tiles: vector FMAs or bf16 dot products; amx: the tile unit) vs the best other path of the format "
-          "(geometric mean): " + "; ".join(f"{path} {math.exp(sum(map(math.log, r)) / len(r)):.2f}x"
+    print("widened in cache (tiles: vector FMAs or bf16 dot products; amx: the tile unit) vs the best other path of "
+          "the format (geometric mean): " + "; ".join(f"{path} {math.exp(sum(map(math.log, r)) / len(r)):.2f}x"
                                            for path, r in ratios.items() if r))
 
 

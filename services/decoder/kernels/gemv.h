@@ -45,6 +45,15 @@ using tessera_vec::MAX_ROWS;  // rows of x per call (gemv_cpu.MAX_ROWS), PASS_RO
 template <typename F>
 inline void with_rows(int64_t M, F&& f) { tessera_vec::with_rows(M, "gemv", f); }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The sum of 8 lanes (the AVX2 loops', and the int8 one's on AVX-512 CPUs without VNNI).
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 #ifdef __AVX512F__
 #define TESSERA_GEMV_ROW1 1
 // 16 weights widened to fp32 (lanes past `mask` read as zero and are never loaded).
@@ -104,11 +113,6 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 template <typename W, int M>
 inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, int64_t N, int64_t ahead) {

@@ -4,8 +4,8 @@ AVX2 dot products ("dot") or on the tile unit ("amx"); a bf16 weight's panels fo
 gemm_panels: the decode stack's); and a grouped weight's dequantization to fp32 or bf16. A C++ operator.
 
 The kernel is widen_gemm_cpu.cpp next to this file (widen_gemm.h, amx_gemm.h), compiled once per machine by
-native.load (`make kernels`); the matmul needs AVX-512 or AVX2 with FMA (for products in bf16 AVX-512's bf16 dot product:
-`products_for`; "amx" and the panels AMX with bf16: `amx`), the dequantization runs everywhere. Their torch
+native.load (`make kernels`); the matmul needs AVX-512 or AVX2 with FMA (for products in bf16 AVX-512's bf16 dot
+product: `products_for`; "amx" and the panels AMX with bf16: `amx`), the dequantization runs everywhere. Their torch
 references are gemv_grouped_cpu.dequantize (the weight in fp32, then rounded to the dtype: equal bit for bit)
 and F.linear over it with x in the products' dtype (the matmul: the same products, fp32 sums in another order);
 for int8, F.linear over the codes, times the scales. Whether a shape's many-row matmul runs here or on another
