@@ -29,8 +29,9 @@ path of the execution plan, chosen per weight shape at load by model/matmul_choi
   oneDNN, VNNI or AMX) in one call over twice the rows, then multiplied by the rows' and the output
   channels' scales. The activations lose less than bf16 rounding loses (`dynamic_linear`).
 - `tiles`: kernels/widen_gemm_cpu, where the CPU has AVX-512 or AVX2 with FMA: each thread widens 32 rows of the
-  weight at a time (AVX2: 16, kernels/widen_gemm_avx2.h) into a buffer in its cache and multiplies every activation row against it (in bf16 where the CPU has
-  the bf16 dot product, as `dequant`; else in fp32), the fp32 sums times the rows' scales. No library call
+  weight at a time (AVX2: 16, kernels/widen_gemm_avx2.h) into a buffer in its cache and multiplies every
+  activation row against it (in bf16 where the CPU has the bf16 dot product, as `dequant`; else in fp32), the
+  fp32 sums times the rows' scales. No library call
   per tile, and no bf16 rounding of the sums before the scales.
 """
 from __future__ import annotations
