@@ -68,13 +68,9 @@ inline uint16_t to_bf16_bits(float f) {
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-// Inputs per vector of T (the interleaving's unit): 16 fp32 (AVX2: 8) or 32 bf16.
+// Inputs per vector of T (the interleaving's unit): 16 fp32 or 32 bf16.
 template <typename T>
-#ifdef TESSERA_WIDEN_AVX2
-constexpr int64_t STEP = std::is_same_v<T, float> ? 8 : 32;
-#else
 constexpr int64_t STEP = std::is_same_v<T, float> ? 16 : 32;
-#endif
 
 #ifdef __AVX512F__
 // 16 codes (bytes) -> scale * code + offset in fp32 (exact product: a code has at most 8 bits, an fp16 scale
@@ -112,7 +108,7 @@ inline void store8(__m256 v, T* dst) {
   }
 }
 
-// Codes k .. k + 15 of a row into at(k) and at(k + 8): an fp32 step holds 8 inputs.
+// Codes k .. k + 15 of a row into at(k) and at(k + 8) (a plain row here: the AVX2 matmul widens into panels).
 template <typename T, typename At>
 inline void widen16(__m128i codes, __m256 s, __m256 o, At at, int64_t k) {
   store8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), s, o), at(k));
@@ -213,16 +209,16 @@ inline void tile(const T* xt, const T* wt, int64_t steps, float (*sums)[NR]) {
   for (int m = 0; m < R; ++m) _mm_storeu_ps(sums[m], sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
 }
 
-#endif
-
-#ifdef __AVX512F__
-// A tile of `rows` (1 .. MR) rows of x.
-template <typename T, int R = 1>
+template <typename T>
 inline void tile_rows(int64_t rows, const T* xt, const T* wt, int64_t steps, float (*sums)[NR]) {
-  if constexpr (R < MR) {
-    if (rows != R) return tile_rows<T, R + 1>(rows, xt, wt, steps, sums);
+  switch (rows) {
+    case 1: return tile<1>(xt, wt, steps, sums);
+    case 2: return tile<2>(xt, wt, steps, sums);
+    case 3: return tile<3>(xt, wt, steps, sums);
+    case 4: return tile<4>(xt, wt, steps, sums);
+    case 5: return tile<5>(xt, wt, steps, sums);
+    default: return tile<MR>(xt, wt, steps, sums);
   }
-  tile<R>(xt, wt, steps, sums);
 }
 #endif
 
@@ -249,7 +245,7 @@ struct Grouped {
   void part(int64_t n, int64_t k0, int64_t len, float* dst) const {
     const int64_t g0 = k0 >> (G == 32 ? 5 : 4), ng = K >> (G == 32 ? 5 : 4);
     dequantize_row(codes + n * (K * bits / 8) + g0 * (G * bits / 8), scale + n * ng + g0, offset + n * ng + g0, len,
-                   G, bits, dst, STEP<float>);
+                   G, bits, dst, STEP<float>);  // stride STEP: a plain row
   }
 #endif
 };
@@ -271,10 +267,6 @@ struct Int8Rows {
       for (; i + 16 <= n_in; i += 16)
         store16(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + k0 + i)))),
                 d + i);
-#elif defined(TESSERA_WIDEN_AVX2)
-      for (; i + 8 <= n_in; i += 8)
-        store8(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qn + k0 + i)))),
-               d + i);
 #endif
       for (; i < n_in; ++i) d[i] = from_float<T>(static_cast<float>(qn[k0 + i]));
     }
