@@ -2,12 +2,12 @@
 // y[m, n] = sum_k x[m, k] * w[n, k] in fp32, w widened from its codes (Source::part) into panels in cache.
 //
 // Why not widen_gemm.h's dot-product form: with 16 vector registers its tile is 3 rows of x by 4 weight rows,
-// 7 loads for 12 FMAs, and a 2-core Zen 3 ran it at half the library's fp32 GFLOP/s. Here the product is in
+// 7 loads for 12 FMAs, and a Zen 3 ran it at half the library's fp32 GFLOP/s. Here the product is in
 // outer-product form, as the BLAS kernels are: a panel holds PANEL weight rows transposed (input k's 16 weights
-// side by side), widened a few rows of inputs at a time and transposed 8 x 8 in registers; a tile of up to PR rows of x keeps
-// PR x 2 vectors of sums, each input of x broadcast once against the panel's two vectors: 12 FMAs for 2 loads
-// and 6 broadcasts. Every sum is one FMA chain over k = 0 .. K - 1 in order, so a row's result is the same
-// whatever the other rows of x, the tiles and the thread count.
+// side by side), widened KC inputs at a time and transposed 8 x 8 in registers (widen_panel); a tile of up to
+// PR rows of x keeps PR x 2 vectors of sums, each input of x broadcast once against the panel's two vectors:
+// 12 FMAs for 2 loads and 6 broadcasts. Every sum is one FMA chain over k = 0 .. K - 1 in order, so a row's
+// result is the same whatever the other rows of x, the tiles and the thread count.
 #pragma once
 
 #include <ATen/Parallel.h>
