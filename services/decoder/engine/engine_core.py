@@ -87,21 +87,14 @@ class EngineCore:
         ids = choice_ids(request_id, n)
         if request_id in self._choices or any(i in self.scheduler.requests for i in ids):
             raise InvalidArgument(f"duplicate request id {request_id!r}", param="request_id")
-        # Waiting for the leader only pays when it will leave a full block to hit. Choices that score their
-        # prompt (prompt_logprobs) read no hits, so each computes its own.
-        share = n > 1 and self.config.enable_prefix_caching and len(prompt) > self.config.block_size \
-            and sampling.prompt_logprobs is None
-        leader = None
+        # The choices share the prompt's full blocks: the scheduler admits the others once the first has
+        # computed them (scheduler.py, a block another request is computing).
         for index, rid in enumerate(ids):
             child = sampling if n == 1 else replace(
                 sampling, n=1, seed=None if sampling.seed is None else sampling.seed + index)
             req = Request(rid, prompt, child, arrival_seq=next(self._arrivals), arrival_time=self._clock(),
                           parent_id=request_id, index=index, extra_keys=extra_keys, span_keys=span_keys,
                           images=images, adapter=adapter, grammar=grammar)
-            if leader is None:
-                leader = req
-            elif share:
-                req.leader = leader
             self.scheduler.add(req)
         self._choices[request_id] = ids
 

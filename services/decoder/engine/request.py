@@ -97,9 +97,6 @@ class Request:
         self.lease_refusals = 0               # schedules at which no adapter room was free for it
         self.stop_token_id: int | None = None
         self.error: str | None = None
-        # n > 1: the first choice computes the shared prompt; the others wait for it
-        # so that they find its full blocks in the prefix cache (see EngineCore).
-        self.leader: Request | None = None
         self.prompt_done = False              # its prompt has been fully computed at least once
         self.drafting = DraftRecord()         # speculative decoding: whether its drafts pay (DraftGate)
         self.prompt_reported = False          # its first output since prompt_done has been made

@@ -8,7 +8,10 @@ recently arrived running request is preempted: its blocks are freed, its
 computed count drops to 0 and it goes back to the front of the waiting queue
 with its outputs, which are recomputed as part of its tokens. Then waiting
 requests are admitted first come, first served while budget, seats and blocks
-allow. A request whose adapter has no room yet (Leases.acquire False) lets later
+allow. A waiting request whose next uncached full block another running request
+is computing (the same system prompt, the choices of an n > 1 request) waits:
+next step it finds that block in the prefix cache instead of computing it again
+in the same forward, and others may pass meanwhile. A request whose adapter has no room yet (Leases.acquire False) lets later
 requests pass, but only LEASE_PATIENCE times: after that nobody overtakes it, so the
 adapters that hold the room go idle as their requests finish and one can be evicted
 for it (a popular adapter cannot keep a cold one out forever).
@@ -227,14 +230,17 @@ class Scheduler:
 
     def _admit(self, budget: int, scheduled: list[tuple[Request, int]], failed: list[RequestOutput]) -> int:
         skipped: list[Request] = []
+        # Full blocks the running requests are still to compute, by hash: a waiting request whose next
+        # block is among them waits to hit it (the module docstring).
+        pending = {h for r in self.running for h in self.kv.uncomputed_hashes(r)} if self.waiting else set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
-            if req.leader is not None and not (req.leader.prompt_done or req.leader.is_finished):
-                skipped.append(req)     # an n>1 sibling waits for the shared prompt blocks
-                continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             if req.scores_prompt:
                 hits, num_hit = [], 0   # every prompt position must have logits to score it
+            elif self.kv.next_hit(req, num_hit) in pending:
+                skipped.append(req)
+                continue
             n = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, n, hits) is None:
                 self.waiting.appendleft(req)
@@ -264,6 +270,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+            pending.update(self.kv.uncomputed_hashes(req))
         self.waiting.extendleft(reversed(skipped))
         return budget
 

@@ -75,6 +75,56 @@ def test_different_extra_keys_never_share_blocks():
     assert runner.violations == []
 
 
+SHARED = [7, 3, 5, 2, 9, 4, 8, 6]                    # two full blocks of 4
+
+
+def _starts(runner, step):
+    """{request id: its chunk's first position} in the runner's step-th step."""
+    return {c.request_id: c.start for c in runner.steps[step].chunks}
+
+
+def test_a_request_waits_one_step_for_the_blocks_another_is_computing_and_hits_them():
+    # Three prompts arrive together; b shares a's first two blocks, c shares nothing. b waits for a's blocks
+    # instead of computing them again in the same forward; c is not held up behind it.
+    core, runner = _core()
+    jobs = [Job("a", SHARED + [1, 2], max_tokens=3, ignore_eos=True),
+            Job("b", SHARED + [5, 5, 1], max_tokens=3, ignore_eos=True),
+            Job("c", [2, 4, 6, 8, 1, 3], max_tokens=3, ignore_eos=True)]
+    res = drive(core, runner, jobs)
+    assert _starts(runner, 0) == {"a": 0, "c": 0}
+    assert _starts(runner, 1)["b"] == len(SHARED)
+    assert res.cached == {("a", 0): 0, ("b", 0): len(SHARED), ("c", 0): 0}
+    for job in jobs:
+        assert res.tokens[(job.request_id, 0)] == _expected(job.prompt, 3)
+    assert runner.violations == []
+    core.check_idle()
+
+
+def test_a_waiting_request_computes_the_blocks_itself_once_their_owner_is_gone():
+    # a's prompt takes three steps at 4 tokens a step; b waits behind it until a is aborted after its first
+    # block, then hits that block and computes the second itself.
+    core, runner = _core(max_num_batched_tokens=4)
+    jobs = [Job("a", SHARED + [1, 2], max_tokens=3, ignore_eos=True, abort_step=1),
+            Job("b", SHARED + [5, 5, 1], max_tokens=3, ignore_eos=True)]
+    res = drive(core, runner, jobs)
+    assert _starts(runner, 0) == {"a": 0}
+    assert _starts(runner, 1) == {"b": 4}
+    assert res.reasons[("a", 0)] == "abort" and res.cached[("b", 0)] == 4
+    assert res.tokens[("b", 0)] == _expected(jobs[1].prompt, 3)
+    assert runner.violations == []
+    core.check_idle()
+
+
+def test_without_prefix_caching_nobody_waits_for_shared_blocks():
+    core, runner = _core(enable_prefix_caching=False)
+    jobs = [Job("a", SHARED + [1, 2], max_tokens=2, ignore_eos=True),
+            Job("b", SHARED + [5, 5, 1], max_tokens=2, ignore_eos=True)]
+    res = drive(core, runner, jobs)
+    assert _starts(runner, 0) == {"a": 0, "b": 0}
+    assert res.cached == {("a", 0): 0, ("b", 0): 0}
+    core.check_idle()
+
+
 def test_n_choices_share_prompt_blocks_and_each_hold_a_lease():
     leases = CountingLeases()
     core, runner = _core(leases)
