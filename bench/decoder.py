@@ -12,7 +12,9 @@ the same token count; outputs are compared token for token.
       tok/s <= the machine's read bandwidth (measured in the same run) / those bytes; each engine's
       batch-1 rate is given as a fraction of it (llama.cpp's GGUF holds the same weights in the same
       dtype, Q8_0 a few percent more: its per-block scales)
-  (c) prefix cache: TTFT with a shared 1,000-token prefix vs a cold request (medians of 3 pairs)
+  (c) prefix cache: TTFT with a shared 1,000-token prefix vs a cold request (medians of 3 pairs); and a
+      burst: 16 chats sharing a 512-token system prompt submitted at once on a cold cache, the time until
+      every one has its first token (median of 3), with --peer vllm against vLLM's on the same burst
   (d) headroom: tokens/s at the largest batch / the fp32 matmul bound
   (e) --peer vllm: the same workload on vLLM in .venv-peers (make bench-peers)
   (f) --peer llamacpp: llama.cpp's llama-server (build/peers/, make bench-peers) on F32 GGUF for
@@ -133,6 +135,29 @@ class Transformers:
                                       min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
             outs.extend(gen[:, width:].tolist())
         return outs, time.perf_counter() - start
+
+
+def burst_line(ours: Tessera, batch: list[list[int]], text: list[int], threads: int, vllm: bool) -> list[str]:
+    """(c)'s burst: 16 of the chats behind one 512-token system prompt (the text's first 512 tokens), all
+    submitted at once after a warm-up prompt that shares no block with them, the last chat reversed (vLLM's
+    peer script warms up on the first prompt it is given, so both sides get [warm-up, *burst]); the seconds
+    until every request has its first token, tessera's median of 3 on a cold prefix cache each, and vLLM's.
+    Returns the ratio."""
+    warm, burst = batch[-1][::-1], [text[:512] + p for p in batch[:16]]
+    times = []
+    for i in range(3):
+        ours.cold()
+        ours.generate([warm], 4, tag=f"c-burst-warm{i}")
+        times.append(ours.generate([warm, *burst], 1, tag=f"c-burst{i}-")[1])
+    mine = statistics.median(times)
+    line = (f"(c) burst of 16 chats sharing a 512-token system prompt, every first token: tessera "
+            f"{mine * 1e3:.0f} ms (median of {', '.join(f'{t * 1e3:.0f}' for t in times)} ms)")
+    if not vllm:
+        print(line)
+        return []
+    theirs = run_vllm_peer("vllm_decoder.py", ["--dtype", "fp32", "--max-tokens", "1"], [warm, *burst], threads)
+    print(f"{line}, vLLM {theirs['seconds'] * 1e3:.0f} ms")
+    return [f"burst_ttft_vs_vllm={theirs['seconds'] / mine:.2f}x"]
 
 
 def batch1_rate(engine: Tessera, prompt: list[int], max_tokens: int, tag: str) -> float:
@@ -352,8 +377,8 @@ def main() -> None:
             # Median of 3 alternating pairs, each with its own uncached 1,000-token prefix and its own
             # 20-token suffix: one pair alone moved the ratio by 1.5x between runs on a shared VM.
             text = [t for p in batch for t in p]
-            if len(text) < 4000 or len(batch) < 7:
-                sys.exit(f"(c) needs 4,000 prompt tokens and 7 prompts; --prompts {len(batch)} gives {len(text)}")
+            if len(text) < 4000 or len(batch) < 17:
+                sys.exit(f"(c) needs 4,000 prompt tokens and 17 prompts; --prompts {len(batch)} gives {len(text)}")
             cached = text[:1000]
             ours.ttft(cached + batch[0][-20:], "c-warmup")         # caches `cached`
             colds, warms = [], []
@@ -365,6 +390,7 @@ def main() -> None:
                   f"(medians of warm {', '.join(f'{w * 1e3:.1f}' for w in warms)} and cold "
                   f"{', '.join(f'{c * 1e3:.1f}' for c in colds)} ms)")
             ratios.append(f"prefix_ttft={warm / cold:.3f}x")
+            ratios += burst_line(ours, batch, text, args.threads, "vllm" in peers)
         del ours
     if "d" in parts and "fp32" in best_tps:
         flops = gemm_flops()

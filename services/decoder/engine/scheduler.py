@@ -11,10 +11,11 @@ requests are admitted first come, first served while budget, seats and blocks
 allow. A waiting request whose next uncached full block another running request
 is computing (the same system prompt, the choices of an n > 1 request) waits:
 next step it finds that block in the prefix cache instead of computing it again
-in the same forward, and others may pass meanwhile. A request whose adapter has no room yet (Leases.acquire False) lets later
-requests pass, but only LEASE_PATIENCE times: after that nobody overtakes it, so the
-adapters that hold the room go idle as their requests finish and one can be evicted
-for it (a popular adapter cannot keep a cold one out forever).
+in the same forward, and others may pass meanwhile. A request whose adapter has
+no room yet (Leases.acquire False) lets later requests pass, but only
+LEASE_PATIENCE times: after that nobody overtakes it, so the adapters that hold
+the room go idle as their requests finish and one can be evicted for it (a
+popular adapter cannot keep a cold one out forever).
 
 Speculative decoding (EngineConfig.speculative) only adds tokens to decode chunks:
 a decoding request whose context repeats an n-gram gets its last token plus the
