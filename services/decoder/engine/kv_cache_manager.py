@@ -68,13 +68,13 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def next_hit(self, request: Request, num_hit: int) -> bytes | None:
-        """The hash of the block a request with num_hit cached tokens (from get_computed_blocks) would hit
-        next once it is cached, or None when no further block could be a hit (get_computed_blocks' limit)."""
-        index = num_hit // self.block_size
-        if not self.enable_prefix_caching or index >= (request.num_tokens - 1) // self.block_size:
-            return None
-        return extend_block_hashes(request, self.block_size)[index]
+    def hittable_hashes(self, request: Request, num_hit: int) -> list[bytes]:
+        """The hashes of the blocks a request with num_hit cached tokens (from get_computed_blocks) could
+        still hit, in order, once they are cached (get_computed_blocks' limit: never its last token's block)."""
+        if not self.enable_prefix_caching:
+            return []
+        return extend_block_hashes(request, self.block_size)[num_hit // self.block_size:
+                                                             (request.num_tokens - 1) // self.block_size]
 
     def uncomputed_hashes(self, request: Request) -> list[bytes]:
         """The hashes of the request's full blocks whose KV is not computed yet (a prompt being prefilled)."""

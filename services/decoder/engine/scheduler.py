@@ -8,14 +8,14 @@ recently arrived running request is preempted: its blocks are freed, its
 computed count drops to 0 and it goes back to the front of the waiting queue
 with its outputs, which are recomputed as part of its tokens. Then waiting
 requests are admitted first come, first served while budget, seats and blocks
-allow. A waiting request whose next uncached full block another running request
-is computing (the same system prompt, the choices of an n > 1 request) waits:
-next step it finds that block in the prefix cache instead of computing it again
-in the same forward, and others may pass meanwhile. A request whose adapter has
-no room yet (Leases.acquire False) lets later requests pass, but only
-LEASE_PATIENCE times: after that nobody overtakes it, so the adapters that hold
-the room go idle as their requests finish and one can be evicted for it (a
-popular adapter cannot keep a cold one out forever).
+allow. A waiting request whose next uncached full blocks another running request
+is computing (the same system prompt, the choices of an n > 1 request) waits when
+they are at least half of what it has left: next step it finds them in the prefix
+cache instead of computing them again in the same forward, and others may pass
+meanwhile. A request whose adapter has no room yet (Leases.acquire False) lets
+later requests pass, but only LEASE_PATIENCE times: after that nobody overtakes
+it, so the adapters that hold the room go idle as their requests finish and one
+can be evicted for it (a popular adapter cannot keep a cold one out forever).
 
 Speculative decoding (EngineConfig.speculative) only adds tokens to decode chunks:
 a decoding request whose context repeats an n-gram gets its last token plus the
@@ -239,7 +239,7 @@ class Scheduler:
             hits, num_hit = self.kv.get_computed_blocks(req)
             if req.scores_prompt:
                 hits, num_hit = [], 0   # every prompt position must have logits to score it
-            elif self.kv.next_hit(req, num_hit) in pending:
+            elif self._waits_for(req, num_hit, pending):
                 skipped.append(req)
                 continue
             n = min(req.num_tokens - num_hit, budget)
@@ -274,6 +274,17 @@ class Scheduler:
             pending.update(self.kv.uncomputed_hashes(req))
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _waits_for(self, req: Request, num_hit: int, pending: set[bytes]) -> bool:
+        """Whether req waits a step for blocks other running requests are computing: when the run of them
+        that follows its hits is at least half of what it has left to compute. Waiting costs it a step; a
+        chat template's first block shared before a long prompt of its own is not worth that."""
+        shared = 0
+        for block_hash in self.kv.hittable_hashes(req, num_hit):
+            if block_hash not in pending:
+                break
+            shared += self.config.block_size
+        return shared > 0 and 2 * shared >= req.num_tokens - num_hit
 
     def _chunk(self, req: Request, n: int, draft: list[int]) -> ScheduledChunk:
         start = req.num_computed_tokens

@@ -115,6 +115,17 @@ def test_a_waiting_request_computes_the_blocks_itself_once_their_owner_is_gone()
     core.check_idle()
 
 
+def test_a_request_does_not_wait_for_a_shared_block_much_shorter_than_its_own_tokens():
+    # b shares a's first block (4 tokens) but has 9 more of its own: a step's wait is not worth 4 tokens.
+    core, runner = _core()
+    jobs = [Job("a", SHARED[:4] + [1, 2, 3], max_tokens=2, ignore_eos=True),
+            Job("b", SHARED[:4] + [9, 8, 7, 6, 5, 4, 3, 2, 1], max_tokens=2, ignore_eos=True)]
+    res = drive(core, runner, jobs)
+    assert _starts(runner, 0) == {"a": 0, "b": 0}
+    assert res.tokens[("b", 0)] == _expected(jobs[1].prompt, 2)
+    core.check_idle()
+
+
 def test_without_prefix_caching_nobody_waits_for_shared_blocks():
     core, runner = _core(enable_prefix_caching=False)
     jobs = [Job("a", SHARED + [1, 2], max_tokens=2, ignore_eos=True),
