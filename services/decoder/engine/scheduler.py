@@ -231,8 +231,8 @@ class Scheduler:
 
     def _admit(self, budget: int, scheduled: list[tuple[Request, int]], failed: list[RequestOutput]) -> int:
         skipped: list[Request] = []
-        # Full blocks the running requests are still to compute, by hash: a waiting request whose next
-        # block is among them waits to hit it (the module docstring).
+        # Full blocks the running requests are still to compute, by hash: a waiting request whose next blocks
+        # are among them may wait to hit them (_waits_for).
         pending = {h for r in self.running for h in self.kv.uncomputed_hashes(r)} if self.waiting else set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
