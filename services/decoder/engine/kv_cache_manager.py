@@ -58,10 +58,8 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.num_computed_tokens:
             return [], 0
-        hashes = extend_block_hashes(request, self.block_size)
-        max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[Block] = []
-        for block_hash in hashes[:max_blocks]:
+        for block_hash in self.hittable_hashes(request, 0):
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
@@ -69,8 +67,8 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def hittable_hashes(self, request: Request, num_hit: int) -> list[bytes]:
-        """The hashes of the blocks a request with num_hit cached tokens (from get_computed_blocks) could
-        still hit, in order, once they are cached (get_computed_blocks' limit: never its last token's block)."""
+        """The hashes of the blocks a request with num_hit cached tokens could still hit, in order, once they
+        are cached: never the block of its last known token, which is always recomputed (get_computed_blocks)."""
         if not self.enable_prefix_caching:
             return []
         return extend_block_hashes(request, self.block_size)[num_hit // self.block_size:

@@ -279,6 +279,8 @@ class Scheduler:
         """Whether req waits a step for blocks other running requests are computing: when the run of them
         that follows its hits is at least half of what it has left to compute. Waiting costs it a step; a
         chat template's first block shared before a long prompt of its own is not worth that."""
+        if not pending:
+            return False
         shared = 0
         for block_hash in self.kv.hittable_hashes(req, num_hit):
             if block_hash not in pending:

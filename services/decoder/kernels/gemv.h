@@ -113,7 +113,6 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-
 template <typename W, int M>
 inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, int64_t N, int64_t ahead) {
   // 16 ymm registers hold at most two rows' U = 4 accumulators; rows 3 and 4 take a second pass over
