@@ -51,6 +51,9 @@ PATHS: dict[str, tuple[str, ...]] = {
     # decoder: whether the few-row kernels ask for the weights ahead of the row they read
     # (services/decoder/model/matmul_choice.py)
     "gemv_prefetch": ("off", "on"),
+    # decoder: the order the few-row kernels read each thread's weight rows in: front to back, or from the two halves
+    # of its share in turn (services/decoder/model/matmul_choice.py)
+    "gemv_streams": ("one", "two"),
     # decoder: the few-row kernel's order of work over grouped 4/8-bit weights (services/decoder/model/matmul_choice.py)
     "gemv_grouped_loop": ("chunks", "pairs"),
     # decoder: many rows over grouped 4/8-bit weights: dequantized for the library matmul, torch's 4-bit kernel,
@@ -82,9 +85,9 @@ PATHS: dict[str, tuple[str, ...]] = {
 }
 
 # The paths each service runs.
-DECODER = ("linear", "gemv", "int8_gemm", "gemv_bf16_row", "gemv_prefetch", "gemv_grouped_loop", "grouped_matmul",
-           "glue", "attention", "decode_stack", "screen", "grammar_mask", "huge_pages", "malloc", "speculation",
-           "lora_split")
+DECODER = ("linear", "gemv", "int8_gemm", "gemv_bf16_row", "gemv_prefetch", "gemv_streams", "gemv_grouped_loop",
+           "grouped_matmul", "glue", "attention", "decode_stack", "screen", "grammar_mask", "huge_pages", "malloc",
+           "speculation", "lora_split")
 POOLING = ("linear", "encoder_attention", "malloc")
 
 

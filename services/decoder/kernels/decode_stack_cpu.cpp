@@ -307,12 +307,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Proj>(m, "Projection")
       .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                           std::vector<int64_t>, std::vector<bool>, int64_t, c10::optional<at::Tensor>, int64_t,
-                          c10::optional<at::Tensor>, int64_t, int64_t, int64_t, bool, int64_t, int64_t>(),
+                          c10::optional<at::Tensor>, int64_t, int64_t, int64_t, bool, int64_t, int64_t, int64_t>(),
            pybind11::arg("weight"), pybind11::arg("scale"), pybind11::arg("bias"), pybind11::arg("packed"),
            pybind11::arg("starts"), pybind11::arg("flags"), pybind11::arg("gemv_rows"), pybind11::arg("tiles"),
            pybind11::arg("bf16_row"), pybind11::arg("offset") = pybind11::none(), pybind11::arg("bits") = 0,
            pybind11::arg("group") = 0, pybind11::arg("widen") = 0, pybind11::arg("tiles_amx") = false,
-           pybind11::arg("grouped_loop"), pybind11::arg("ahead") = 0);
+           pybind11::arg("grouped_loop"), pybind11::arg("ahead") = 0, pybind11::arg("streams") = 1);
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor>(),
            pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("hidden"),

@@ -54,8 +54,10 @@ class Projection:
     tiles: torch.Tensor | None = None
     # bf16 x over a bf16 weight: which of gemv_cpu.BF16_ROWS the few-row kernel runs (its Linear's choice).
     bf16_row: str = gemv_cpu.BF16_ROWS[0]
-    # Whether the few-row kernel asks for the weight ahead of the row it reads (gemv_cpu.ahead).
+    # Whether the few-row kernel asks for the weight ahead of the row it reads (gemv_cpu.reading).
     prefetch: bool = False
+    # Its order over the weight rows (one of gemv_cpu.STREAMS).
+    streams: str = "one"
     # A grouped weight (model/grouped.py's layout): weight its uint8 codes [out, in * bits // 8], scale and offset
     # fp16 [out, in // group]; gemv_grouped_cpu runs it up to its MAX_ROWS rows, as int8, by grouped_loop (one of its
     # WIDEST: its Linear's choice).
@@ -133,7 +135,8 @@ def _projection(p: Projection):
     return load().Projection(p.weight, p.scale, p.bias, p.packed, list(p.rule[0]), list(p.rule[1]), p.gemv_rows,
                              p.tiles, gemv_cpu.BF16_ROWS.index(p.bf16_row), p.offset, p.bits, p.group,
                              3 if p.widen is not None and p.kernel == "amx" else WIDEN.index(p.widen), p.tiles_amx,
-                             gemv_grouped_cpu.LOOPS.index(p.grouped_loop), gemv_cpu.ahead(p.prefetch))
+                             gemv_grouped_cpu.LOOPS.index(p.grouped_loop),
+                             *gemv_cpu.reading(p.prefetch, p.streams))
 
 
 def decode_stack(stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,

@@ -151,10 +151,11 @@ inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, 
 
 template <typename W, int M>
 void rows_block(const float* x, const W* w, int64_t K, int64_t n0, int64_t n1, float* acc /* [M, N] */,
-                int64_t N, int64_t ahead) {
+                int64_t N, int64_t ahead, int64_t streams) {
   int64_t n = n0;
 #ifdef TESSERA_GEMV_ROW1
-  for (; n < n1; ++n) row1<W, M>(x, w + n * K, K, n, acc, N, ahead);
+  tessera_vec::each_weight_row(n0, n1, streams, [&](int64_t r) { row1<W, M>(x, w + r * K, K, r, acc, N, ahead); });
+  n = n1;
 #endif
   for (; n + NB <= n1; n += NB) {
     const W* w0 = w + n * K;
@@ -303,14 +304,14 @@ inline void row_q8(const QuantRow* xr, const int8_t* wn, int64_t K, int64_t n, f
 
 template <int M>
 void run_q8(const float* x, const int8_t* w, const float* scale, const float* bias, float* y, int64_t N,
-            int64_t K, int64_t ahead) {
+            int64_t K, int64_t ahead, int64_t streams) {
   // The caller's thread's buffers, kept between calls (no allocation per projection); the workers
   // read them through this pointer (their own thread_local would be another, empty one).
   static thread_local QuantRow mine[MAX_ROWS];
   const QuantRow* xr = mine;
   for (int m = 0; m < M; ++m) quantize_row(x + m * K, K, mine[m]);
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) row_q8<M>(xr, w + n * K, K, n, y, N, ahead);
+    tessera_vec::each_weight_row(n0, n1, streams, [&](int64_t n) { row_q8<M>(xr, w + n * K, K, n, y, N, ahead); });
     for (int m = 0; m < M; ++m)
       for (int64_t n = n0; n < n1; ++n) y[m * N + n] = y[m * N + n] * scale[n] + (bias ? bias[n] : 0.0f);
   });
@@ -318,16 +319,17 @@ void run_q8(const float* x, const int8_t* w, const float* scale, const float* bi
 
 // y [M, N] fp32 = (x [M, K] fp32 rounded as gemv_cpu.round_blocks) @ w [N, K] int8 ^T * scale [N] (+ bias).
 void dispatch_q8(int64_t M, const float* x, const int8_t* w, const float* scale, const float* bias, float* y,
-                 int64_t N, int64_t K, int64_t ahead) {
-  with_rows(M, [&](auto R) { run_q8<R.value>(x, w, scale, bias, y, N, K, ahead); });
+                 int64_t N, int64_t K, int64_t ahead, int64_t streams) {
+  with_rows(M, [&](auto R) { run_q8<R.value>(x, w, scale, bias, y, N, K, ahead, streams); });
 }
 
 template <typename W, int M>
-void run(const float* x, const W* w, const float* bias, float* y, int64_t N, int64_t K, int64_t ahead) {
+void run(const float* x, const W* w, const float* bias, float* y, int64_t N, int64_t K, int64_t ahead,
+         int64_t streams) {
   // Blocks of weight rows per task: whole NB groups, at least 64 rows so a task is worth starting.
   const int64_t grain = 64;
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    rows_block<W, M>(x, w, K, n0, n1, y, N, ahead);
+    rows_block<W, M>(x, w, K, n0, n1, y, N, ahead, streams);
     for (int m = 0; m < M; ++m) {
       float* ym = y + m * N;
       if (bias)
@@ -336,23 +338,23 @@ void run(const float* x, const W* w, const float* bias, float* y, int64_t N, int
   });
 }
 
-// ahead: tessera_vec::prefetch_ahead's distance in bytes (0: none).
+// ahead: tessera_vec::prefetch_ahead's distance in bytes (0: none); streams: tessera_vec::each_weight_row's.
 template <typename W>
 void dispatch_rows(int64_t M, const float* x, const W* w, const float* bias, float* y, int64_t N, int64_t K,
-                   int64_t ahead) {
-  with_rows(M, [&](auto R) { run<W, R.value>(x, w, bias, y, N, K, ahead); });
+                   int64_t ahead, int64_t streams) {
+  with_rows(M, [&](auto R) { run<W, R.value>(x, w, bias, y, N, K, ahead, streams); });
 }
 
 // y [M, N] fp32 = x [M, K] bf16 @ w [N, K] bf16 ^T (+ bias): the dot-product instruction where the CPU
 // has it, by `loop` (gemv_bf16.h), else x widened once and the fp32 loop (the same for either loop).
 void dispatch_bf16(int64_t M, const at::BFloat16* x, const at::BFloat16* w, const float* bias, float* y, int64_t N,
-                   int64_t K, Bf16Row loop, int64_t ahead) {
+                   int64_t K, Bf16Row loop, int64_t ahead, int64_t streams) {
 #ifdef __AVX512BF16__
-  with_rows(M, [&](auto R) { run_dp<R.value>(x, w, bias, y, N, K, loop, ahead); });
+  with_rows(M, [&](auto R) { run_dp<R.value>(x, w, bias, y, N, K, loop, ahead, streams); });
 #else
   std::vector<float> xs(M * K);
   for (int64_t i = 0; i < M * K; ++i) xs[i] = widen(x[i]);
-  dispatch_rows(M, xs.data(), w, bias, y, N, K, ahead);
+  dispatch_rows(M, xs.data(), w, bias, y, N, K, ahead, streams);
 #endif
 }
 
@@ -360,10 +362,11 @@ void dispatch_bf16(int64_t M, const at::BFloat16* x, const at::BFloat16* w, cons
 // are both float32 or both bfloat16: bf16 x is widened once into fp32 and the fp32 result rounded
 // once into out (round to nearest even), here rather than by two more torch ops per call.
 // bf16_row: gemv_bf16.h's loop for bf16 x over bf16 weights (Bf16Row's value); ahead: tessera_vec::prefetch_ahead's
-// distance in bytes (0: none).
+// distance in bytes (0: none); streams: 1 or 2, tessera_vec::each_weight_row's.
 void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
-          c10::optional<torch::Tensor> bias, int64_t bf16_row, int64_t ahead) {
+          c10::optional<torch::Tensor> bias, int64_t bf16_row, int64_t ahead, int64_t streams) {
   TORCH_CHECK(ahead >= 0, "gemv: ahead must be >= 0, got ", ahead);
+  TORCH_CHECK(streams == 1 || streams == 2, "gemv: streams must be 1 or 2, got ", streams);
   const Bf16Row loop = tessera_gemv::bf16_row(bf16_row);
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "gemv: x, w and out must be 2-D");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -404,19 +407,19 @@ void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<tor
   switch (w.scalar_type()) {
     case at::kFloat:
       TORCH_CHECK(!sp, "gemv: scale is for int8 weights");
-      dispatch_rows(M, xp, w.data_ptr<float>(), bp, yp, N, K, ahead);
+      dispatch_rows(M, xp, w.data_ptr<float>(), bp, yp, N, K, ahead, streams);
       break;
     case at::kBFloat16:
       TORCH_CHECK(!sp, "gemv: scale is for int8 weights");
       if (bf16) {
-        dispatch_bf16(M, x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), bp, yp, N, K, loop, ahead);
+        dispatch_bf16(M, x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), bp, yp, N, K, loop, ahead, streams);
       } else {
-        dispatch_rows(M, xp, w.data_ptr<at::BFloat16>(), bp, yp, N, K, ahead);
+        dispatch_rows(M, xp, w.data_ptr<at::BFloat16>(), bp, yp, N, K, ahead, streams);
       }
       break;
     case at::kChar:
       TORCH_CHECK(sp, "gemv: int8 weights need a scale");
-      dispatch_q8(M, xp, w.data_ptr<int8_t>(), sp, bp, yp, N, K, ahead);
+      dispatch_q8(M, xp, w.data_ptr<int8_t>(), sp, bp, yp, N, K, ahead, streams);
       break;
     default:
       TORCH_CHECK(false, "gemv: weights must be float32, bfloat16 or int8, got ", w.scalar_type());

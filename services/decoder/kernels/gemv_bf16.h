@@ -98,7 +98,7 @@ inline void rows_dp(const at::BFloat16* x, const at::BFloat16* wn, int64_t K, in
 
 template <int M>
 void run_dp(const at::BFloat16* x, const at::BFloat16* w, const float* bias, float* y, int64_t N, int64_t K,
-            Bf16Row loop, int64_t ahead) {
+            Bf16Row loop, int64_t ahead, int64_t streams) {
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
     if (loop == Bf16Row::interleave4) {
@@ -107,7 +107,8 @@ void run_dp(const at::BFloat16* x, const at::BFloat16* w, const float* bias, flo
       for (; n < n1; ++n)
         for (int m = 0; m < M; ++m) rows_dp<1>(x + m * K, w + n * K, K, n, y + m * N);
     }
-    for (; n < n1; ++n) row1_dp<M>(x, w + n * K, K, n, y, N, ahead);
+    // rowwise (after interleave4, n is n1 here)
+    tessera_vec::each_weight_row(n, n1, streams, [&](int64_t r) { row1_dp<M>(x, w + r * K, K, r, y, N, ahead); });
     if (bias)
       for (int m = 0; m < M; ++m)
         for (int64_t n = n0; n < n1; ++n) y[m * N + n] += bias[n];

@@ -6,7 +6,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace tessera_gemv;
   m.def("gemv", &gemv, "few-row matmul over fp32/bf16 weights (fp32 math) or int8 ones (x in int8 blocks)",
         py::arg("out"), py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("bias"), py::arg("bf16_row"),
-        py::arg("ahead"), py::call_guard<py::gil_scoped_release>());
+        py::arg("ahead"), py::arg("streams"), py::call_guard<py::gil_scoped_release>());
   m.def("bf16_dot", [] {
 #ifdef __AVX512BF16__
     return true;

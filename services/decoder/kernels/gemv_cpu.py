@@ -28,12 +28,17 @@ BF16_ROWS = ("rowwise", "interleave4")
 # KiB, the best of 2-16 KiB on a chain of 3072 x 576 fp32 weights from memory on an Intel Xeon (common/kernels/vec.h,
 # prefetch_ahead).
 PREFETCH_BYTES = 8 << 10
+# The order the few-row kernels (the grouped one's too) read each thread's weight rows in, by the gemv_streams path's
+# value: front to back, or from the two halves of the thread's share in turn, two streams from memory instead of one
+# (common/kernels/vec.h, each_weight_row), each asked for ahead (`reading`).
+STREAMS = {"one": 1, "two": 2}
 OPERATOR = native.Operator("gemv_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
-         bias: torch.Tensor | None = None, bf16_row: str = BF16_ROWS[0], prefetch: bool = False) -> torch.Tensor:
+         bias: torch.Tensor | None = None, bf16_row: str = BF16_ROWS[0], prefetch: bool = False,
+         streams: str = "one") -> torch.Tensor:
     """x [M <= MAX_ROWS, K] (fp32 or bf16) -> [M, N] in x's dtype = x @ (w * scale[:, None])^T + bias.
 
     w [N, K] contiguous float32, bfloat16, or int8 with scale [N] (int8 only); bias [N] or None.
@@ -41,20 +46,24 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     int8 weights x is first rounded as round_blocks does and each block's products are summed in int32.
     bf16_row: one of BF16_ROWS, the loop for bf16 x over bf16 weights on a CPU with the bf16 dot product.
     prefetch: ask for the weight PREFETCH_BYTES ahead of the row being read (not in bf16_row interleave4, nor
-    in the portable loop of CPUs without AVX2); the same sums either way.
+    in the portable loop of CPUs without AVX2); streams: one of STREAMS, the order each thread reads its weight rows
+    in (as prefetch, not in the portable loop); the same sums either way.
     Each row's result is the same whatever the other rows of x and the thread count.
     """
     if bf16_row not in BF16_ROWS:
         raise ValueError(f"gemv: bf16_row {bf16_row!r}: expected one of {', '.join(BF16_ROWS)}")
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
     load().gemv(out, x.contiguous(), w, None if scale is None else scale.float(),
-                None if bias is None else bias.float(), BF16_ROWS.index(bf16_row), ahead(prefetch))
+                None if bias is None else bias.float(), BF16_ROWS.index(bf16_row), *reading(prefetch, streams))
     return out
 
 
-def ahead(prefetch: bool) -> int:
-    """The kernel's prefetch distance in bytes for a Linear's `gemv_prefetch` (0: none)."""
-    return PREFETCH_BYTES if prefetch else 0
+def reading(prefetch: bool, streams: str = "one") -> tuple[int, int]:
+    """The kernels' (ahead, streams) for a Linear's `gemv_prefetch` and `gemv_streams`: the prefetch distance in
+    bytes (0: none) and the streams each thread reads its weight rows in. Two streams are always asked for ahead:
+    without it they read a decode step's bf16 and int8 weights slower than one did (Intel Xeon, family 6 model 167)."""
+    count = STREAMS[streams]
+    return (PREFETCH_BYTES if prefetch or count > 1 else 0), count
 
 
 def round_blocks(x: torch.Tensor) -> torch.Tensor:

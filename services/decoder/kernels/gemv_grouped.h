@@ -300,7 +300,7 @@ inline void row_portable(const XRow* xr, const uint8_t* wn, const at::Half* sn, 
 
 template <int M>
 void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::Half* offset, const float* bias,
-         float* y, const Shape& sh, Loop loop, int64_t ahead) {
+         float* y, const Shape& sh, Loop loop, int64_t ahead, int64_t streams) {
   // The caller's thread's buffers, kept between calls; the workers read them through this pointer.
   static thread_local XRow mine[MAX_ROWS];
   const XRow* xr = mine;
@@ -341,7 +341,7 @@ void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::
 #endif
       row_portable<P>(xq, wn, sn, on, sh, n, out);
     };
-    for (int64_t n = n0; n < n1; ++n) {
+    tessera_vec::each_weight_row(n0, n1, streams, [&](int64_t n) {
       const uint8_t* wn = codes + n * rb;
       const at::Half* sn = scale + n * ng;
       const at::Half* on = offset + n * ng;
@@ -352,7 +352,7 @@ void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::
       // The rows past PASS_ROWS take the weight row again, from L1 (vec.h).
       if constexpr (M > PASS_ROWS)
         pass(std::integral_constant<int, M - PASS_ROWS>{}, xr + PASS_ROWS, y + PASS_ROWS * sh.N, n, wn, sn, on);
-    }
+    });
     if (bias)
       for (int m = 0; m < M; ++m)
         for (int64_t n = n0; n < n1; ++n) y[m * sh.N + n] += bias[n];
@@ -362,10 +362,13 @@ void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::
 // out [M, N] = x [M, K] @ w^T (+ bias [N] fp32), w given by codes uint8 [N, K * bits / 8] and scale, offset fp16
 // [N, K / group] (grouped.py's layout). x and out are both float32 or both bfloat16: bf16 x is widened once and
 // the fp32 result rounded once into out. loop: a Loop's value; tests run the narrower loops where a wider one
-// runs (they are what CPUs without it run). ahead: run's prefetch distance in bytes (0: none).
+// runs (they are what CPUs without it run). ahead: run's prefetch distance in bytes (0: none); streams: 1 or 2,
+// tessera_vec::each_weight_row's.
 void gemv_grouped(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch::Tensor scale, torch::Tensor offset,
-                  int64_t bits, int64_t group, c10::optional<torch::Tensor> bias, int64_t loop_index, int64_t ahead) {
+                  int64_t bits, int64_t group, c10::optional<torch::Tensor> bias, int64_t loop_index, int64_t ahead,
+                  int64_t streams) {
   TORCH_CHECK(ahead >= 0, "gemv_grouped: ahead must be >= 0, got ", ahead);
+  TORCH_CHECK(streams == 1 || streams == 2, "gemv_grouped: streams must be 1 or 2, got ", streams);
   TORCH_CHECK(loop_index >= 0 && loop_index <= 3, "gemv_grouped: loop must be 0 to 3, got ", loop_index);
   const Loop loop = static_cast<Loop>(loop_index);
   TORCH_CHECK(runs(loop), "gemv_grouped: this CPU does not run the AVX2 loop");
@@ -411,7 +414,7 @@ void gemv_grouped(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::Half* sp = scale.data_ptr<at::Half>();
   const at::Half* op = offset.data_ptr<at::Half>();
-  with_rows(M, [&](auto R) { run<R.value>(xp, cp, sp, op, bp, yp, sh, loop, ahead); });
+  with_rows(M, [&](auto R) { run<R.value>(xp, cp, sp, op, bp, yp, sh, loop, ahead, streams); });
   if (bf16) {
     at::BFloat16* ob = out.data_ptr<at::BFloat16>();
     for (int64_t i = 0; i < M * N; ++i) ob[i] = at::BFloat16(ys[i]);

@@ -30,17 +30,20 @@ load = OPERATOR.load      # the compiled module; native.BuildError with the reas
 
 
 def gemv_grouped(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-                 group: int, bias: torch.Tensor | None = None, loop: str = WIDEST[0], ahead: int = 0) -> torch.Tensor:
+                 group: int, bias: torch.Tensor | None = None, loop: str = WIDEST[0], ahead: int = 0,
+                 streams: int = 1) -> torch.Tensor:
     """x [M <= MAX_ROWS, K] (fp32 or bf16) -> [M, N] in x's dtype = x @ w^T + bias, w [N, K] given by codes uint8
     [N, K * bits // 8], scale and offset fp16 [N, K // group] (model/grouped.py). x is rounded to int8 per group
     (grouped.round_groups); products and sums exact in int32 per group, then fp32; one rounding to x's dtype at
     the end. loop: one of LOOPS (default: the plan's default, WIDEST[0]; the narrower ones are what a CPU
     without the wider runs, and tests run each where it can). ahead: as each row starts, the row this many bytes
-    of codes further on is asked for (gemv_cpu.ahead; 0: none), the same sums either way.
+    of codes further on is asked for (gemv_cpu.reading; 0: none); streams: each thread's weight rows read front to
+    back (1) or from the two halves of its share in turn (2; gemv_cpu.STREAMS); the same sums either way.
     Each row's result is the same whatever the other rows of x and the thread count."""
     out = torch.empty((x.shape[0], codes.shape[0]), dtype=x.dtype)
     load().gemv_grouped(out, x.contiguous(), codes, scale, offset, bits, group,
-                        None if bias is None else bias.float().contiguous(), LOOPS.index(loop), ahead)
+                        None if bias is None else bias.float().contiguous(), LOOPS.index(loop), ahead,
+                        streams)
     return out
 
 

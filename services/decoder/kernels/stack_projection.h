@@ -43,6 +43,7 @@ struct Proj {
   std::vector<bool> flags;
   int64_t N = 0, K = 0, gemv_rows = 0, bits = 0, group = 0, widen = 0;
   int64_t ahead = 0;  // the few-row kernels' prefetch distance, bytes (tessera_vec::prefetch_ahead)
+  int64_t streams = 1;  // their order over the weight rows (tessera_vec::each_weight_row)
   int64_t tiles_above = TILES_ABOVE;  // rows above which `tiles` run, where defined (DecodeStack::set_tiles_above)
   bool tiles_amx = false;
   tessera_gemv::Bf16Row bf16_row = tessera_gemv::Bf16Row::rowwise;  // the Linear's loop (gemv_bf16.h)
@@ -52,9 +53,9 @@ struct Proj {
   Proj(at::Tensor w_, c10::optional<at::Tensor> s, c10::optional<at::Tensor> b, c10::optional<at::Tensor> packed_,
        std::vector<int64_t> starts_, std::vector<bool> flags_, int64_t gemv_rows_,
        c10::optional<at::Tensor> tiles_, int64_t bf16_row_, c10::optional<at::Tensor> offset_, int64_t bits_,
-       int64_t group_, int64_t widen_, bool tiles_amx_, int64_t grouped_loop_, int64_t ahead_)
+       int64_t group_, int64_t widen_, bool tiles_amx_, int64_t grouped_loop_, int64_t ahead_, int64_t streams_)
       : w(std::move(w_)), starts(std::move(starts_)), flags(std::move(flags_)), gemv_rows(gemv_rows_),
-        bits(bits_), group(group_), widen(widen_), ahead(ahead_), tiles_amx(tiles_amx_),
+        bits(bits_), group(group_), widen(widen_), ahead(ahead_), streams(streams_), tiles_amx(tiles_amx_),
         bf16_row(tessera_gemv::bf16_row(bf16_row_)),
         grouped_loop(static_cast<tessera_grouped::Loop>(grouped_loop_)) {
     TORCH_CHECK(grouped_loop_ >= 0 && grouped_loop_ <= 3 && tessera_grouped::runs(grouped_loop),
@@ -63,6 +64,7 @@ struct Proj {
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
                 "decode_stack: a projection weight must be a contiguous 2-D CPU tensor");
     TORCH_CHECK(ahead >= 0, "decode_stack: ahead must be >= 0, got ", ahead);
+    TORCH_CHECK(streams == 1 || streams == 2, "decode_stack: streams must be 1 or 2, got ", streams);
     N = w.size(0);
     K = w.size(1);
     const auto t = w.scalar_type();
@@ -151,7 +153,7 @@ struct Proj {
     const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (w.scalar_type() == at::kBFloat16) {
-        tessera_gemv::dispatch_bf16(M, x, w.data_ptr<at::BFloat16>(), bp, y, N, K, bf16_row, ahead);
+        tessera_gemv::dispatch_bf16(M, x, w.data_ptr<at::BFloat16>(), bp, y, N, K, bf16_row, ahead, streams);
         return {y, nullptr};
       }
     }
@@ -164,21 +166,21 @@ struct Proj {
     }
     switch (w.scalar_type()) {
       case at::kFloat:
-        dispatch_rows(M, xf, w.data_ptr<float>(), bp, y, N, K, ahead);
+        dispatch_rows(M, xf, w.data_ptr<float>(), bp, y, N, K, ahead, streams);
         break;
       case at::kBFloat16:
-        dispatch_rows(M, xf, w.data_ptr<at::BFloat16>(), bp, y, N, K, ahead);
+        dispatch_rows(M, xf, w.data_ptr<at::BFloat16>(), bp, y, N, K, ahead, streams);
         break;
       case at::kByte: {
         const tessera_grouped::Shape sh{N, K, group, bits};
         tessera_grouped::with_rows(M, [&](auto R) {
           tessera_grouped::run<R.value>(xf, w.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
-                                        offset.data_ptr<at::Half>(), bp, y, sh, grouped_loop, ahead);
+                                        offset.data_ptr<at::Half>(), bp, y, sh, grouped_loop, ahead, streams);
         });
         break;
       }
       default:
-        tessera_gemv::dispatch_q8(M, xf, w.data_ptr<int8_t>(), sp, bp, y, N, K, ahead);
+        tessera_gemv::dispatch_q8(M, xf, w.data_ptr<int8_t>(), sp, bp, y, N, K, ahead, streams);
     }
     return {y, nullptr};
   }

@@ -226,15 +226,15 @@ def int4pack(gw: GroupedWeight, dtype: torch.dtype) -> Int4Pack:
 
 def grouped_linear(x: torch.Tensor, gw: GroupedWeight, bias: torch.Tensor | None = None, path: str = "dequant",
                    packed: Int4Pack | None = None, loop: str = gemv_grouped_cpu.WIDEST[0],
-                   prefetch: bool = False) -> torch.Tensor:
+                   prefetch: bool = False, streams: str = "one") -> torch.Tensor:
     """x [M, K] (fp32 or bf16) -> [M, N] in x's dtype = x @ w^T + bias, by `path` (PATHS): gemv (M <= 4 rows; x
     rounded to int8 per group, kernels/gemv_grouped_cpu by `loop`, one of its WIDEST, asking for rows ahead where
-    `prefetch`), dequant, int4pack
+    `prefetch`, in the order `streams` gives: gemv_cpu.STREAMS), dequant, int4pack
     (packed = int4pack(gw, x.dtype)), tiles (kernels/widen_gemm_cpu; where it is `available`) or amx (the same on
     the tile unit; where `amx()`)."""
     if path == "gemv":
         return gemv_grouped_cpu.gemv_grouped(x, gw.codes, gw.scale, gw.offset, gw.bits, gw.group, bias, loop,
-                                             gemv_cpu.ahead(prefetch))
+                                             *gemv_cpu.reading(prefetch, streams))
     if path == "dequant":
         return dequantized_linear(x, gw, bias)
     if path in widen_gemm_cpu.PATH_KERNELS:

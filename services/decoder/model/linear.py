@@ -54,6 +54,7 @@ class Linear(nn.Linear):
     int8_gemm: str = next(iter(quantization.GEMMS))  # the int8 weight's matmul above them (choose_int8_gemm)
     bf16_row: str = gemv_cpu.BF16_ROWS[0]    # its loop for bf16 x over a bf16 weight (choose_bf16_row)
     gemv_prefetch: bool = False              # the kernel asks for the weight ahead (choose_gemv_prefetch)
+    gemv_streams: str = "one"                # its order over the weight rows, gemv_cpu.STREAMS (choose_gemv_streams)
     grouped_loop: str = gemv_grouped_cpu.WIDEST[0]  # the few-row kernel's loop over `grouped` (choose_grouped_loop)
     lora: RowCorrection | None = None        # each row's adapter correction, once an adapter bank installs it
 
@@ -93,10 +94,11 @@ class Linear(nn.Linear):
         """The few-row kernel over whichever weight this Linear holds (int8 with its scales, or grouped)."""
         if self.grouped is not None:
             return grouped.grouped_linear(x, self.grouped, self.bias, "gemv", loop=self.grouped_loop,
-                                          prefetch=self.gemv_prefetch)
+                                          prefetch=self.gemv_prefetch, streams=self.gemv_streams)
         if self.qweight is not None:
-            return gemv_cpu.gemv(x, self.qweight, self.qscale, self.bias, prefetch=self.gemv_prefetch)
-        return gemv_cpu.gemv(x, self.weight, None, self.bias, self.bf16_row, self.gemv_prefetch)
+            return gemv_cpu.gemv(x, self.qweight, self.qscale, self.bias, prefetch=self.gemv_prefetch,
+                                 streams=self.gemv_streams)
+        return gemv_cpu.gemv(x, self.weight, None, self.bias, self.bf16_row, self.gemv_prefetch, self.gemv_streams)
 
     @torch.no_grad()
     def quantize(self, release: bool) -> None:

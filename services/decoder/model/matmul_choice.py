@@ -7,7 +7,9 @@ module of a shape (as a forward would stream them, not one weight hot in cache) 
 and each Linear keeps `gemv_rows`: up to how many rows the kernel runs. For bf16 activations over bf16
 weights the kernel has two loops (gemv_cpu.BF16_ROWS) whose speed depends on the CPU; `choose_bf16_row`
 times both over the model's weights and each Linear keeps `bf16_row`; `choose_gemv_prefetch` times the kernel
-with and without asking for the weights ahead of the row it reads, and each keeps `gemv_prefetch`. Above
+with and without asking for the weights ahead of the row it reads, and each keeps `gemv_prefetch`;
+`choose_gemv_streams` times each thread reading its weight rows front to back and from two halves of its share
+in turn, and each keeps `gemv_streams`. Above
 `gemv_rows` an int8 weight runs one of quantization.GEMMS, `int8_gemm`, which `choose_int8_gemm` times per shape
 at many rows.
 
@@ -268,41 +270,66 @@ def choose_bf16_row(model: nn.Module, record: execution.ExecutionPlan, timer: Bf
     return f"gemv bf16 loop: {chosen} ({reason})"
 
 
-@torch.inference_mode()
-def time_gemv_prefetch(group: list[Linear], rows: int) -> dict[str, float]:
-    """The few-row kernel without and with prefetching ("off", "on") over every module in group at `rows` rows (of
-    a dense weight's dtype; fp32 over int8 weights), as a decode step streams the weights, by the plan's timer."""
-    def dtype(m: Linear) -> torch.dtype:
-        return torch.float32 if m.qweight is not None else m.weight.dtype
-    xs = {(m.in_features, dtype(m)): torch.randn(rows, m.in_features, dtype=dtype(m)) for m in group}
+def time_gemv_reading(attribute: str, values: dict[str, object]) -> Bf16RowTimer:
+    """A timer of the few-row kernel with each of `values` ({name: value}) set as `attribute` of every module in a
+    group (gemv_prefetch, gemv_streams) over every module at `rows` rows (of a dense weight's dtype; fp32 over int8
+    weights), as a decode step streams the weights, by the plan's timer. The modules keep the last value set."""
+    @torch.inference_mode()
+    def timer(group: list[Linear], rows: int) -> dict[str, float]:
+        def dtype(m: Linear) -> torch.dtype:
+            return torch.float32 if m.qweight is not None else m.weight.dtype
+        xs = {(m.in_features, dtype(m)): torch.randn(rows, m.in_features, dtype=dtype(m)) for m in group}
 
-    def one_pass(prefetch: bool) -> None:
-        for m in group:
-            m.gemv_prefetch = prefetch
-            m.gemv(xs[m.in_features, dtype(m)])
-    return execution.fastest({"off": lambda: one_pass(False), "on": lambda: one_pass(True)})
+        def one_pass(value: object) -> None:
+            for m in group:
+                setattr(m, attribute, value)
+                m.gemv(xs[m.in_features, dtype(m)])
+        return execution.fastest({name: (lambda v=value: one_pass(v)) for name, value in values.items()})
+    return timer
 
 
-def choose_gemv_prefetch(model: nn.Module, record: execution.ExecutionPlan, timer: Bf16RowTimer | None = None) -> str:
-    """Set gemv_prefetch on every CPU Linear of model with a grouped, an int8 or a dense fp32 or bf16 weight (after
-    choose_grouped_loop and before choose_gemv, which times the kernel with it; the `gemv_prefetch` path of
-    record), by _choose_row_loop. "on" or "off", and why."""
+time_gemv_prefetch = time_gemv_reading("gemv_prefetch", {"off": False, "on": True})
+time_gemv_streams = time_gemv_reading("gemv_streams", {name: name for name in gemv_cpu.STREAMS})
+
+
+def _streamed(model: nn.Module) -> tuple[list[Linear], str]:
+    """The CPU Linears of model whose grouped, int8 or dense fp32 or bf16 weight the few-row kernel can read, and
+    why it cannot ("" when it can)."""
     group = [m for m in model.modules() if isinstance(m, Linear) and m.weight.device.type == "cpu" and (
         m.grouped is not None or m.qweight is not None
         or (not m.released and m.weight.dtype in (torch.float32, torch.bfloat16)))]
-    unavailable = ""
     if group:
         try:
             gemv_cpu.load()
             if any(m.grouped is not None for m in group):
                 gemv_grouped_cpu.load()
         except native.BuildError as e:
-            unavailable = f"the few-row kernel is not built: {e}"
+            return group, f"the few-row kernel is not built: {e}"
+    return group, ""
+
+
+def choose_gemv_prefetch(model: nn.Module, record: execution.ExecutionPlan, timer: Bf16RowTimer | None = None) -> str:
+    """Set gemv_prefetch on every CPU Linear of model with a grouped, an int8 or a dense fp32 or bf16 weight (after
+    choose_grouped_loop and before choose_gemv_streams and choose_gemv, which time the kernel with it; the
+    `gemv_prefetch` path of record), by _choose_row_loop. "on" or "off", and why."""
+    group, unavailable = _streamed(model)
     chosen, reason = _choose_row_loop(record, "gemv_prefetch", group, "weight", timer or time_gemv_prefetch,
                                       lambda m: gemv_cpu.MAX_ROWS, unavailable, same_sums=True)
     for m in group:
         m.gemv_prefetch = chosen == "on"
     return f"gemv prefetch: {chosen} ({reason})"
+
+
+def choose_gemv_streams(model: nn.Module, record: execution.ExecutionPlan, timer: Bf16RowTimer | None = None) -> str:
+    """Set gemv_streams on the same Linears as choose_gemv_prefetch (after it, with its choice, and before
+    choose_gemv; the `gemv_streams` path of record), by _choose_row_loop: the order each thread reads its weight
+    rows in (gemv_cpu.STREAMS; two are always asked for ahead, gemv_cpu.reading). The chosen order, and why."""
+    group, unavailable = _streamed(model)
+    chosen, reason = _choose_row_loop(record, "gemv_streams", group, "weight", timer or time_gemv_streams,
+                                      lambda m: gemv_cpu.MAX_ROWS, unavailable, same_sums=True)
+    for m in group:
+        m.gemv_streams = chosen
+    return f"gemv streams: {chosen} ({reason})"
 
 
 @torch.inference_mode()

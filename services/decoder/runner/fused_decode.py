@@ -264,12 +264,13 @@ def _projection(linear: Linear, tiles: bool) -> decode_stack_cpu.Projection:
     widen, kernel = _widen(linear)
     if linear.qweight is not None:
         return decode_stack_cpu.Projection(linear.qweight, linear.qscale, linear.bias, linear.gemv_rows, widen=widen,
-                                           kernel=kernel, prefetch=linear.gemv_prefetch)
+                                           kernel=kernel, prefetch=linear.gemv_prefetch, streams=linear.gemv_streams)
     if linear.grouped is not None:
         gw = linear.grouped
         return decode_stack_cpu.Projection(gw.codes, gw.scale, linear.bias, linear.gemv_rows, offset=gw.offset,
                                            bits=gw.bits, group=gw.group, widen=widen, kernel=kernel,
-                                           grouped_loop=linear.grouped_loop, prefetch=linear.gemv_prefetch)
+                                           grouped_loop=linear.grouped_loop, prefetch=linear.gemv_prefetch,
+                                           streams=linear.gemv_streams)
     rule = linear.rule
     # bf16 on a CPU with the tile unit: its panels (AVX-512's bf16 dot product ran a 16-row step's projections at a
     # third of the library's speed on an Intel Xeon with AMX); else tile_gemm_cpu's where the weight fits.
@@ -278,7 +279,8 @@ def _projection(linear: Linear, tiles: bool) -> decode_stack_cpu.Projection:
         tile_gemm_cpu.pack(linear.weight) if tiles and tile_gemm_cpu.fits(linear.weight) else None
     return decode_stack_cpu.Projection(linear.weight, None, linear.bias, linear.gemv_rows, linear.packed,
                                        (rule.starts, rule.packed) if rule is not None else ((1,), (False,)),
-                                       panels, linear.bf16_row, tiles_amx=amx, prefetch=linear.gemv_prefetch)
+                                       panels, linear.bf16_row, tiles_amx=amx, prefetch=linear.gemv_prefetch,
+                                       streams=linear.gemv_streams)
 
 
 def _quantized_rows(model: CausalLM) -> float:

@@ -30,6 +30,7 @@ from services.decoder.model.matmul_choice import (
     choose_bf16_row,
     choose_gemv,
     choose_gemv_prefetch,
+    choose_gemv_streams,
     choose_grouped_loop,
     choose_grouped_matmul,
     choose_int8_gemm,
@@ -81,6 +82,8 @@ class Runner:
         choose_grouped_loop(model, plan)
         # Whether the few-row kernel asks for dense weights ahead of the row it reads, by timing both.
         choose_gemv_prefetch(model, plan)
+        # And the order each thread reads its weight rows in (one stream or two), by timing both with that choice.
+        choose_gemv_streams(model, plan)
         # Then the few-row kernel where it beats that path (decode at batch 1 to 4), by timing.
         choose_gemv(model, plan)
         # And its loop for bf16 activations over bf16 weights, by timing both at this model's weights.

@@ -67,4 +67,4 @@ def test_an_unknown_loop_is_refused():
     with pytest.raises(ValueError, match="bf16_row 'fast': expected one of rowwise, interleave4"):
         gemv(x, w, None, None, "fast")
     with pytest.raises(RuntimeError, match="bf16_row must be 0"):
-        gemv_cpu.load().gemv(torch.empty(1, 4, dtype=torch.bfloat16), x, w, None, None, 2, 0)
+        gemv_cpu.load().gemv(torch.empty(1, 4, dtype=torch.bfloat16), x, w, None, None, 2, 0, 1)
