@@ -57,10 +57,11 @@ inline void prefetch_ahead(const void* p, int64_t ahead, int64_t bytes) {
 // The weight rows [n0, n1) of one thread's share, in the order a few-row matmul reads them: front to back
 // (streams 1), or from the share's two halves in turn (streams 2: n0, n0 + h, n0 + 1, n0 + h + 1, ...), so that
 // two streams from memory are in flight instead of one. Why: on an Intel Xeon (family 6 model 167, 2 threads) the
-// kernels took a decode step's weights (SmolLM2's 121, asked 8 KiB ahead) at 26-34 GB/s in int8, 24-27 in bf16
-// and 28 in fp32 at one row of x, 18-20 GB/s at four, where a plain read of the same bytes ran 27-38; from two
-// halves, 37-39, 29-30, 29 and 20-23. Each row's sums are the same in either order. Which one runs is timed at load
-// (services/decoder/model/matmul_choice.py, the gemv_streams path).
+// kernels took a decode step's weights (SmolLM2's 121, asked 8 KiB ahead) at 32-34 GB/s in int8, 24-27 in bf16 and
+// 28 in fp32 at one row of x, where a plain read of the same bytes ran 27-38; from two halves at 37-39, 29-30 and
+// 29 (bf16 and fp32 at four rows: 20 -> 23). On Llama-3.2-1B's wider weights the same CPU's batch-1 decode was
+// slower with two (0.87-0.93x), so which one runs is timed at load (services/decoder/model/matmul_choice.py, the
+// gemv_streams path). Each row's sums are the same in either order.
 template <typename F>
 inline void each_weight_row(int64_t n0, int64_t n1, int64_t streams, F&& f) {
   if (streams < 2) {
