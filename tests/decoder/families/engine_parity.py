@@ -17,7 +17,7 @@ from services.decoder.engine.engine_core import EngineCore
 from services.decoder.engine.step import SamplingParams, StepInput
 from services.decoder.runner import Runner
 from tests.decoder.drive import drive
-from tests.decoder.model.checkpoints import TINY_SHAPE
+from tests.decoder.model.checkpoints import TINY_INT8_SHAPE, TINY_SHAPE
 from tests.decoder.model.test_quantization import dequantized_reference
 from tests.decoder.runner.driver import BlockAllocator, Seq
 from tests.tolerance import assert_close
@@ -104,5 +104,5 @@ def check_int8_decode(folder) -> None:
         logits, _ = runner.logits(StepInput([seq.chunk(len(seq.tokens) - seq.computed, alloc, BLOCK)]))
         with torch.no_grad():
             want = ref(torch.tensor([seq.tokens])).logits[0, -1]
-        assert_close(logits[0], want, dtype=torch.int8, **TINY_SHAPE)
+        assert_close(logits[0], want, dtype=torch.int8, **TINY_INT8_SHAPE)
         seq.tokens.append(int(logits[0].argmax()))

@@ -49,7 +49,15 @@ from tests.decoder.lora.adapters import (
     register,
     write_adapter,
 )
-from tests.decoder.model.checkpoints import CASES, TINY_SHAPE, VOCAB, build, greedy_reference, load_reference
+from tests.decoder.model.checkpoints import (
+    CASES,
+    TINY_INT8_SHAPE,
+    TINY_SHAPE,
+    VOCAB,
+    build,
+    greedy_reference,
+    load_reference,
+)
 from tests.decoder.model.test_int4 import dequantized_reference as int4_reference
 from tests.decoder.model.test_quantization import dequantized_reference
 from tests.decoder.runner.driver import BlockAllocator, Seq
@@ -478,7 +486,7 @@ def test_int8_matches_the_dequantized_reference(folder, declined, pins):
     with torch.no_grad():
         want = ref(torch.tensor([tokens])).logits[0, len(prompt) - 1:]
     for i, got in enumerate(rows):
-        assert_close(got, want[i], dtype=torch.int8, **TINY_SHAPE, what=f"row {i}")
+        assert_close(got, want[i], dtype=torch.int8, **TINY_INT8_SHAPE, what=f"row {i}")
     drive(engine(runner, num_blocks=64, budget=5), PROMPTS, GREEDY)
 
 
@@ -494,7 +502,7 @@ def test_int4_matches_the_dequantized_reference(folder, declined):
     with torch.no_grad():
         want = ref(torch.tensor([tokens])).logits[0, len(PROMPTS[4]) - 1:]
     for i, got in enumerate(rows):
-        assert_close(got, want[i], dtype=torch.int8, **TINY_SHAPE, what=f"row {i}")
+        assert_close(got, want[i], dtype=torch.int8, **TINY_INT8_SHAPE, what=f"row {i}")
     drive(engine(runner, num_blocks=64, budget=5), PROMPTS[:2], GREEDY)
 
 

@@ -52,6 +52,11 @@ _ONE_PLUS_NORMS = ("gemma2", "gemma3_text")
 # for tests/tolerance.py: the longest dot product of a layer is the MLP's (intermediate size at
 # most 128; contexts stay shorter), depth = 2 layers + the LM head.
 TINY_SHAPE = {"k": 128, "depth": 3}
+# The same checkpoints with int8-rounded activations (--quantization int8 and int4: tests/tolerance.py's int8 u is
+# one rounding of one matmul's input): a layer rounds the inputs of its four projections (q/k/v, o, gate/up, down)
+# and the head its own, so depth counts 2 * 4 + 1 roundings, as tests/decoder/model/test_moe_experts.py counts an
+# expert block's two.
+TINY_INT8_SHAPE = {"k": 128, "depth": 9}
 
 # name -> (family, config overrides, save kwargs). Covers GQA ratios 1, 2, 4 (and 3), tied and
 # untied, an odd head count, qk-norm, a head_dim unequal to hidden/heads, and sharded files; Granite

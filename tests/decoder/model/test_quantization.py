@@ -17,7 +17,7 @@ from services.decoder.model.matmul_choice import choose_int8_gemm
 from services.decoder.model.quantization import GEMMS, MODES, dequantize, eligible, int8_linear_ref, quantize
 from services.decoder.runner import Runner
 from services.decoder.server.config import QUANTIZATION_MODES
-from tests.decoder.model.checkpoints import TINY_SHAPE, build, load_reference
+from tests.decoder.model.checkpoints import TINY_INT8_SHAPE, TINY_SHAPE, build, load_reference
 from tests.decoder.model.test_model import causal_attention
 from tests.decoder.runner.driver import BlockAllocator, Seq
 from tests.tolerance import assert_close, is_close
@@ -273,7 +273,7 @@ def test_runner_decodes_with_int8_weights(folders, pins):
         logits, _ = runner.logits(StepInput([seq.chunk(len(seq.tokens) - seq.computed, alloc, 4)]))
         with torch.no_grad():
             expected = ref(torch.tensor([seq.tokens])).logits[0, -1]
-        assert_close(logits[0], expected, dtype=torch.int8, **TINY_SHAPE)
+        assert_close(logits[0], expected, dtype=torch.int8, **TINY_INT8_SHAPE)
         seq.tokens.append(int(logits[0].argmax()))
 
 
