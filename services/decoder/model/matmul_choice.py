@@ -271,9 +271,10 @@ def choose_bf16_row(model: nn.Module, record: execution.ExecutionPlan, timer: Bf
 
 
 def time_gemv_reading(attribute: str, values: dict[str, object]) -> Bf16RowTimer:
-    """A timer of the few-row kernel with each of `values` ({name: value}) set as `attribute` of every module in a
-    group (gemv_prefetch, gemv_streams) over every module at `rows` rows (of a dense weight's dtype; fp32 over int8
-    weights), as a decode step streams the weights, by the plan's timer. The modules keep the last value set."""
+    """The plan's timer for one way the few-row kernel reads the weights (`attribute`: gemv_prefetch or
+    gemv_streams), candidates {name: value}: per candidate, the value set on every module of a group and one pass
+    over them at `rows` rows (of a dense weight's dtype; fp32 over int8 weights), as a decode step streams the
+    weights. The modules keep the last value set (the chooser then sets its choice)."""
     @torch.inference_mode()
     def timer(group: list[Linear], rows: int) -> dict[str, float]:
         def dtype(m: Linear) -> torch.dtype:
