@@ -142,7 +142,7 @@ def burst_line(ours: Tessera, batch: list[list[int]], text: list[int], threads: 
     submitted at once after a warm-up prompt that shares no block with them, the last chat reversed (vLLM's
     peer script warms up on the first prompt it is given, so both sides get [warm-up, *burst]); the seconds
     until every request has its first token, tessera's median of 3 on a cold prefix cache each, and vLLM's.
-    Returns the ratio."""
+    Returns the ratios for the last line: vLLM's time over ours, or none without vLLM."""
     warm, burst = batch[-1][::-1], [text[:512] + p for p in batch[:16]]
     times = []
     for i in range(3):

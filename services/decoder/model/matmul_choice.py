@@ -270,11 +270,18 @@ def choose_bf16_row(model: nn.Module, record: execution.ExecutionPlan, timer: Bf
     return f"gemv bf16 loop: {chosen} ({reason})"
 
 
-def time_gemv_reading(attribute: str, values: dict[str, object]) -> Bf16RowTimer:
-    """The plan's timer for one way the few-row kernel reads the weights (`attribute`: gemv_prefetch or
-    gemv_streams), candidates {name: value}: per candidate, the value set on every module of a group and one pass
-    over them at `rows` rows (of a dense weight's dtype; fp32 over int8 weights), as a decode step streams the
-    weights. The modules keep the last value set (the chooser then sets its choice)."""
+# The ways the few-row kernel reads the weights, each a path of the plan timed by _choose_reading: the path's
+# candidates' values of the Linear attribute it sets (the kernel's reading: gemv_cpu.reading).
+READINGS: dict[str, dict[str, object]] = {
+    "gemv_prefetch": {"off": False, "on": True},
+    "gemv_streams": {name: name for name in gemv_cpu.STREAMS},
+}
+
+
+def time_gemv_reading(path: str) -> Bf16RowTimer:
+    """The plan's timer for a path of READINGS: per candidate, its value set on every module of a group and one
+    pass over them at `rows` rows (of a dense weight's dtype; fp32 over int8 weights), as a decode step streams
+    the weights. The modules keep the last value set (the chooser then sets its choice)."""
     @torch.inference_mode()
     def timer(group: list[Linear], rows: int) -> dict[str, float]:
         def dtype(m: Linear) -> torch.dtype:
@@ -283,54 +290,44 @@ def time_gemv_reading(attribute: str, values: dict[str, object]) -> Bf16RowTimer
 
         def one_pass(value: object) -> None:
             for m in group:
-                setattr(m, attribute, value)
+                setattr(m, path, value)
                 m.gemv(xs[m.in_features, dtype(m)])
-        return execution.fastest({name: (lambda v=value: one_pass(v)) for name, value in values.items()})
+        return execution.fastest({name: (lambda v=value: one_pass(v)) for name, value in READINGS[path].items()})
     return timer
 
 
-time_gemv_prefetch = time_gemv_reading("gemv_prefetch", {"off": False, "on": True})
-time_gemv_streams = time_gemv_reading("gemv_streams", {name: name for name in gemv_cpu.STREAMS})
-
-
-def _streamed(model: nn.Module) -> tuple[list[Linear], str]:
-    """The CPU Linears of model whose grouped, int8 or dense fp32 or bf16 weight the few-row kernel can read, and
-    why it cannot ("" when it can)."""
+def _choose_reading(model: nn.Module, record: execution.ExecutionPlan, path: str, timer: Bf16RowTimer | None) -> str:
+    """Set the Linear attribute named `path` (a path of READINGS) on every CPU Linear of model with a grouped, an
+    int8 or a dense fp32 or bf16 weight, by _choose_row_loop (the same sums either way). "<path>: <chosen>
+    (why)"."""
     group = [m for m in model.modules() if isinstance(m, Linear) and m.weight.device.type == "cpu" and (
         m.grouped is not None or m.qweight is not None
         or (not m.released and m.weight.dtype in (torch.float32, torch.bfloat16)))]
+    unavailable = ""
     if group:
         try:
             gemv_cpu.load()
             if any(m.grouped is not None for m in group):
                 gemv_grouped_cpu.load()
         except native.BuildError as e:
-            return group, f"the few-row kernel is not built: {e}"
-    return group, ""
+            unavailable = f"the few-row kernel is not built: {e}"
+    chosen, reason = _choose_row_loop(record, path, group, "weight", timer or time_gemv_reading(path),
+                                      lambda m: gemv_cpu.MAX_ROWS, unavailable, same_sums=True)
+    for m in group:
+        setattr(m, path, READINGS[path][chosen])
+    return f"{path.replace('_', ' ')}: {chosen} ({reason})"
 
 
 def choose_gemv_prefetch(model: nn.Module, record: execution.ExecutionPlan, timer: Bf16RowTimer | None = None) -> str:
-    """Set gemv_prefetch on every CPU Linear of model with a grouped, an int8 or a dense fp32 or bf16 weight (after
-    choose_grouped_loop and before choose_gemv_streams and choose_gemv, which time the kernel with it; the
-    `gemv_prefetch` path of record), by _choose_row_loop. "on" or "off", and why."""
-    group, unavailable = _streamed(model)
-    chosen, reason = _choose_row_loop(record, "gemv_prefetch", group, "weight", timer or time_gemv_prefetch,
-                                      lambda m: gemv_cpu.MAX_ROWS, unavailable, same_sums=True)
-    for m in group:
-        m.gemv_prefetch = chosen == "on"
-    return f"gemv prefetch: {chosen} ({reason})"
+    """Whether the few-row kernel asks for the weights ahead of the row it reads (Linear.gemv_prefetch; after
+    choose_grouped_loop and before choose_gemv_streams and choose_gemv, which time the kernel with it)."""
+    return _choose_reading(model, record, "gemv_prefetch", timer)
 
 
 def choose_gemv_streams(model: nn.Module, record: execution.ExecutionPlan, timer: Bf16RowTimer | None = None) -> str:
-    """Set gemv_streams on the same Linears as choose_gemv_prefetch (after it, with its choice, and before
-    choose_gemv; the `gemv_streams` path of record), by _choose_row_loop: the order each thread reads its weight
-    rows in (gemv_cpu.STREAMS; two are always asked for ahead, gemv_cpu.reading). The chosen order, and why."""
-    group, unavailable = _streamed(model)
-    chosen, reason = _choose_row_loop(record, "gemv_streams", group, "weight", timer or time_gemv_streams,
-                                      lambda m: gemv_cpu.MAX_ROWS, unavailable, same_sums=True)
-    for m in group:
-        m.gemv_streams = chosen
-    return f"gemv streams: {chosen} ({reason})"
+    """The order each thread reads its weight rows in (Linear.gemv_streams, gemv_cpu.STREAMS; two are always asked
+    for ahead, gemv_cpu.reading): after choose_gemv_prefetch, with its choice, and before choose_gemv."""
+    return _choose_reading(model, record, "gemv_streams", timer)
 
 
 @torch.inference_mode()
