@@ -71,6 +71,9 @@ PATHS: dict[str, tuple[str, ...]] = {
     "lora_split": ("coarse", "fine"),
     # decoder: greedy rows through a bf16 screen of an fp32 head (services/decoder/model/screen.py)
     "screen": ("off", "on"),
+    # decoder: how the screen scores rows against its bf16 head: the few-row kernel over fp32 rows up to its rows, or
+    # the panel kernel over bf16 rows (services/decoder/model/screen.py)
+    "screen_scores": ("kernel", "panels"),
     # decoder: how grammar masks are applied to the logits (services/decoder/grammar/mask.py)
     "grammar_mask": ("unpacked", "xgrammar"),
     # decoder: weights and KV cache in 2 MiB pages (services/common/arena.py); not timed
@@ -86,8 +89,8 @@ PATHS: dict[str, tuple[str, ...]] = {
 
 # The paths each service runs.
 DECODER = ("linear", "gemv", "int8_gemm", "gemv_bf16_row", "gemv_prefetch", "gemv_streams", "gemv_grouped_loop",
-           "grouped_matmul", "glue", "attention", "decode_stack", "screen", "grammar_mask", "huge_pages", "malloc",
-           "speculation", "lora_split")
+           "grouped_matmul", "glue", "attention", "decode_stack", "screen", "screen_scores", "grammar_mask",
+           "huge_pages", "malloc", "speculation", "lora_split")
 POOLING = ("linear", "encoder_attention", "malloc")
 
 

@@ -6,8 +6,9 @@ SmolLM2-135M's tied fp32 head is 113 MB of the 538 MB a batch-1 step streams fro
 
 How, for sampled rows h [M, H] (fp32) and the head W [V, H] (fp32, no bias), L = h @ W^T the fp32
 logits the full head computes (in any order of summation):
-  1. scores s = h @ Wb^T with Wb = bf16(W), fp32 sums: the few-row kernel (gemv_cpu) over fp32 h up to
-     gemv_cpu.MAX_ROWS rows, the panel kernel (tile_gemm_cpu) over bf16(h) above, else F.linear.
+  1. scores s = h @ Wb^T with Wb = bf16(W), fp32 sums: the few-row kernel (gemv_cpu) over fp32 h up to the
+     rows chosen at load (choose_scores: at most gemv_cpu.MAX_ROWS), the panel kernel (tile_gemm_cpu) over
+     bf16(h) above, else F.linear.
   2. |s[r, i] - L[r, i]| <= radius[r] * norms[i], with norms[i] = ||W_i||_2 and radius[r] = C ||h_r||_2:
      per term, |h_k W_ik - h'_k Wb_ik| <= e |h_k W_ik| with e = u (h kept fp32) or 2u + u^2 (h rounded
      to bf16), u = 2^-8 the bf16 unit roundoff; each fp32 sum of K terms errs by at most
@@ -71,11 +72,13 @@ class ArgmaxScreen:
         self.scale_exact, self.scale_rounded = error_scale(k, False), error_scale(k, True)
         self.scale_library = error_scale(k, True, rounded_scores=True)
         self.few_rows = _gemv()       # whether the few-row kernel is here to score up to MAX_ROWS rows
+        # The rows up to which the few-row kernel scores (choose_scores); above, the panels where they exist.
+        self.kernel_rows = gemv_cpu.MAX_ROWS if self.few_rows else 0
         self.max_rows = 0
 
     def scores(self, h: torch.Tensor) -> tuple[torch.Tensor, float]:
         """h [M, H] fp32 -> (fp32 scores [M, V] of the bf16 head, C for them)."""
-        if h.shape[0] <= gemv_cpu.MAX_ROWS and self.few_rows:
+        if h.shape[0] <= self.kernel_rows:
             return gemv_cpu.gemv(h, self.low), self.scale_exact
         if self.panels is not None:
             return tile_gemm_cpu.tile_gemm(h.to(torch.bfloat16), self.panels), self.scale_rounded
@@ -143,6 +146,7 @@ def build(head: torch.nn.Module, head_fn, hidden_norm: float, record: execution.
         record.record("screen", "off", reason=f"unavailable: {str(e).splitlines()[0]}")
         return None, f"off (unavailable: {str(e).splitlines()[0]})"
     screen = ArgmaxScreen(weight, huge_pages)
+    choose_scores(screen, record, hidden_norm)
     if want == "on":
         screen.max_rows = 1 << 30
         record.record("screen", "on")
@@ -163,12 +167,50 @@ def build(head: torch.nn.Module, head_fn, hidden_norm: float, record: execution.
 
 
 @torch.inference_mode()
+def choose_scores(screen: ArgmaxScreen, record: execution.ExecutionPlan, hidden_norm: float) -> None:
+    """Set screen.kernel_rows as the path `screen_scores` of record says, and record it: pinned `kernel`, the few-row
+    kernel scores every count it runs (MAX_ROWS); pinned `panels`, none; auto, timed at 1..MAX_ROWS rows (plan.pick,
+    the kernel the default), it keeps the counts below the first where the panels won. Why: on a Zen 4 (family 25
+    model 17, 2 threads) SmolLM2's head scored 2-5 rows in 1.6 ms by the panels and 1.8-4.1 ms by the kernel,
+    which reads the weights once but loads a row of x per product. Where only one of the two is built, it scores."""
+    want = record.pinned("screen_scores")
+    if not screen.few_rows or screen.panels is None:
+        only = "kernel" if screen.few_rows else "panels" if screen.panels is not None else "library"
+        record.record("screen_scores", only, reason="the only scorer this CPU runs" +
+                      (f" (pinned {want}: not available here)" if want not in (execution.AUTO, only) else ""))
+        return
+    if want != execution.AUTO:
+        screen.kernel_rows = gemv_cpu.MAX_ROWS if want == "kernel" else 0
+        record.record("screen_scores", want)
+        return
+    timings, screen.kernel_rows = [], 0
+    for rows in range(1, gemv_cpu.MAX_ROWS + 1):
+        took = time_scores(screen, rows, hidden_norm)
+        timings += [execution.Timing(p, t, rows) for p, t in took.items()]
+        if execution.pick(took, "kernel") != "kernel":
+            break
+        screen.kernel_rows = rows
+    record.record("screen_scores", f"kernel rows<={screen.kernel_rows}" if screen.kernel_rows else "panels", timings)
+
+
+def timing_rows(weight: torch.Tensor, rows: int, hidden_norm: float) -> torch.Tensor:
+    """[rows, H] hidden states that each predict one token clearly (a head row scaled to hidden_norm), as a trained
+    model's rows do; random rows would give flat logits and far more candidates than real decoding."""
+    picks = torch.randint(0, weight.shape[0], (rows,), generator=torch.Generator().manual_seed(rows))
+    h = weight.index_select(0, picks)
+    return (h * (hidden_norm / h.norm(dim=1, keepdim=True))).contiguous()
+
+
+@torch.inference_mode()
+def time_scores(screen: ArgmaxScreen, rows: int, hidden_norm: float) -> dict[str, float]:
+    """{"kernel": the few-row kernel's scores s, "panels": the panel kernel's s} at `rows` rows of timing_rows."""
+    h = timing_rows(screen.weight, rows, hidden_norm)
+    return execution.fastest({"kernel": lambda: gemv_cpu.gemv(h, screen.low),
+                              "panels": lambda: tile_gemm_cpu.tile_gemm(h.to(torch.bfloat16), screen.panels)})
+
+
+@torch.inference_mode()
 def time_rows(screen: ArgmaxScreen, head_fn, rows: int, hidden_norm: float) -> dict[str, float]:
-    """{"off": full head + argmax s, "on": screen s} at `rows` rows (plan.fastest). Each row is a hidden
-    state that predicts one token clearly (a head row scaled to hidden_norm), as a trained model's rows
-    do; random rows would give flat logits and far more candidates than real decoding."""
-    w = screen.weight
-    picks = torch.randint(0, w.shape[0], (rows,), generator=torch.Generator().manual_seed(rows))
-    h = w.index_select(0, picks)
-    h = (h * (hidden_norm / h.norm(dim=1, keepdim=True))).contiguous()
+    """{"off": full head + argmax s, "on": screen s} at `rows` rows of timing_rows (plan.fastest)."""
+    h = timing_rows(screen.weight, rows, hidden_norm)
     return execution.fastest({"off": lambda: head_fn(h).max(dim=1), "on": lambda: screen.argmax(h)})

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from services.common.plan import ExecutionPlan
-from services.decoder.kernels import tile_gemm_cpu
+from services.decoder.kernels import gemv_cpu, tile_gemm_cpu
 from services.decoder.model import screen as screen_mod
 from services.decoder.model.linear import Linear
-from services.decoder.model.screen import ArgmaxScreen, build
+from services.decoder.model.screen import ArgmaxScreen, build, choose_scores
 
 pytestmark = pytest.mark.numerics
 
@@ -39,10 +39,11 @@ def hidden_rows(w: torch.Tensor, n: int, seed: int) -> torch.Tensor:
 
 
 def paths(screen: ArgmaxScreen, monkeypatch):
-    """(name, rows, setup) for the three ways scores are computed."""
+    """(name, rows, setup) for the ways scores are computed (the panels at few rows: screen_scores=panels)."""
     def library():
         monkeypatch.setattr(screen, "panels", None)
     return [("few-row kernel, fp32 rows", 3, lambda: None), ("panel kernel, bf16 rows", 24, lambda: None),
+            ("panel kernel at few rows", 3, lambda: monkeypatch.setattr(screen, "kernel_rows", 0)),
             ("library matmul, bf16 rows and scores", 24, library)]
 
 
@@ -138,5 +139,40 @@ def test_auto_keeps_the_row_counts_up_to_where_the_timing_says_it_won(monkeypatc
 
 def test_real_timing_runs_and_reports_both_sides():
     head = linear(head_weight(6))
-    took = screen_mod.time_rows(ArgmaxScreen(head.weight), lambda h: head(h).float(), 4, 48.0)
+    screen = ArgmaxScreen(head.weight)
+    took = screen_mod.time_rows(screen, lambda h: head(h).float(), 4, 48.0)
     assert took["off"] > 0 and took["on"] > 0
+    if screen.panels is not None:
+        took = screen_mod.time_scores(screen, 4, 48.0)
+        assert took["kernel"] > 0 and took["panels"] > 0
+
+
+def test_the_scorer_runs_the_row_counts_its_choice_gave(monkeypatch):
+    screen = ArgmaxScreen(head_weight(7))
+    h = hidden_rows(screen.weight, 3, seed=7)
+    assert screen.kernel_rows == gemv_cpu.MAX_ROWS and screen.scores(h)[1] == screen.scale_exact
+    monkeypatch.setattr(screen, "kernel_rows", 2)      # 3 rows: above the kernel's, bf16 rows
+    above = screen.scale_rounded if screen.panels is not None else screen.scale_library
+    assert screen.scores(h)[1] == above and screen.scores(h[:2])[1] == screen.scale_exact
+
+
+def test_the_scorer_follows_its_pin_or_the_timings(monkeypatch):
+    """screen_scores: pinned, no timing; auto, the kernel up to the count before the first where the panels
+    beat it by the plan's margin. A CPU without the panels keeps the kernel, whatever the pin."""
+    w = head_weight(8)
+    times = {1: (1.0, 2.0), 2: (1.0, 1.5), 3: (1.0, 0.97), 4: (2.0, 1.0)}    # 3 rows: within the tie
+    monkeypatch.setattr(screen_mod, "time_scores", lambda screen, rows, norm: {"kernel": 1e-3 * times[rows][0],
+                                                                               "panels": 1e-3 * times[rows][1]})
+    for pins, rows, chosen in (("screen_scores=kernel", gemv_cpu.MAX_ROWS, "kernel"),
+                               ("screen_scores=panels", 0, "panels"), ("", 3, "kernel rows<=3")):
+        record, screen = ExecutionPlan(pins), ArgmaxScreen(w)
+        choose_scores(screen, record, 48.0)
+        if screen.panels is None:
+            assert screen.kernel_rows == gemv_cpu.MAX_ROWS and record.chosen("screen_scores") == "kernel"
+            continue
+        assert (screen.kernel_rows, record.chosen("screen_scores")) == (rows, chosen)
+        assert len(record.get("screen_scores").timings) == (8 if not pins else 0)
+    times[1] = (2.0, 1.0)
+    record, screen = ExecutionPlan(), ArgmaxScreen(w)
+    choose_scores(screen, record, 48.0)
+    assert screen.kernel_rows == (0 if screen.panels is not None else gemv_cpu.MAX_ROWS)

@@ -8,6 +8,7 @@ import torch
 
 from services.common.errors import InvalidArgument, Unsupported
 from services.decoder.engine.step import PlacedImages, SamplingParams, StepInput
+from services.decoder.kernels import gemv_cpu
 from services.decoder.runner import Runner
 from tests.decoder.model.checkpoints import TINY_SHAPE, build, load_reference
 from tests.decoder.runner.driver import BlockAllocator, Seq
@@ -208,14 +209,21 @@ def test_every_choice_is_in_the_plan(folders):
     assert any(n.startswith("linear ") for n in names)
     assert runner.plan.chosen("attention") == "torch" and runner.attention_backend == "torch-gather"
 
-def test_greedy_steps_through_the_argmax_screen_equal_the_full_head(folders):
-    """The same mixed steps on a runner with the screen pinned on and one with it pinned off: the same
-    tokens; a step with a row that wants logprobs takes the full head."""
+@pytest.mark.parametrize("scores", ["kernel", "panels"])
+def test_greedy_steps_through_the_argmax_screen_equal_the_full_head(tmp_path, scores):
+    """The same mixed steps on a runner with the screen pinned on (scoring by either scorer) and one with it
+    pinned off: the same tokens; a step with a row that wants logprobs takes the full head. A vocabulary of
+    whole 64-column panels, so that the panel kernel scores where the CPU has it."""
     from services.decoder.engine.step import SamplingParams
-    folder = folders["qwen2_gqa2_odd_tied"]
-    screened = Runner.from_folder(folder, "fp32", block_size=BLOCK, num_blocks=200, fast_paths="screen=on")
+    folder = build(tmp_path, "qwen2_gqa2_odd_tied", seed=11, vocab_size=192)
+    screened = Runner.from_folder(folder, "fp32", block_size=BLOCK, num_blocks=200,
+                                  fast_paths=f"screen=on,screen_scores={scores}")
     full = Runner.from_folder(folder, "fp32", block_size=BLOCK, num_blocks=200, fast_paths="screen=off")
     assert screened.screen is not None and full.screen is None
+    # A CPU without the panels (no bf16 dot product) scores by the kernel whatever the pin, and says so.
+    expect = scores if screened.screen.panels is not None else "kernel"
+    assert screened.plan.chosen("screen_scores") == expect
+    assert screened.screen.kernel_rows == (0 if expect == "panels" else gemv_cpu.MAX_ROWS)
     assert full.plan.get("screen").reason == "pinned by --fast-paths screen=off" and full.plan.chosen("screen") == "off"
     calls = []
     real_argmax = screened.screen.argmax
