@@ -10,7 +10,7 @@ tokens (and the outputs are compared token for token):
       repeats the prompt: the case the per-request draft gate (engine/drafter.py DraftGate, on the verify
       costs the runner times at load) must keep from costing more than 3 %.
 Speculation: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
-"prompt_lookup_min": 1} (--k, default 4). Each workload runs off, on, off, on in one process on
+"prompt_lookup_min": 1} (--k, default 4). Each workload runs off, on, off, on ... (--rounds pairs) in one process on
 one runner and keeps each side's best, so both sides see the same machine state.
 The acceptance rate, the mean accepted length per verification, the proposals scanned and how often the
 gate paused a request's drafting are printed; --fast-paths speculation=always drafts at every n-gram hit.
@@ -96,7 +96,7 @@ class Engine:
         return [out[str(i)] for i in range(len(batch))], time.perf_counter() - start, core.stats(), prefill
 
 
-def side_by_side(engine: Engine, name: str, batch, max_tokens, spec, one_at_a_time: bool, rounds: int = 2):
+def side_by_side(engine: Engine, name: str, batch, max_tokens, spec, one_at_a_time: bool, rounds: int):
     """Off, on, off, on ...: the best seconds of each, outputs compared. -> (tok/s off, tok/s on, stats)."""
     best = {"off": float("inf"), "on": float("inf")}
     outputs, stats, scheduler, prefill = {}, None, None, 0.0
@@ -175,6 +175,7 @@ def main() -> None:
     ap.add_argument("--single", type=int, default=6, help="batch-1 requests in (a)")
     ap.add_argument("--concurrent", type=int, default=64, help="concurrent chats in (b)")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3, help="off/on pairs per workload; each side's best counts")
     ap.add_argument("--peer", choices=("vllm",), help="also run workload (a) on vLLM, with and without ngram")
     ap.add_argument("--parts", default="abc", help="which workloads to run: any of a, b, c")
     ap.add_argument("--fast-paths", default="", help="the runner's --fast-paths, e.g. speculation=always")
@@ -193,17 +194,17 @@ def main() -> None:
     ratios = []
     if "a" in args.parts:
         grounded = [encode([{"role": "user", "content": EDIT + p}]) for p in paragraphs(args.single)]
-        a_off, a_on = side_by_side(engine, "a", grounded, args.max_tokens, spec, one_at_a_time=True)
+        a_off, a_on = side_by_side(engine, "a", grounded, args.max_tokens, spec, True, args.rounds)
         ratios.append(f"batch-1 grounded {a_on / a_off:.2f}x (goal >= 1.8)")
         if args.peer == "vllm":
             vllm(grounded, args, spec, a_on)
     if "b" in args.parts:
         chats = [encode(m) for m in gsm8k_messages(args.concurrent)]
-        b_off, b_on = side_by_side(engine, "b", chats, args.max_tokens, spec, one_at_a_time=False)
+        b_off, b_on = side_by_side(engine, "b", chats, args.max_tokens, spec, False, args.rounds)
         ratios.append(f"{args.concurrent} concurrent chats {b_on / b_off:.2f}x (goal >= 0.97)")
     if "c" in args.parts:
         chats = [encode(m) for m in gsm8k_messages(args.single)]
-        c_off, c_on = side_by_side(engine, "c", chats, args.max_tokens, spec, one_at_a_time=True)
+        c_off, c_on = side_by_side(engine, "c", chats, args.max_tokens, spec, True, args.rounds)
         ratios.append(f"batch-1 open-ended {c_on / c_off:.2f}x (goal >= 0.97)")
     choice = engine.runner.plan.get("speculation")
     print(f"plan: {choice.line() if choice else 'speculation: not chosen'}", flush=True)
