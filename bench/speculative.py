@@ -74,7 +74,7 @@ class Engine:
         self.core: EngineCore | None = None     # the last run's
 
     def run(self, batch: list[list[int]], max_tokens: int, spec: SpeculativeConfig | None, one_at_a_time: bool):
-        """-> (outputs, seconds, stats, seconds of each group's first step: its prefill)."""
+        """-> (outputs, seconds, stats, the seconds of the groups' first steps: their prefill)."""
         self.core = core = EngineCore(self.runner, EngineConfig(
             block_size=16, num_blocks=4096, max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=4096,
             speculative=spec))
@@ -103,8 +103,8 @@ def side_by_side(engine: Engine, name: str, batch, max_tokens, spec, one_at_a_ti
     for _ in range(rounds):
         for side, cfg in (("off", None), ("on", spec)):
             outs, secs, st, first_steps = engine.run(batch, max_tokens, cfg, one_at_a_time)
-            if secs < best[side] and side == "off":
-                prefill = first_steps
+            if side == "off" and secs < best[side]:
+                prefill = first_steps       # the best plain run's
             best[side] = min(best[side], secs)
             outputs[side] = outs
             if side == "on":
