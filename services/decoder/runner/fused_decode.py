@@ -26,10 +26,10 @@ benchmarks), on takes it up to the largest timing row count without timing.
 
 Where tile_gemm_cpu runs for the model's dtype (AVX-512; for bf16 the bf16 dot product), a second
 stack runs the projections that fit (tile_gemm_cpu.fits) through it above 4 rows (TILES_ABOVE).
-It is timed too, at every one of TIMING_ROWS from 2, and replaces the first only if it was faster at every
-one above TILES_ABOVE and by the plan's tie rule over their sum (then its panel copy of the weights stays
-resident; otherwise it is dropped); kept, its panels run from the fewest rows down to which they beat the
-few-row kernel at every timed count.
+It is timed too, at every one of TIMING_ROWS from 2. Its panels would run above TILES_ABOVE and at the fewer
+rows down to which they beat the few-row kernel at every timed count; the stack with them replaces the first
+only if it was faster at every count above TILES_ABOVE and by the plan's tie rule over the sum of the counts it
+would run (then its panel copy of the weights stays resident; otherwise it is dropped).
 Over 30 layers of weights read from memory (a 64-row step), the panels ran 1.16-1.19x oneDNN's packed
 GEMM in bf16 and 1.05-1.07x in fp32 on a Zen 4.
 """
@@ -173,22 +173,27 @@ class FusedDecode:
             k[:largest * per_row].zero_()
             v[:largest * per_row].zero_()
         tiled = [best for rows, best in timed if "tiles" in best and rows > decode_stack_cpu.TILES_ABOVE]
-        # Kept, the panels are one more copy of the weights: so they must be faster at every timed row
-        # count above TILES_ABOVE and by the tie rule over all of them. By the tie rule at each count, the choice at
-        # 64 rows (where they gain least, 6-9% at load on a Zen 4) flipped with the machine's noise from run to run.
         self.tiled_timed = bool(tiled)
+        # The fewer rows they would also run at: down from TILES_ABOVE while they beat the few-row kernel
+        # (plan.beats) at every timed count. On a Zen 4 (family 25 model 17) an fp32 SmolLM2 step of 3-4 rows took
+        # 13.9-14.1 ms on them against 15.6-20.6 on the few-row kernel, which reads the weights at a fraction of the
+        # machine's rate once more than two rows of x compete for L1 beside them.
+        few = {rows: best for rows, best in timed if "tiles" in best and rows <= decode_stack_cpu.TILES_ABOVE}
+        above = self.tiles_above
+        while above > 1 and above in few and execution.beats(few[above]["tiles"], few[above]["stack"]):
+            above -= 1
+        runs = [best for rows, best in timed if "tiles" in best and rows > above]
+        # Kept, the panels are one more copy of the weights: so they must be faster at every timed row count
+        # above TILES_ABOVE, and by the tie rule over every count they would run at. By the tie rule at each count,
+        # the choice at 64 rows (where they gain least, 6-9% at load on a Zen 4) flipped with the machine's noise
+        # from run to run. The few-row counts are in the sum: on a Zen 5 (family 26 model 2) a bf16 step of
+        # Llama-3.2-1B's shape took 24.7-28.0 ms on them at 2-4 rows against 28.5-36.5, and 3.7% less over 16
+        # and 64 rows alone.
         self.tiles = bool(tiled) and all(best["tiles"] < best["stack"] for best in tiled) and \
-            execution.beats(sum(best["tiles"] for best in tiled), sum(best["stack"] for best in tiled))
+            execution.beats(sum(best["tiles"] for best in runs), sum(best["stack"] for best in runs))
         if self.tiles:
-            # Kept, they also run at the fewer rows where they beat the few-row kernel (plan.beats) at every timed
-            # count up to TILES_ABOVE: on a Zen 4 (family 25 model 17) an fp32 SmolLM2 step of 3-4 rows took
-            # 13.9-14.1 ms on them against 15.6-20.6 on the few-row kernel, which reads the weights at a fraction
-            # of the machine's rate once more than two rows of x compete for L1 beside them.
-            few = {rows: best for rows, best in timed if "tiles" in best and rows <= decode_stack_cpu.TILES_ABOVE}
-            while self.tiles_above > 1 and self.tiles_above in few and \
-                    execution.beats(few[self.tiles_above]["tiles"], few[self.tiles_above]["stack"]):
-                self.tiles_above -= 1
-            self.tiled.set_tiles_above(self.tiles_above)
+            self.tiles_above = above
+            self.tiled.set_tiles_above(above)
             self.stack = self.tiled
         self.tiled = None           # the losing stack (and its panels, if they lost) is freed
         detail, self.max_rows, won = [], 0, False

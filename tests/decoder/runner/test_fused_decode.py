@@ -158,11 +158,14 @@ PANEL_VARIANTS = [v for v, dtype in (("bf16", torch.bfloat16), ("fp32", torch.fl
 
 
 # (tiles' time at 2, 3 and 4 rows, at 16 rows, at 64 rows, kept, the fewest rows they run at) with the stack at 1.0:
-# kept only when faster at 16 and 64 rows and by the tie rule over both; then they run from the fewest rows down to
-# which they beat the stack at every count.
+# they would run at 16 and 64 rows and from the fewest rows down to which they beat the stack at every count; kept only
+# when faster at 16 and 64 rows and by the tie rule over the counts they would run at.
 PANEL_CHOICES = [((0.5, 0.5, 0.5), 0.5, 1.5, False, None),     # slower at 64 rows
                  ((0.7, 0.7, 0.7), 0.7, 1.01, False, None),    # ahead by 15% over both, but slower at 64 rows
                  ((0.98, 0.98, 0.98), 0.98, 0.98, False, None),   # faster at each, but by 2% only
+                 ((0.8, 0.8, 0.8), 0.97, 0.98, True, 2),       # by 2-3% above 4 rows, by 20% at the 2-4 they run too
+                 ((1.0, 0.8, 0.8), 0.97, 0.98, True, 3),       # the same, tied at 2 rows: 11% over 3, 4, 16 and 64
+                 ((1.0, 1.0, 0.92), 0.97, 0.98, False, None),  # ahead at 4 rows, by 4.3% over 4, 16 and 64 only
                  ((0.9, 0.9, 0.9), 0.9, 0.99, True, 2),         # faster at each, by 5.8% over both, and at 2-4 rows
                  ((1.0, 0.9, 0.9), 0.9, 0.99, True, 3),         # tied at 2 rows
                  ((0.9, 1.0, 0.9), 0.9, 0.99, True, 4),         # tied at 3 rows: not at 2 either
