@@ -187,8 +187,8 @@ class FusedDecode:
         # above TILES_ABOVE, and by the tie rule over every count they would run at. By the tie rule at each count,
         # the choice at 64 rows (where they gain least, 6-9% at load on a Zen 4) flipped with the machine's noise
         # from run to run. The few-row counts are in the sum: on a Zen 5 (family 26 model 2) a bf16 step of
-        # Llama-3.2-1B's shape took 24.7-28.0 ms on them at 2-4 rows against 28.5-36.5, and 3.7% less over 16
-        # and 64 rows alone.
+        # Llama-3.2-1B's shape took 24.7-28.0 ms on them at 2-4 rows against 28.5-36.5, but only 3.7% less over 16
+        # and 64 rows, which alone had dropped them (and 4-row steps then took 56 ms instead of 39-43).
         self.tiles = bool(tiled) and all(best["tiles"] < best["stack"] for best in tiled) and \
             execution.beats(sum(best["tiles"] for best in runs), sum(best["stack"] for best in runs))
         if self.tiles:
