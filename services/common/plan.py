@@ -66,6 +66,10 @@ PATHS: dict[str, tuple[str, ...]] = {
     "attention": ("cpp", "torch"),
     # decoder: every layer of a few-row decode step in one C++ call (services/decoder/runner/fused_decode.py)
     "decode_stack": ("off", "on"),
+    # decoder: the decode stack's dense projections on the panel kernel, from a second copy of the layers' weights
+    # in 64-column panels; timed against the stack without them where the copy fits in half the memory available
+    # (services/decoder/runner/fused_decode.py)
+    "decode_panels": ("off", "on"),
     # decoder: the CPU adapter rows' least work per thread, coarse (a few rows' corrections on one thread) or fine
     # (split over the threads) (services/decoder/lora/pool.py, kernels/lora_cpu.py GRAINS); timed with adapters
     "lora_split": ("coarse", "fine"),
@@ -89,8 +93,8 @@ PATHS: dict[str, tuple[str, ...]] = {
 
 # The paths each service runs.
 DECODER = ("linear", "gemv", "int8_gemm", "gemv_bf16_row", "gemv_prefetch", "gemv_streams", "gemv_grouped_loop",
-           "grouped_matmul", "glue", "attention", "decode_stack", "screen", "screen_scores", "grammar_mask",
-           "huge_pages", "malloc", "speculation", "lora_split")
+           "grouped_matmul", "glue", "attention", "decode_stack", "decode_panels", "screen", "screen_scores",
+           "grammar_mask", "huge_pages", "malloc", "speculation", "lora_split")
 POOLING = ("linear", "encoder_attention", "malloc")
 
 

@@ -67,7 +67,7 @@ class FusedDecode:
         self.tiled = tiled          # the stack with tile_gemm_cpu projections, until choose() decides
         self.tiles = False          # whether self.stack is that one
         self.tiles_above = decode_stack_cpu.TILES_ABOVE     # its panels run above this many rows
-        self.tiled_timed = False    # whether the tiled stack was timed at all
+        self.panels_pinned = False  # --fast-paths decode_panels=on: the tiled stack is kept whatever its timings
         self.max_rows = 0
         self.pool: AdapterPool | None = None    # the adapter store whose arenas the stack holds
         self.pool_version = -1                  # the pool's version when the stack last took its arenas
@@ -88,6 +88,7 @@ class FusedDecode:
             if pin == "on":
                 raise ValueError(f"--fast-paths decode_stack=on: the decode stack cannot run here ({reason})")
             record.record("decode_stack", "off", reason=reason)
+            _no_panels(record, "the decode stack is off")
             return None, f"off ({reason})"
         try:
             stack = decode_stack_cpu.make_stack(_shape(model), _layers(model, cache), model.model.norm.weight)
@@ -96,25 +97,31 @@ class FusedDecode:
                 raise
             log.warning("decode stack unavailable, decode steps run the model's layers: %s", e)
             record.record("decode_stack", "off", reason=f"unavailable: {str(e).splitlines()[0]}")
+            _no_panels(record, "the decode stack is off")
             return None, f"off (unavailable: {str(e).splitlines()[0]})"
         if pin == "on":
             fused = cls(model, stack)
             fused.max_rows = fused.timing_rows[-1]
             record.record("decode_stack", f"on rows<={fused.max_rows}")
+            _no_panels(record, "the decode stack is pinned on, untimed, without them")
             return fused, f"cpp rows<={fused.max_rows} (--fast-paths decode_stack=on)"
-        tiled = None
-        dtype = model.model.norm.weight.dtype
-        if tile_gemm_cpu.available(dtype) or dtype == torch.bfloat16 and widen_gemm_cpu.amx():
+        tiled, refused = None, _panels_refused(model, cache, record.pinned("decode_panels"))
+        if not refused:
             layers = _layers(model, cache, tiles=True)
             if any(p.tiles is not None for w in layers for p in (w.qkv, w.o, w.gate_up, w.down)):
                 tiled = decode_stack_cpu.make_stack(_shape(model), layers, model.model.norm.weight)
+            else:
+                refused = "no projection of the layers fits the panels"
         fused = cls(model, stack, tiled)
+        fused.panels_pinned = record.pinned("decode_panels") == "on"
         timings, measured = fused.choose(cache, timer)
         summary = (f"cpp rows<={fused.max_rows}" if fused.max_rows else "off (the layers were as fast)") + \
             f"; timed {timings}"
-        record.record("decode_stack", f"on rows<={fused.max_rows}" if fused.max_rows else "off", measured,
-                      (f"panels on from {fused.tiles_above + 1} rows" if fused.tiles else "panels off")
-                      if fused.tiled_timed else "")
+        record.record("decode_stack", f"on rows<={fused.max_rows}" if fused.max_rows else "off", measured)
+        if refused or not fused.max_rows:
+            _no_panels(record, refused or "the decode stack is off (the layers were as fast)")
+        else:   # its timings are in the decode_stack choice, as "on (panels)"
+            record.record("decode_panels", f"on from {fused.tiles_above + 1} rows" if fused.tiles else "off")
         return (fused if fused.max_rows else None), summary
 
     def attach_lora(self, store: AdapterStore) -> None:
@@ -173,7 +180,6 @@ class FusedDecode:
             k[:largest * per_row].zero_()
             v[:largest * per_row].zero_()
         tiled = [best for rows, best in timed if "tiles" in best and rows > decode_stack_cpu.TILES_ABOVE]
-        self.tiled_timed = bool(tiled)
         # The fewer rows they would also run at: down from TILES_ABOVE while they beat the few-row kernel
         # (plan.beats) at every timed count. On a Zen 4 (family 25 model 17) an fp32 SmolLM2 step of 3-4 rows took
         # 13.9-14.1 ms on them against 15.6-20.6 on the few-row kernel, which reads the weights at a fraction of the
@@ -189,8 +195,9 @@ class FusedDecode:
         # from run to run. The few-row counts are in the sum: on a Zen 5 (family 26 model 2) a bf16 step of
         # Llama-3.2-1B's shape took 24.7-28.0 ms on them at 2-4 rows against 28.5-36.5, but only 3.7% less over 16
         # and 64 rows, which alone had dropped them (and 4-row steps then took 56 ms instead of 39-43).
-        self.tiles = bool(tiled) and all(best["tiles"] < best["stack"] for best in tiled) and \
-            execution.beats(sum(best["tiles"] for best in runs), sum(best["stack"] for best in runs))
+        self.tiles = bool(tiled) and (self.panels_pinned or all(best["tiles"] < best["stack"] for best in tiled) and
+                                      execution.beats(sum(best["tiles"] for best in runs),
+                                                      sum(best["stack"] for best in runs)))
         if self.tiles:
             self.tiles_above = above
             self.tiled.set_tiles_above(above)
@@ -255,6 +262,47 @@ def _ineligible(model: CausalLM, cache: KVCache, attention_backend: str, record:
         if layer.self_attn.qkv is None or layer.mlp.gate_up is None:
             return "projections not fused"
     return ""
+
+
+def _panels_refused(model: CausalLM, cache: KVCache, pin: str) -> str:
+    """Why the layers get no panel copy ("" when they do): pinned off, no panel kernel for their dtype here, or, not
+    pinned on, a copy of their dense projections larger than half the memory the kernel reports available, less the
+    KV cache (whose pages are taken as they are first written)."""
+    dtype = model.model.norm.weight.dtype
+    if pin == "off":
+        return "--fast-paths decode_panels=off"
+    if not (tile_gemm_cpu.available(dtype) or dtype == torch.bfloat16 and widen_gemm_cpu.amx()):
+        return f"no panel kernel for {str(dtype).removeprefix('torch.')} weights on this CPU"
+    need = sum(m.weight.numel() * m.weight.element_size() for layer in model.model.layers
+               for m in (layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up, layer.mlp.down_proj)
+               if m.qweight is None and m.grouped is None)
+    free = available_memory()
+    if free is not None:
+        free -= sum(t.numel() * t.element_size() for t in (*cache.k, *cache.v))
+    if pin == execution.AUTO and free is not None and need > free / 2:
+        return (f"a panel copy of the layers' weights ({need / 2 ** 30:.1f} GiB) would take more than half the memory "
+                f"available beside the KV cache ({free / 2 ** 30:.1f} GiB); --fast-paths decode_panels=on builds it "
+                "anyway")
+    return ""
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel reports available (MemAvailable in /proc/meminfo), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _no_panels(record: execution.ExecutionPlan, why: str) -> None:
+    """The choice "decode_panels" when the panels are never built; said at WARNING when they were pinned on."""
+    pinned = record.pinned("decode_panels") == "on"
+    record.record("decode_panels", "off", reason=why + (" (pinned on: not applicable)" if pinned else ""),
+                  level=logging.WARNING if pinned else logging.INFO)
 
 
 def _shape(model: CausalLM) -> decode_stack_cpu.Shape:

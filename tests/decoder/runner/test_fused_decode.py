@@ -194,6 +194,52 @@ def test_the_panels_run_only_where_they_were_faster(folders, few, at16, at64, ke
     assert [rows for path, rows in seen if path == "tiles"] == [2, 3, 4, 16, 64]
 
 
+def _panel_timer(tiles: float, seen: list):
+    """A timer with the stack at 1.0, the layers at 2.0 and the panels at `tiles` at every count."""
+    def timer(path, rows, fn):
+        seen.append(path)
+        fn()
+        return {"stack": 1.0, "layers": 2.0, "tiles": tiles}[path]
+    return timer
+
+
+@pytest.mark.skipif(not PANEL_VARIANTS, reason="no AVX-512: the panels are never built here "
+                    "(test_decode_steps_match_the_layers checks that)")
+@pytest.mark.parametrize("pin,tiles,kept", [("off", 0.5, False), ("on", 1.5, True), ("auto", 0.5, True)])
+def test_the_panels_pinned(folders, pin, tiles, kept):
+    """decode_panels=off never builds them, even where they would win; on keeps them, even where they lose."""
+    runner = Runner.from_folder(folders[CASES[0]], PANEL_VARIANTS[0], block_size=BLOCK, num_blocks=BLOCKS,
+                                fast_paths=PINS)
+    seen, record = [], ExecutionPlan(f"decode_panels={pin}")
+    fused, _ = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, record,
+                                 timer=_panel_timer(tiles, seen))
+    assert fused.tiles == kept and ("tiles" in seen) == (pin != "off")
+    assert record.chosen("decode_panels") == ("on from 2 rows" if pin == "auto" else "on from 5 rows" if kept
+                                              else "off")
+    assert record.get("decode_panels").reason == {"off": "--fast-paths decode_panels=off",
+                                                  "on": "pinned by --fast-paths decode_panels=on", "auto": ""}[pin]
+
+
+@pytest.mark.skipif(not PANEL_VARIANTS, reason="no AVX-512: the panels are never built here "
+                    "(test_decode_steps_match_the_layers checks that)")
+@pytest.mark.parametrize("pin", ["auto", "on"])
+def test_the_panels_need_room(folders, monkeypatch, pin):
+    """Timed (auto) only where a copy of the layers' dense weights fits in half the memory available; pinned on,
+    built anyway."""
+    from services.decoder.runner import fused_decode
+    assert fused_decode.available_memory() > 0      # this Linux's /proc/meminfo
+    monkeypatch.setattr(fused_decode, "available_memory", lambda: 4096)
+    runner = Runner.from_folder(folders[CASES[0]], PANEL_VARIANTS[0], block_size=BLOCK, num_blocks=BLOCKS,
+                                fast_paths=PINS)
+    seen, record = [], ExecutionPlan(f"decode_panels={pin}")
+    fused, _ = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, record,
+                                 timer=_panel_timer(0.5, seen))
+    assert fused.tiles == (pin == "on") and ("tiles" in seen) == (pin == "on")
+    if pin == "auto":
+        assert record.chosen("decode_panels") == "off"
+        assert "more than half the memory available beside the KV cache" in record.get("decode_panels").reason
+
+
 def test_when_it_stays_off(folders):
     runner = Runner.from_folder(folders[CASES[0]], "fp32", block_size=BLOCK, num_blocks=BLOCKS, fast_paths=PINS)
     assert FusedDecode.build(runner.model, runner.cache, "torch-gather", ExecutionPlan()) == \
