@@ -29,7 +29,9 @@ stack runs the projections that fit (tile_gemm_cpu.fits) through it above 4 rows
 It is timed too, at every one of TIMING_ROWS from 2. Its panels would run above TILES_ABOVE and at the fewer
 rows down to which they beat the few-row kernel at every timed count; the stack with them replaces the first
 only if it was faster at every count above TILES_ABOVE and by the plan's tie rule over the sum of the counts it
-would run (then its panel copy of the weights stays resident; otherwise it is dropped).
+would run (then its panel copy of the weights stays resident; otherwise it is dropped). The `decode_panels`
+entry of --fast-paths pins that copy: off never builds it, on keeps it whatever the timings; unpinned, it is built
+only where it fits in half the memory available beside the KV cache (`_panels_refused`).
 Over 30 layers of weights read from memory (a 64-row step), the panels ran 1.16-1.19x oneDNN's packed
 GEMM in bf16 and 1.05-1.07x in fp32 on a Zen 4.
 """
