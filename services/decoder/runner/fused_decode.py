@@ -288,16 +288,30 @@ def _panels_refused(model: CausalLM, cache: KVCache, pin: str) -> str:
     return ""
 
 
+# A container's memory limit and use (cgroup v2, then v1): MemAvailable counts the whole host's.
+CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
 def available_memory() -> int | None:
-    """Bytes the kernel reports available (MemAvailable in /proc/meminfo), or None where it does not say."""
+    """Bytes the kernel reports available (MemAvailable in /proc/meminfo), or less where this process's cgroup
+    allows less (its limit less its use); None where neither says."""
+    found = []
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
     except (OSError, ValueError, IndexError):
-        return None
-    return None
+        pass
+    for limit_file, usage_file in CGROUP_FILES:
+        try:
+            with open(limit_file) as f, open(usage_file) as g:
+                limit, usage = f.read().strip(), int(g.read())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2 ** 60:   # "max", or v1's page-rounded 2^63: no limit
+            found.append(max(0, int(limit) - usage))
+        break
+    return min(found, default=None)
 
 
 def _no_panels(record: execution.ExecutionPlan, why: str) -> None:

@@ -240,6 +240,21 @@ def test_the_panels_need_room(folders, monkeypatch, pin):
         assert "more than half the memory available beside the KV cache" in record.get("decode_panels").reason
 
 
+@pytest.mark.parametrize("limit,expected", [("1610612736", 1 << 29), ("max", None)])
+def test_available_memory_follows_the_cgroup(tmp_path, monkeypatch, limit, expected):
+    """A container's limit less its use, where that is less than the host's MemAvailable; "max" is no limit."""
+    from services.decoder.runner import fused_decode
+    host = fused_decode.available_memory()
+    (tmp_path / "max").write_text(limit + "\n")
+    (tmp_path / "current").write_text(str(1 << 30) + "\n")
+    monkeypatch.setattr(fused_decode, "CGROUP_FILES", ((str(tmp_path / "max"), str(tmp_path / "current")),))
+    got = fused_decode.available_memory()
+    if expected is not None:
+        assert got == expected          # 1.5 GiB less 1 GiB in use: below any machine these tests run on
+    else:
+        assert abs(got - host) < host / 10     # the host's figure, give or take what moved between the reads
+
+
 def test_when_it_stays_off(folders):
     runner = Runner.from_folder(folders[CASES[0]], "fp32", block_size=BLOCK, num_blocks=BLOCKS, fast_paths=PINS)
     assert FusedDecode.build(runner.model, runner.cache, "torch-gather", ExecutionPlan()) == \
