@@ -64,12 +64,12 @@ TIMING_ROWS, TIMING_CONTEXT = (1, 2, 3, 4, 16, 64), 64
 
 
 class FusedDecode:
-    def __init__(self, model: CausalLM, stack, tiled=None):
+    def __init__(self, model: CausalLM, stack, tiled=None, panels_pinned: bool = False):
         self.model, self.stack = model, stack
         self.tiled = tiled          # the stack with tile_gemm_cpu projections, until choose() decides
         self.tiles = False          # whether self.stack is that one
         self.tiles_above = decode_stack_cpu.TILES_ABOVE     # its panels run above this many rows
-        self.panels_pinned = False  # --fast-paths decode_panels=on: the tiled stack is kept whatever its timings
+        self.panels_pinned = panels_pinned  # decode_panels=on: the tiled stack is kept whatever its timings
         self.max_rows = 0
         self.pool: AdapterPool | None = None    # the adapter store whose arenas the stack holds
         self.pool_version = -1                  # the pool's version when the stack last took its arenas
@@ -107,15 +107,15 @@ class FusedDecode:
             record.record("decode_stack", f"on rows<={fused.max_rows}")
             _no_panels(record, "the decode stack is pinned on, untimed, without them")
             return fused, f"cpp rows<={fused.max_rows} (--fast-paths decode_stack=on)"
-        tiled, refused = None, _panels_refused(model, cache, record.pinned("decode_panels"))
+        panels = record.pinned("decode_panels")
+        tiled, refused = None, _panels_refused(model, cache, panels)
         if not refused:
             layers = _layers(model, cache, tiles=True)
             if any(p.tiles is not None for w in layers for p in (w.qkv, w.o, w.gate_up, w.down)):
                 tiled = decode_stack_cpu.make_stack(_shape(model), layers, model.model.norm.weight)
             else:
                 refused = "no projection of the layers fits the panels"
-        fused = cls(model, stack, tiled)
-        fused.panels_pinned = record.pinned("decode_panels") == "on"
+        fused = cls(model, stack, tiled, panels_pinned=panels == "on")
         timings, measured = fused.choose(cache, timer)
         summary = (f"cpp rows<={fused.max_rows}" if fused.max_rows else "off (the layers were as fast)") + \
             f"; timed {timings}"

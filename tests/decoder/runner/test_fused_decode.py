@@ -10,7 +10,7 @@ from services.common.plan import ExecutionPlan
 from services.decoder.engine.step import StepInput
 from services.decoder.kernels import decode_stack_cpu, gemv_grouped_cpu, tile_gemm_cpu, widen_gemm_cpu
 from services.decoder.model.linear import Linear
-from services.decoder.runner import Runner, attention
+from services.decoder.runner import Runner, attention, fused_decode
 from services.decoder.runner.batch import StepBatch
 from services.decoder.runner.fused_decode import FusedDecode
 from tests.decoder.model.checkpoints import TINY_SHAPE, build
@@ -155,6 +155,15 @@ def test_the_choice_is_made_from_measurement(folders):
 
 PANEL_VARIANTS = [v for v, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))
                   if tile_gemm_cpu.available(dtype)]
+NEEDS_PANELS = pytest.mark.skipif(not PANEL_VARIANTS, reason="no AVX-512: the panels are never built here "
+                                  "(test_decode_steps_match_the_layers checks that)")
+
+
+def _build_with_panels(folders, record: ExecutionPlan, timer):
+    """FusedDecode.build on the first case in a dtype the panel kernel runs here -> (fused, summary)."""
+    runner = Runner.from_folder(folders[CASES[0]], PANEL_VARIANTS[0], block_size=BLOCK, num_blocks=BLOCKS,
+                                fast_paths=PINS)
+    return FusedDecode.build(runner.model, runner.cache, runner.attention_backend, record, timer=timer)
 
 
 # (tiles' time at 2, 3 and 4 rows, at 16 rows, at 64 rows, kept, the fewest rows they run at) with the stack at 1.0:
@@ -172,12 +181,9 @@ PANEL_CHOICES = [((0.5, 0.5, 0.5), 0.5, 1.5, False, None),     # slower at 64 ro
                  ((0.9, 0.9, 1.0), 0.9, 0.99, True, 5)]         # tied at 4 rows: above 4 only
 
 
-@pytest.mark.skipif(not PANEL_VARIANTS, reason="no AVX-512: the panels are never built here "
-                    "(test_decode_steps_match_the_layers checks that)")
+@NEEDS_PANELS
 @pytest.mark.parametrize("few,at16,at64,kept,least", PANEL_CHOICES)
 def test_the_panels_run_only_where_they_were_faster(folders, few, at16, at64, kept, least):
-    runner = Runner.from_folder(folders[CASES[0]], PANEL_VARIANTS[0], block_size=BLOCK, num_blocks=BLOCKS,
-                                fast_paths=PINS)
     seen = []
 
     def timer(path, rows, fn):
@@ -185,8 +191,7 @@ def test_the_panels_run_only_where_they_were_faster(folders, few, at16, at64, ke
         fn()
         return {"stack": 1.0, "layers": 2.0, "tiles": few[rows - 2] if rows <= 4 else at16 if rows < 64 else at64}[path]
 
-    fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, ExecutionPlan(),
-                                       timer=timer)
+    fused, summary = _build_with_panels(folders, ExecutionPlan(), timer)
     assert fused.tiles == kept and fused.tiled is None and fused.max_rows == 64
     assert f"16 rows 1000.0 (tiles {at16 * 1000:.1f}) vs 2000.0 ms" in summary
     assert summary.endswith(f"tiles {f'on from {least} rows' if kept else 'off'})")
@@ -203,16 +208,12 @@ def _panel_timer(tiles: float, seen: list):
     return timer
 
 
-@pytest.mark.skipif(not PANEL_VARIANTS, reason="no AVX-512: the panels are never built here "
-                    "(test_decode_steps_match_the_layers checks that)")
+@NEEDS_PANELS
 @pytest.mark.parametrize("pin,tiles,kept", [("off", 0.5, False), ("on", 1.5, True), ("auto", 0.5, True)])
 def test_the_panels_pinned(folders, pin, tiles, kept):
     """decode_panels=off never builds them, even where they would win; on keeps them, even where they lose."""
-    runner = Runner.from_folder(folders[CASES[0]], PANEL_VARIANTS[0], block_size=BLOCK, num_blocks=BLOCKS,
-                                fast_paths=PINS)
     seen, record = [], ExecutionPlan(f"decode_panels={pin}")
-    fused, _ = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, record,
-                                 timer=_panel_timer(tiles, seen))
+    fused, _ = _build_with_panels(folders, record, _panel_timer(tiles, seen))
     assert fused.tiles == kept and ("tiles" in seen) == (pin != "off")
     assert record.chosen("decode_panels") == ("on from 2 rows" if pin == "auto" else "on from 5 rows" if kept
                                               else "off")
@@ -220,20 +221,14 @@ def test_the_panels_pinned(folders, pin, tiles, kept):
                                                   "on": "pinned by --fast-paths decode_panels=on", "auto": ""}[pin]
 
 
-@pytest.mark.skipif(not PANEL_VARIANTS, reason="no AVX-512: the panels are never built here "
-                    "(test_decode_steps_match_the_layers checks that)")
+@NEEDS_PANELS
 @pytest.mark.parametrize("pin", ["auto", "on"])
 def test_the_panels_need_room(folders, monkeypatch, pin):
     """Timed (auto) only where a copy of the layers' dense weights fits in half the memory available; pinned on,
     built anyway."""
-    from services.decoder.runner import fused_decode
-    assert fused_decode.available_memory() > 0      # this Linux's /proc/meminfo
     monkeypatch.setattr(fused_decode, "available_memory", lambda: 4096)
-    runner = Runner.from_folder(folders[CASES[0]], PANEL_VARIANTS[0], block_size=BLOCK, num_blocks=BLOCKS,
-                                fast_paths=PINS)
     seen, record = [], ExecutionPlan(f"decode_panels={pin}")
-    fused, _ = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, record,
-                                 timer=_panel_timer(0.5, seen))
+    fused, _ = _build_with_panels(folders, record, _panel_timer(0.5, seen))
     assert fused.tiles == (pin == "on") and ("tiles" in seen) == (pin == "on")
     if pin == "auto":
         assert record.chosen("decode_panels") == "off"
@@ -243,8 +238,8 @@ def test_the_panels_need_room(folders, monkeypatch, pin):
 @pytest.mark.parametrize("limit,expected", [("1610612736", 1 << 29), ("max", None)])
 def test_available_memory_follows_the_cgroup(tmp_path, monkeypatch, limit, expected):
     """A container's limit less its use, where that is less than the host's MemAvailable; "max" is no limit."""
-    from services.decoder.runner import fused_decode
     host = fused_decode.available_memory()
+    assert host > 0                     # this Linux's /proc/meminfo
     (tmp_path / "max").write_text(limit + "\n")
     (tmp_path / "current").write_text(str(1 << 30) + "\n")
     monkeypatch.setattr(fused_decode, "CGROUP_FILES", ((str(tmp_path / "max"), str(tmp_path / "current")),))
