@@ -225,8 +225,8 @@ class PackedBert:
                 ctx = torch.empty_like(x)
                 for group in groups:
                     group.attend(qkv, ctx, self.heads)
-            x = out_norm(out_proj(ctx) + x)
-            x = ffn_norm(down(F.gelu(up(x), approximate=self.approximate)) + x)
+            x = out_norm(out_proj(ctx, residual=x))
+            x = ffn_norm(down(up(x, gelu=self.approximate), residual=x))
         out = x.new_zeros(batch * width, x.shape[1])
         out[slots] = x
         mask = torch.arange(width).unsqueeze(0) < torch.tensor([len(s) for s in seqs]).unsqueeze(1)   # [B, L]

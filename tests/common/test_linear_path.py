@@ -213,6 +213,33 @@ def test_packed_and_plain_agree(dtype, bias):
             assert torch.equal(expected, ref)
 
 
+@needs_onednn
+@pytest.mark.numerics
+@pytest.mark.parametrize("copy", [torch.float32, torch.bfloat16, "widened"])
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("gelu, residual", [("none", False), ("tanh", False), (None, True), ("none", True)])
+def test_post_ops_are_gelu_and_the_residual_after_the_linear(copy, packed, gelu, residual):
+    """Projection(x, gelu=, residual=) on either path is F.gelu(F.linear(x)) (+ residual): oneDNN's post-ops on the
+    packed copy, its own dtype's or a bf16 weight's widened fp32 copy, and the same ops after F.linear on the plain."""
+    dtype = torch.bfloat16 if copy != torch.float32 else torch.float32
+    if linear_path.pack_error(torch.float32 if copy == "widened" else dtype):
+        pytest.skip(linear_path.pack_error(torch.float32 if copy == "widened" else dtype))
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64).to(dtype), torch.randn(96).to(dtype)
+    shape = Shape.of(w, b)
+    plan = Plan("auto", {shape: Rule.always(packed)}, copies={shape: torch.float32} if copy == "widened" else {})
+    proj = Projection(w, b, plan)
+    assert (proj.packed is not None) == packed
+    x, r = torch.randn(37, 64).to(dtype), torch.randn(37, 96).to(dtype) if residual else None
+    with torch.inference_mode():
+        got = proj(x, gelu=gelu, residual=r)
+        wide = F.linear(x.float(), w.float(), b.float())
+        want = (wide if gelu is None else F.gelu(wide, approximate=gelu)).to(dtype)
+        want = want if r is None else want + r
+    assert got.dtype == dtype and got.shape == (37, 96)
+    assert_close(got, want, dtype=dtype, k=64, depth=1 + residual, what=f"{copy} packed={packed}")
+
+
 # -- bf16 on an AVX2-only CPU ----------------------------------------------------------------
 
 _AVX2_CHILD = r"""
