@@ -2,8 +2,9 @@
 // semantics and the torch reference are in tile_gemm_cpu.py.
 #include "tile_gemm.h"
 
-// out [M, N] fp32 = x [M, K] @ w^T (+ bias [N] fp32), packed = pack(w), x in w's dtype.
-void tile_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias) {
+// out [M, N] fp32 = x [M, K] @ w^T (+ bias [N] fp32), packed = pack(w), x in w's dtype; next: tessera_tiles::gemm's.
+void tile_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c10::optional<at::Tensor> bias,
+               bool next) {
   const auto t = packed.scalar_type();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == t && x.is_contiguous(),
               "tile_gemm: x must be a contiguous [M, K] in the weight's dtype");
@@ -21,10 +22,10 @@ void tile_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, c1
     bp = bias->data_ptr<float>();
   }
   if (t == at::kFloat) {
-    tessera_tiles::gemm(x.data_ptr<float>(), M, packed.data_ptr<float>(), bp, out.data_ptr<float>(), N, K);
+    tessera_tiles::gemm(x.data_ptr<float>(), M, packed.data_ptr<float>(), bp, out.data_ptr<float>(), N, K, next);
   } else {
     tessera_tiles::gemm(x.data_ptr<at::BFloat16>(), M, packed.data_ptr<at::BFloat16>(), bp, out.data_ptr<float>(),
-                        N, K);
+                        N, K, next);
   }
 }
 
@@ -34,6 +35,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("bf16"));
   m.def("pack", &tessera_tiles::pack, "w [N, K] fp32 or bf16 -> 64-column panels", pybind11::arg("w"));
   m.def("tile_gemm", &tile_gemm, "out fp32 = x @ w^T (+ bias) over pack(w)", pybind11::arg("out"),
-        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"),
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("next") = true,
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -45,10 +45,13 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return load().pack(w)
 
 
-def tile_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] in the weight's dtype -> fp32 [M, N] = x @ w^T (+ bias), packed = pack(w): fp32 sums."""
+def tile_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+              next_panel: bool = True) -> torch.Tensor:
+    """x [M, K] in the weight's dtype -> fp32 [M, N] = x @ w^T (+ bias), packed = pack(w): fp32 sums.
+    next_panel: whether a thread asks its next panel into cache while it reads this one (tile_gemm.h `next`);
+    the same sums either way."""
     out = torch.empty((x.shape[0], packed.shape[0] * COLS), dtype=torch.float32)
-    load().tile_gemm(out, x.contiguous(), packed, None if bias is None else bias.float().contiguous())
+    load().tile_gemm(out, x.contiguous(), packed, None if bias is None else bias.float().contiguous(), next_panel)
     return out
 
 

@@ -61,6 +61,20 @@ def test_each_row_is_its_own_one_row_call_bit_for_bit(dtype):
         assert torch.equal(tile_gemm(x[:rows], panels), alone[:rows])
 
 
+@pytest.mark.parametrize("dtype", [d for d, runs in RUNS.items() if runs] or
+                         [pytest.param(None, marks=pytest.mark.skip(reason="no AVX-512: see the availability test"))])
+@pytest.mark.parametrize("rows", [1, 6, 7, 13, 32, 64])
+@pytest.mark.parametrize("n,k", [(64, 2), (960, 576), (4096, 96), (128, 1536)])
+def test_asking_for_the_next_panel_changes_no_sum(dtype, rows, n, k):
+    """The next panel asked into cache (the default) or not: the same bits, with one panel or many a thread, and
+    with more tiles after a panel's first than the next panel has lines to ask for."""
+    g = torch.Generator().manual_seed(rows + n + k)
+    w, x = torch.randn(n, k, generator=g).to(dtype), torch.randn(rows, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g)
+    panels = pack(w)
+    assert torch.equal(tile_gemm(x, panels, b), tile_gemm(x, panels, b, next_panel=False))
+
+
 @pytest.mark.parametrize("shape,dtype", [((96, 64), torch.bfloat16), ((64, 63), torch.bfloat16),
                                           ((96, 64), torch.float32), ((64, 64), torch.float16),
                                           ((0, 64), torch.float32)])
