@@ -27,9 +27,10 @@ benchmarks), on takes it up to the largest timing row count without timing.
 Where tile_gemm_cpu runs for the model's dtype (AVX-512; for bf16 the bf16 dot product), a second
 stack runs the projections that fit (tile_gemm_cpu.fits) through it above 4 rows (TILES_ABOVE).
 It is timed too, at every one of TIMING_ROWS from 2. Its panels would run above TILES_ABOVE and at the fewer
-rows down to which they beat the few-row kernel at every timed count; the stack with them replaces the first
-only if it was faster at every count above TILES_ABOVE and by the plan's tie rule over the sum of the counts it
-would run (then its panel copy of the weights stays resident; otherwise it is dropped). The `decode_panels`
+rows down to which they beat the few-row kernel at every timed count, but never at or below a count up to
+gemv_cpu.MAX_ROWS where the few-row kernel beats them; the stack with them replaces the first only if it was faster
+at every count above MAX_ROWS and by the plan's tie rule over the sum of the counts it would run (then its panel
+copy of the weights stays resident; otherwise it is dropped). The `decode_panels`
 entry of --fast-paths pins that copy: off never builds it, on keeps it whatever the timings; unpinned, it is built
 only where it fits in half the memory available beside the KV cache (`_panels_refused`).
 Over 30 layers of weights read from memory (a 64-row step), the panels ran 1.16-1.19x oneDNN's packed
@@ -45,7 +46,7 @@ import torch
 
 from services.common import native
 from services.common import plan as execution
-from services.decoder.kernels import decode_stack_cpu, tile_gemm_cpu, widen_gemm_cpu
+from services.decoder.kernels import decode_stack_cpu, gemv_cpu, tile_gemm_cpu, widen_gemm_cpu
 from services.decoder.lora.pool import AdapterPool, PoolStep
 from services.decoder.lora.store import AdapterStore
 from services.decoder.model import glue
@@ -60,7 +61,7 @@ log = logging.getLogger("tessera.decode_stack")
 
 # The paths are timed in interleaved rounds (plan.fastest), so a burst of load on a shared 2-core
 # instance during one path's calls cannot decide alone.
-TIMING_ROWS, TIMING_CONTEXT = (1, 2, 3, 4, 16, 64), 64
+TIMING_ROWS, TIMING_CONTEXT = (1, 2, 3, 4, 5, 6, 8, 16, 64), 64
 
 
 class FusedDecode:
@@ -181,19 +182,25 @@ class FusedDecode:
         for k, v in zip(cache.k, cache.v, strict=True):
             k[:largest * per_row].zero_()
             v[:largest * per_row].zero_()
-        tiled = [best for rows, best in timed if "tiles" in best and rows > decode_stack_cpu.TILES_ABOVE]
         # The fewer rows they would also run at: down from TILES_ABOVE while they beat the few-row kernel
         # (plan.beats) at every timed count. On a Zen 4 (family 25 model 17) an fp32 SmolLM2 step of 3-4 rows took
         # 13.9-14.1 ms on them against 15.6-20.6 on the few-row kernel, which reads the weights at a fraction of the
-        # machine's rate once more than two rows of x compete for L1 beside them.
+        # machine's rate once more than two rows of x compete for L1 beside them. And never at or below a count of the
+        # few-row kernel's (up to gemv_cpu.MAX_ROWS) where it beats them: on an Intel Xeon (family 6 model 167) the
+        # same step of 5 rows (a verification of 4 drafts) took 26.3 ms on them against 22.8, though they won from 8.
         few = {rows: best for rows, best in timed if "tiles" in best and rows <= decode_stack_cpu.TILES_ABOVE}
         above = self.tiles_above
         while above > 1 and above in few and execution.beats(few[above]["tiles"], few[above]["stack"]):
             above -= 1
+        lose = [rows for rows, best in timed if "tiles" in best and rows <= gemv_cpu.MAX_ROWS
+                and execution.beats(best["stack"], best["tiles"])]
+        if not self.panels_pinned:  # pinned on, they run from TILES_ABOVE + 1 rows at the latest
+            above = max([above] + lose)
+        tiled = [best for rows, best in timed if "tiles" in best and rows > gemv_cpu.MAX_ROWS]
         runs = [best for rows, best in timed if "tiles" in best and rows > above]
-        # Kept, the panels are one more copy of the weights: so they must be faster at every timed row count
-        # above TILES_ABOVE, and by the tie rule over every count they would run at. By the tie rule at each count,
-        # the choice at 64 rows (where they gain least, 6-9% at load on a Zen 4) flipped with the machine's noise
+        # Kept, the panels are one more copy of the weights: so they must be faster at every timed row count above
+        # the few-row kernel's, and by the tie rule over every count they would run at. By the tie rule at each
+        # count, the choice at 64 rows (where they gain least, 6-9% at load on a Zen 4) flipped with the machine's noise
         # from run to run. The few-row counts are in the sum: on a Zen 5 (family 26 model 2) a bf16 step of
         # Llama-3.2-1B's shape took 24.7-28.0 ms on them at 2-4 rows against 28.5-36.5, but only 3.7% less over 16
         # and 64 rows, which alone had dropped them (and 4-row steps then took 56 ms instead of 39-43).

@@ -79,7 +79,7 @@ def runners(folder, variant: str) -> tuple[Runner, Runner]:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decode_steps_match_the_layers(folders, name, variant):
     fused, layers = runners(folders[name], variant)
-    widest = 4 if variant in FEW else 64
+    widest = decode_stack_cpu.KERNEL_ROWS if variant in FEW else 64
     assert fused.decode_stack.startswith(f"cpp rows<={widest}; timed 1 row 1000.0 vs 2000.0 ms")
     # Steps of 2 rows and more run the panels (the timer has them win at every count from 2) wherever the CPU runs
     # them for the dtype and a projection fits (every case has one: a 64-wide hidden or a 192-wide gate_up), so the
@@ -143,7 +143,7 @@ def test_the_choice_is_made_from_measurement(folders):
 
     # A tie (within plan.TIE) at some counts does not stop the stack at the larger ones where it wins (a large model's
     # few-row steps, where it saves less than the margin); the first count where the layers win does.
-    layers = {1: 1.02, 2: 1.02, 3: 2.0, 4: 1.02, 16: 1.3, 64: 1.02}
+    layers = {1: 1.02, 2: 1.02, 3: 2.0, 4: 1.02, 5: 1.02, 6: 1.02, 8: 1.02, 16: 1.3, 64: 1.02}
     fused, summary = FusedDecode.build(runner.model, runner.cache, runner.attention_backend, ExecutionPlan(),
                                        timer=lambda path, rows, fn: 1.0 if path == "stack" else layers[rows])
     assert fused.max_rows == 64
@@ -196,7 +196,24 @@ def test_the_panels_run_only_where_they_were_faster(folders, few, at16, at64, ke
     assert f"16 rows 1000.0 (tiles {at16 * 1000:.1f}) vs 2000.0 ms" in summary
     assert summary.endswith(f"tiles {f'on from {least} rows' if kept else 'off'})")
     assert fused.tiles_above == (least - 1 if kept else decode_stack_cpu.TILES_ABOVE)
-    assert [rows for path, rows in seen if path == "tiles"] == [2, 3, 4, 16, 64]
+    assert [rows for path, rows in seen if path == "tiles"] == [2, 3, 4, 5, 6, 8, 16, 64]
+
+
+@NEEDS_PANELS
+@pytest.mark.parametrize("at, kept, least", [({5: 1.2, 6: 1.2}, True, 7),    # they lose at 5-6 rows, win from 8
+                                            ({8: 1.2}, True, 9),             # they lose at 8
+                                            ({3: 1.2}, True, 4),             # they lose at 3, win at 2 and 4
+                                            ({5: 1.02, 6: 1.04}, True, 2)])  # tied at 5-6 rows: the same
+def test_the_panels_never_run_where_the_few_row_kernel_beats_them(folders, at, kept, least):
+    """Up to the few-row kernel's MAX_ROWS, a count where it beats the panels (plan.beats) is run by it, and so is
+    every count below it; the panels at 0.9 of the stack elsewhere."""
+    def timer(path, rows, fn):
+        fn()
+        return {"stack": 1.0, "layers": 2.0, "tiles": at.get(rows, 0.9)}[path]
+
+    fused, summary = _build_with_panels(folders, ExecutionPlan(), timer)
+    assert fused.tiles == kept and fused.tiles_above == least - 1
+    assert summary.endswith(f"tiles on from {least} rows)")
 
 
 def _panel_timer(tiles: float, seen: list):
