@@ -55,7 +55,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     loops = gemv_grouped_cpu.WIDEST
     print(f"CPU: {cpu_model()}; int{args.bits}/g{args.group}, {args.rows} row(s); loops {', '.join(loops)}"
-          + ("" if gemv_grouped_cpu.vnni() else " (no AVX512-VNNI: both are the same loop)"))
+          + ("" if gemv_grouped_cpu.vnni() else " (no AVX512-VNNI: the AVX2 loop's two orders)"
+             if gemv_grouped_cpu.runs("avx2") else " (neither AVX512-VNNI nor AVX2: both are the portable loop)"))
     g = torch.Generator().manual_seed(0)
     shapes = LAYER * args.layers + [HEAD]
     tensors = []

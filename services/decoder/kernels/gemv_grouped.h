@@ -19,9 +19,9 @@
 // A row's sums are the same whatever the other rows of x in the call and wherever the threads split the
 // weight rows (every row of x runs the same loop over each weight row). Without AVX512-VNNI, on AVX2 CPUs
 // (Zen 2, Zen 3, older Xeons), a 256-bit loop does the same with vpmaddubsw (pairs of byte products summed in 16
-// bits) and vpmaddwd (to 32-bit lanes), its two halves' lanes then summed in pairs; elsewhere a portable loop.
-// The VNNI loop comes in two orders of work (`pairs`, `chunks`), timed against each other at load
-// (model/matmul_choice.py). Each sums in its own order; which one runs is `Loop` (tests run every one the CPU has).
+// bits) and vpmaddwd (to 32-bit lanes); elsewhere a portable loop. The VNNI loop and the AVX2 one each come in
+// two orders of work (`pairs`, `chunks`), timed against each other at load (model/matmul_choice.py). Each sums in
+// its own order; which one runs is `Loop` (tests run every one the CPU has).
 #pragma once
 
 #include <torch/extension.h>
@@ -44,9 +44,10 @@ namespace tessera_grouped {
 using tessera_vec::MAX_ROWS;    // rows of x per call (gemv_grouped_cpu.MAX_ROWS), PASS_ROWS of them a pass
 using tessera_vec::PASS_ROWS;
 
-// The loops (gemv_grouped_cpu.LOOPS' indices): the two AVX512-VNNI loops, `pairs` and `chunks` (each the AVX2
-// loop, or else the portable one, where the CPU lacks VNNI), the AVX2 loop, the portable one.
-enum class Loop : int64_t { pairs = 0, avx2 = 1, portable = 2, chunks = 3 };
+// The loops (gemv_grouped_cpu.LOOPS' indices): the two AVX512-VNNI loops, `pairs` and `chunks` (where the CPU lacks
+// VNNI, the AVX2 loop's two-chunk and one-chunk orders, or else the portable loop), the AVX2 loop (one chunk a
+// step), the portable one, the AVX2 loop in two-chunk steps.
+enum class Loop : int64_t { pairs = 0, avx2 = 1, portable = 2, chunks = 3, avx2_pairs = 4 };
 
 inline bool runs(Loop loop) {
   switch (loop) {
@@ -55,6 +56,7 @@ inline bool runs(Loop loop) {
     case Loop::portable:
       return true;
     case Loop::avx2:
+    case Loop::avx2_pairs:
 #ifdef TESSERA_GROUPED_AVX2
       return true;
 #else
@@ -222,53 +224,109 @@ inline __m256 load8_half(const at::Half* p, int64_t readable) {
   return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(part)));
 }
 
+// Chunk c of weight row wn against the M rows of x, into their lanes of a (codes) and off (offsets). Each chunk
+// reads 8 scales and offsets from its first group, widened as they are read: past the row's groups that is the
+// next row's (unused: spread never picks them, and the offsets' lanes past a chunk's groups are masked off, their
+// sums being another chunk's), and past the last row's, zeros (readable: the halves readable from the chunk's row).
 template <int M, int BITS>
-inline void row_avx2(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
-                     __m256i spread, int64_t n, float* acc) {
-  const int64_t bytes = sh.row_bytes(), gb = sh.group_bytes(), per_chunk = CHUNK / gb, ng = sh.groups();
-  __m256 a[M], off[M];
-  for (int m = 0; m < M; ++m) a[m] = off[m] = _mm256_setzero_ps();
-  // Each chunk reads 8 scales and offsets from its first group, widened as they are read: past the row's groups
-  // that is the next row's (unused: spread never picks them, and the offsets' lanes past a chunk's groups are
-  // masked off, their sums being another chunk's), and past the last row's, zeros.
-  const int64_t readable = (sh.N - n) * ng;
+__attribute__((always_inline)) inline void chunk_avx2(const XRow* xr, const uint8_t* wn, const at::Half* sn,
+                                                      const at::Half* on, const Shape& sh, __m256i spread,
+                                                      int64_t readable, int64_t c, __m256* a, __m256* off) {
+  const int64_t bytes = sh.row_bytes(), gb = sh.group_bytes(), per_chunk = CHUNK / gb;
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256 full = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(per_chunk)), lanes));
+  const int64_t left = std::min(CHUNK, bytes - c * CHUNK), g0 = c * per_chunk;
+  const uint8_t* w = wn + c * CHUNK;
+  __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(per_chunk)), lanes));
+  int halves = 2;
   alignas(32) uint8_t tail[CHUNK];
-  for (int64_t c = 0; c * CHUNK < bytes; ++c) {
-    const int64_t left = std::min(CHUNK, bytes - c * CHUNK), g0 = c * per_chunk;
-    const uint8_t* w = wn + c * CHUNK;
-    __m256 keep = full;
-    int halves = 2;
-    if (left < CHUNK) {  // the row's last, short chunk
-      keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(left / gb)), lanes));
-      if (left == CHUNK / 2) {
-        halves = 1;  // one whole half: the other's sums would be zero
-      } else {  // zeros past it (x is zero there too)
-        std::memset(tail, 0, CHUNK);
-        std::memcpy(tail, w, left);
-        w = tail;
-      }
-    }
-    const __m256 sw = load8_half(sn + g0, readable - g0);
-    const __m256 ow = _mm256_and_ps(load8_half(on + g0, readable - g0), keep);
-    for (int m = 0; m < M; ++m) {
-      const int8_t* q = xr[m].q.data() + c * CHUNK * (BITS == 4 ? 2 : 1);
-      const __m256 f = _mm256_mul_ps(sw, _mm256_loadu_ps(xr[m].s.data() + g0));
-      // The two halves' lanes summed in pairs first, in int32 (exact), so one conversion and one FMA take the
-      // chunk: on a Zen 2 the float work per chunk, not the bytes, set the pace.
-      const __m256i d = _mm256_hadd_epi32(dot_half<BITS>(w, q),
-                                          halves == 2 ? dot_half<BITS>(w + 32, q + 32) : _mm256_setzero_si256());
-      a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(f, spread), a[m]);
-      off[m] = _mm256_fmadd_ps(ow, _mm256_loadu_ps(xr[m].sums.data() + g0), off[m]);
+  if (left < CHUNK) {  // the row's last, short chunk
+    keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(left / gb)), lanes));
+    if (left == CHUNK / 2) {
+      halves = 1;  // one whole half: the other's sums would be zero
+    } else {  // zeros past it (x is zero there too)
+      std::memset(tail, 0, CHUNK);
+      std::memcpy(tail, w, left);
+      w = tail;
     }
   }
+  const __m256 sw = load8_half(sn + g0, readable - g0);
+  const __m256 ow = _mm256_and_ps(load8_half(on + g0, readable - g0), keep);
+  for (int m = 0; m < M; ++m) {
+    const int8_t* q = xr[m].q.data() + c * CHUNK * (BITS == 4 ? 2 : 1);
+    const __m256 f = _mm256_mul_ps(sw, _mm256_loadu_ps(xr[m].s.data() + g0));
+    // The two halves' lanes summed in pairs first, in int32 (exact), so one conversion and one FMA take the
+    // chunk: on a Zen 2 the float work per chunk, not the bytes, set the pace.
+    const __m256i d = _mm256_hadd_epi32(dot_half<BITS>(w, q),
+                                        halves == 2 ? dot_half<BITS>(w + 32, q + 32) : _mm256_setzero_si256());
+    a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_permutevar8x32_ps(f, spread), a[m]);
+    off[m] = _mm256_fmadd_ps(ow, _mm256_loadu_ps(xr[m].sums.data() + g0), off[m]);
+  }
+}
+
+// acc[m, n] = the sum of the lanes of a[m] and off[m].
+template <int M>
+inline void store_rows_avx2(const __m256* a, const __m256* off, const Shape& sh, int64_t n, float* acc) {
   for (int m = 0; m < M; ++m) {
     const __m256 v = _mm256_add_ps(a[m], off[m]);
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     acc[m * sh.N + n] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
   }
+}
+
+// The AVX2 loop in one-chunk steps (`chunks`, and `avx2`).
+template <int M, int BITS>
+inline void row_avx2(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
+                     __m256i spread, int64_t n, float* acc) {
+  __m256 a[M], off[M];
+  for (int m = 0; m < M; ++m) a[m] = off[m] = _mm256_setzero_ps();
+  const int64_t readable = (sh.N - n) * sh.groups();
+  for (int64_t c = 0; c * CHUNK < sh.row_bytes(); ++c) chunk_avx2<M, BITS>(xr, wn, sn, on, sh, spread, readable, c, a, off);
+  store_rows_avx2<M>(a, off, sh, n, acc);
+}
+
+// The chunk pair's group of lane L of hadd(hadd(d0, d1), hadd(d2, d3)), d0 .. d3 the dot products of its four
+// 32-byte quarters: lane L = 4 p + i sums lanes 4 p .. 4 p + 3 of quarter i, bytes 32 i + 16 p .. + 15 of the
+// pair, one group where a group is 16 or 32 bytes.
+inline __m256i pair_groups_avx2(int64_t group_bytes) {
+  alignas(32) int32_t idx[8];
+  for (int L = 0; L < 8; ++L) idx[L] = static_cast<int32_t>((32 * (L % 4) + 16 * (L / 4)) / group_bytes);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
+}
+
+// The AVX2 loop in two-chunk steps (`pairs` on CPUs without AVX512-VNNI, and `avx2_pairs`), for groups of 16 or
+// 32 bytes: the pair's four quarters reduced to one group a lane by three horizontal adds, so one conversion, one
+// multiply of scales and one FMA take 128 bytes of codes, against two of each (and two of the offsets' terms) in
+// one-chunk steps; the offsets' term is a pass of its own, 8 groups a vector, after the codes (XRow's sums are
+// zero past the row's groups). The rest of a row shorter than a pair runs one-chunk steps.
+template <int M, int BITS>
+inline void row_avx2_pairs(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on,
+                           const Shape& sh, __m256i spread, __m256i pair_spread, int64_t n, float* acc) {
+  constexpr int64_t QC = CHUNK * (BITS == 4 ? 2 : 1);  // bytes of XRow::q a chunk of codes takes
+  const int64_t bytes = sh.row_bytes(), ng = sh.groups(), per_pair = 2 * CHUNK / sh.group_bytes();
+  const int64_t readable = (sh.N - n) * ng;
+  __m256 a[M], off[M];
+  for (int m = 0; m < M; ++m) a[m] = off[m] = _mm256_setzero_ps();
+  int64_t c = 0, g0 = 0;
+  for (; (c + 2) * CHUNK <= bytes; c += 2, g0 += per_pair) {
+    const uint8_t* w = wn + c * CHUNK;
+    const __m256 sw = _mm256_permutevar8x32_ps(load8_half(sn + g0, readable - g0), pair_spread);
+    for (int m = 0; m < M; ++m) {
+      const int8_t* q = xr[m].q.data() + c * QC;
+      const __m256i d01 = _mm256_hadd_epi32(dot_half<BITS>(w, q), dot_half<BITS>(w + 32, q + 32));
+      const __m256i d23 = _mm256_hadd_epi32(dot_half<BITS>(w + 64, q + QC), dot_half<BITS>(w + 96, q + QC + 32));
+      const __m256 f = _mm256_mul_ps(sw, _mm256_permutevar8x32_ps(_mm256_loadu_ps(xr[m].s.data() + g0), pair_spread));
+      a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(d01, d23)), f, a[m]);
+    }
+  }
+  for (int64_t g = 0; g < g0; g += 8) {  // the offsets of the pairs' groups (the rest are chunk_avx2's)
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(g0 - g)), lanes));
+    const __m256 ow = _mm256_and_ps(load8_half(on + g, readable - g), keep);
+    for (int m = 0; m < M; ++m) off[m] = _mm256_fmadd_ps(ow, _mm256_loadu_ps(xr[m].sums.data() + g), off[m]);
+  }
+  for (; c * CHUNK < bytes; ++c) chunk_avx2<M, BITS>(xr, wn, sn, on, sh, spread, readable, c, a, off);
+  store_rows_avx2<M>(a, off, sh, n, acc);
 }
 #endif
 
@@ -310,7 +368,7 @@ void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::
   const __m512i spread = lane_groups(sh.group_bytes());
 #endif
 #ifdef TESSERA_GROUPED_AVX2
-  const __m256i spread2 = lane_groups_avx2(sh.group_bytes());
+  const __m256i spread2 = lane_groups_avx2(sh.group_bytes()), pair_spread = pair_groups_avx2(sh.group_bytes());
 #endif
   // The row `ahead` bytes of codes further on, with its scales and offsets, is asked for as each row starts
   // (tessera_vec::prefetch_ahead), whichever loop reads the row.
@@ -333,6 +391,12 @@ void run(const float* x, const uint8_t* codes, const at::Half* scale, const at::
       }
 #endif
 #ifdef TESSERA_GROUPED_AVX2
+      // Without AVX512-VNNI, `pairs` is the AVX2 loop's two-chunk order (where groups are 16 or 32 bytes)
+      if ((loop == Loop::avx2_pairs || loop == Loop::pairs) && sh.group_bytes() >= 16) {
+        if (sh.bits == 4) row_avx2_pairs<P, 4>(xq, wn, sn, on, sh, spread2, pair_spread, n, out);
+        else row_avx2_pairs<P, 8>(xq, wn, sn, on, sh, spread2, pair_spread, n, out);
+        return;
+      }
       if (loop != Loop::portable) {
         if (sh.bits == 4) row_avx2<P, 4>(xq, wn, sn, on, sh, spread2, n, out);
         else row_avx2<P, 8>(xq, wn, sn, on, sh, spread2, n, out);
@@ -369,9 +433,9 @@ void gemv_grouped(torch::Tensor out, torch::Tensor x, torch::Tensor codes, torch
                   int64_t streams) {
   TORCH_CHECK(ahead >= 0, "gemv_grouped: ahead must be >= 0, got ", ahead);
   TORCH_CHECK(streams == 1 || streams == 2, "gemv_grouped: streams must be 1 or 2, got ", streams);
-  TORCH_CHECK(loop_index >= 0 && loop_index <= 3, "gemv_grouped: loop must be 0 to 3, got ", loop_index);
+  TORCH_CHECK(loop_index >= 0 && loop_index <= 4, "gemv_grouped: loop must be 0 to 4, got ", loop_index);
   const Loop loop = static_cast<Loop>(loop_index);
-  TORCH_CHECK(runs(loop), "gemv_grouped: this CPU does not run the AVX2 loop");
+  TORCH_CHECK(runs(loop), "gemv_grouped: this CPU does not run the AVX2 loops");
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && out.dim() == 2, "gemv_grouped: x, codes and out must be 2-D");
   TORCH_CHECK(bits == 4 || bits == 8, "gemv_grouped: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(group == 16 || group == 32, "gemv_grouped: group must be 16 or 32, got ", group);

@@ -8,7 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("offset"), py::arg("bits"),
         py::arg("group"), py::arg("bias"), py::arg("loop"), py::arg("ahead"), py::arg("streams"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("runs", [](int64_t loop) { return loop >= 0 && loop <= 3 && runs(static_cast<Loop>(loop)); },
+  m.def("runs", [](int64_t loop) { return loop >= 0 && loop <= 4 && runs(static_cast<Loop>(loop)); },
         "whether this CPU runs the loop (an index of gemv_grouped_cpu.LOOPS)");
 #ifdef TESSERA_GROUPED_VNNI
   m.def("vnni", []() { return true; }, "whether the pairs and chunks loops are the AVX512-VNNI ones");

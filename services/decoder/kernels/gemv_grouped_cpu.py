@@ -20,9 +20,10 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 MAX_ROWS = gemv_cpu.MAX_ROWS   # as gemv_cpu: 4 rows of x in registers, the rest over the weight row again from L1
 # The kernel's loops (gemv_grouped.h's Loop): the widest the CPU runs (AVX512-VNNI, else AVX2, else portable) in
 # two orders of work, `pairs` (two chunks of codes a step, the offsets in a pass of their own) and `chunks` (one
-# chunk a step); the AVX2 one; the portable one. Models run one of WIDEST (the plan's `gemv_grouped_loop`, timed
-# at load: model/matmul_choice.py); tests run each the CPU has (`runs`).
-LOOPS = ("pairs", "avx2", "portable", "chunks")
+# chunk a step); the AVX2 loop in one-chunk steps; the portable one; the AVX2 loop in two-chunk steps. Models run
+# one of WIDEST (the plan's `gemv_grouped_loop`, timed at load: model/matmul_choice.py); tests run each the CPU
+# has (`runs`).
+LOOPS = ("pairs", "avx2", "portable", "chunks", "avx2_pairs")
 WIDEST = ("chunks", "pairs")
 ACT_DTYPES = (torch.float32, torch.bfloat16)    # the activations it takes
 OPERATOR = native.Operator("gemv_grouped_cpu", SOURCE)
@@ -53,7 +54,7 @@ def runs(loop: str) -> bool:
 
 
 def vnni() -> bool:
-    """Whether WIDEST's loops are the AVX512-VNNI ones (else both are the same AVX2 or portable loop)."""
+    """Whether WIDEST's loops are the AVX512-VNNI ones (else the AVX2 loop's two orders, or the portable loop)."""
     return bool(load().vnni())
 
 

@@ -58,7 +58,7 @@ struct Proj {
         bits(bits_), group(group_), widen(widen_), ahead(ahead_), streams(streams_), tiles_amx(tiles_amx_),
         bf16_row(tessera_gemv::bf16_row(bf16_row_)),
         grouped_loop(static_cast<tessera_grouped::Loop>(grouped_loop_)) {
-    TORCH_CHECK(grouped_loop_ >= 0 && grouped_loop_ <= 3 && tessera_grouped::runs(grouped_loop),
+    TORCH_CHECK(grouped_loop_ >= 0 && grouped_loop_ <= 4 && tessera_grouped::runs(grouped_loop),
                 "decode_stack: grouped_loop must be a loop of gemv_grouped_cpu.LOOPS this CPU runs, got ",
                 grouped_loop_);
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),

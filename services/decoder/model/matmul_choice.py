@@ -350,7 +350,8 @@ def choose_grouped_loop(model: nn.Module, record: execution.ExecutionPlan, timer
     unavailable = ""
     if group:
         try:
-            unavailable = "" if gemv_grouped_cpu.vnni() else "no AVX512-VNNI on this CPU: both are the same loop"
+            unavailable = "" if gemv_grouped_cpu.vnni() or gemv_grouped_cpu.runs("avx2") else \
+                "neither AVX512-VNNI nor AVX2 on this CPU: both are the same portable loop"
         except native.BuildError as e:
             unavailable = f"the few-row kernel is not built: {e}"
     chosen, reason = _choose_row_loop(record, "gemv_grouped_loop", group, "grouped weight",

@@ -19,7 +19,7 @@ import torch
 
 from services.common.errors import InvalidArgument, TesseraError, Unsupported
 from services.common.plan import DECODER as DECODER_PATHS
-from services.common.plan import ExecutionPlan, Pins
+from services.common.plan import AUTO, ExecutionPlan, Pins
 from services.decoder.engine.step import ScheduledChunk, StepInput, StepOutput
 from services.decoder.lora.pool import AdapterPool
 from services.decoder.model.decoder import CausalLM
@@ -37,7 +37,7 @@ from services.decoder.model.matmul_choice import (
 )
 from services.decoder.model.screen import build as build_screen
 from services.decoder.runner import verify_cost
-from services.decoder.runner.attention import PagedAttention, Workspace, choose_decode_backend
+from services.decoder.runner.attention import CPP, TORCH, PagedAttention, Workspace, choose_decode_backend
 from services.decoder.runner.batch import StepBatch
 from services.decoder.runner.fused_decode import FusedDecode
 from services.decoder.runner.kv_cache import KVCache
@@ -104,11 +104,21 @@ class Runner:
         self.windows = Windows(binding(cfg.layer_windows, num_blocks * block_size), cfg.attn_softcap)
         # Decode attention: the C++ operator over the paged cache or the torch gather path,
         # timed at this model's heads at load (runner/attention.py); CUDA runs the torch path.
-        self.attention_backend = choose_decode_backend(plan, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                                       block_size, self.dtype, self.device)
+        attention = choose_decode_backend(plan, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
+                                          self.dtype, self.device)
         # Decode steps: every layer in one C++ call, up to the row count where it beat the layers at
-        # load (runner/fused_decode.py).
-        self.fused_decode, _ = FusedDecode.build(model, self.cache, self.attention_backend, plan)
+        # load (runner/fused_decode.py). The stack attends by itself but its steps carry the operator's
+        # paged metadata, so it is built and timed whenever the operator is available, even where the
+        # layers' attention alone timed faster in torch (not pinned): one layer's decode attention is a
+        # small part of a step, and on a Zen 3 (family 25 model 1) the two were level within the noise
+        # while the stack's 1 B-shaped int4 step took 38 ms against the layers' 47.
+        timed_torch = attention == TORCH and plan.pinned("attention") == AUTO
+        self.fused_decode, _ = FusedDecode.build(model, self.cache, CPP if timed_torch else attention, plan)
+        self.attention_backend = CPP if timed_torch and self.fused_decode is not None else attention
+        if self.attention_backend != attention:
+            plan.record("attention", "cpp", plan.get("attention").timings,
+                        "the decode stack runs, and its steps need the operator's paged metadata (the layers' "
+                        "attention alone timed faster in torch)")
         self.sampler = Sampler(seed)
         # Greedy rows of an fp32 head: their argmax through a bf16 screen of it, where that was faster
         # at load (model/screen.py).

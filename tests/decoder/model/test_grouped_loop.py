@@ -71,13 +71,16 @@ def test_without_grouped_weights_nothing_is_timed():
     assert record.get("gemv_grouped_loop").reason == "no grouped weight runs the few-row kernel"
 
 
-def test_without_vnni_nothing_is_timed(monkeypatch):
-    """Both orders are the one AVX2 (or portable) loop there: the default, and the plan says why."""
-    monkeypatch.setattr(gemv_grouped_cpu, "load", lambda: types.SimpleNamespace(vnni=lambda: False))
+def test_without_vnni_or_avx2_nothing_is_timed(monkeypatch):
+    """Both orders are the one portable loop there: the default, and the plan says why."""
+    portable = gemv_grouped_cpu.LOOPS.index("portable")
+    monkeypatch.setattr(gemv_grouped_cpu, "load",
+                        lambda: types.SimpleNamespace(vnni=lambda: False, runs=lambda loop: loop == portable))
     record = ExecutionPlan()
     choose_grouped_loop(grouped_model(), record, lambda *a: pytest.fail("one loop only"))
     assert record.chosen("gemv_grouped_loop") == "chunks"
-    assert record.get("gemv_grouped_loop").reason == "no AVX512-VNNI on this CPU: both are the same loop"
+    assert record.get("gemv_grouped_loop").reason == \
+        "neither AVX512-VNNI nor AVX2 on this CPU: both are the same portable loop"
 
 
 @pytest.mark.numerics
@@ -91,7 +94,7 @@ def test_a_linear_runs_its_own_loop():
     x, gw = torch.randn(3, 1024), m.grouped
     direct = {loop: gemv_grouped_cpu.gemv_grouped(x, gw.codes, gw.scale, gw.offset, 4, 32, m.bias, loop)
               for loop in gemv_grouped_cpu.WIDEST}
-    if gemv_grouped_cpu.vnni():
+    if gemv_grouped_cpu.vnni() or gemv_grouped_cpu.runs("avx2"):
         assert not torch.equal(*direct.values())
     for loop in gemv_grouped_cpu.WIDEST:
         m.grouped_loop = loop

@@ -285,6 +285,32 @@ def test_when_it_stays_off(folders):
     assert forced.fused_decode is None and forced.plan.chosen("decode_stack") == "off"
 
 
+@pytest.mark.parametrize("stack", ["on", "off"])
+def test_a_timed_torch_attention_does_not_keep_the_stack_out(folders, monkeypatch, stack):
+    """Where the layers' attention alone timed faster in torch (not pinned), the stack is still built and chosen
+    by its own rule; when it runs, so does the operator (its steps carry the operator's metadata), said so."""
+    monkeypatch.setattr(attention, "_time_decode", lambda rows, *shape: {"cpp": 2e-3, "torch": 1e-3})
+    runner = Runner.from_folder(folders[CASES[0]], "fp32", block_size=BLOCK, num_blocks=BLOCKS,
+                                fast_paths=f"decode_stack={stack}")
+    chosen = runner.plan.get("attention")
+    assert [t.candidate for t in chosen.timings] == ["cpp", "torch"] * len(attention.TIMING_ROWS)
+    if stack == "on":
+        assert runner.fused_decode is not None and runner.attention_backend == attention.CPP
+        assert chosen.chosen == "cpp" and chosen.reason.startswith("the decode stack runs, and its steps need")
+    else:
+        assert runner.fused_decode is None and runner.attention_backend == attention.TORCH
+        assert chosen.chosen == "torch" and runner.plan.chosen("decode_stack") == "off"
+    calls = []
+    if runner.fused_decode is not None:
+        applies = runner.fused_decode.applies
+        runner.fused_decode.applies = lambda batch: calls.append(applies(batch)) or calls[-1]
+    seq, alloc = Seq("s", [5, 9, 14, 3, 7]), BlockAllocator(BLOCKS, seed=1)
+    for n in (5, 1):            # a short prompt (operator rows), then a decode step
+        logits, _ = runner.logits(StepInput([seq.chunk(n, alloc, BLOCK)]))
+        seq.tokens.append(int(logits[-1].argmax()))
+    assert torch.isfinite(logits).all() and calls == ([True, True] if stack == "on" else [])
+
+
 @pytest.mark.parametrize("quantization,many", [("int8", "int8_gemm"), ("int4", "grouped_matmul")])
 def test_quantized_weights_run_in_the_stack_only_as_their_linears_do(folders, quantization, many):
     """gemv off: a quantized projection's Linear runs its many-row path at every row count, so the stack takes

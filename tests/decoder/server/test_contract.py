@@ -59,13 +59,11 @@ def test_model_info(stub, tiny_chat_model):
     assert plan["linear 64x64"].chosen.startswith(("packed", "plain"))
     assert {t.candidate for t in plan["linear 64x64"].timings} <= {"plain", "packed"}
     assert plan["attention"].chosen in ("cpp", "torch")
-    # Decode steps in one C++ call where that won at load (runner/fused_decode.py), or why not.
-    if plan["attention"].chosen == "cpp":
-        assert re.fullmatch(r"on rows<=\d+|off", plan["decode_stack"].chosen), plan["decode_stack"]
-        assert {t.candidate for t in plan["decode_stack"].timings} >= {"on", "off"}
-    else:
-        assert (plan["decode_stack"].chosen, plan["decode_stack"].reason) == \
-            ("off", "decode attention is torch-gather")
+    # Decode steps in one C++ call where that won at load (runner/fused_decode.py), timed whichever attention the
+    # layers' own timing preferred; where it runs, so does the operator.
+    assert re.fullmatch(r"on rows<=\d+|off", plan["decode_stack"].chosen), plan["decode_stack"]
+    assert {t.candidate for t in plan["decode_stack"].timings} >= {"on", "off"}
+    assert plan["attention"].chosen == "cpp" or plan["decode_stack"].chosen == "off"
     # The elementwise glue per op, timed at load (model/glue.py).
     for op in ("glue.norm", "glue.act"):
         assert plan[op].chosen in ("cpp", "torch") and {t.candidate for t in plan[op].timings} == {"cpp", "torch"}
