@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.common.errors import InvalidArgument, TesseraError, Unsupported
-from services.common.plan import DECODER as DECODER_PATHS
 from services.common.plan import AUTO, ExecutionPlan, Pins
+from services.common.plan import DECODER as DECODER_PATHS
 from services.decoder.engine.step import ScheduledChunk, StepInput, StepOutput
 from services.decoder.lora.pool import AdapterPool
 from services.decoder.model.decoder import CausalLM
