@@ -103,8 +103,8 @@ template <int M, int BITS>
 inline void row_pairs(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
                       __m512i spread, int64_t n, float* acc) {
   constexpr int64_t QC = CHUNK * (BITS == 4 ? 2 : 1);  // bytes of XRow::q a chunk of codes takes
-  const int64_t bytes = sh.row_bytes(), gb = sh.group_bytes(), ng = sh.groups();
-  const int64_t per_chunk = CHUNK / gb;  // groups a chunk holds (2, 4 or 8)
+  const int64_t bytes = sh.row_bytes(), ng = sh.groups();
+  const int64_t per_chunk = sh.groups_in(CHUNK);  // groups a chunk holds (2, 4 or 8)
   const __m512i spread1 = _mm512_add_epi32(spread, _mm512_set1_epi32(static_cast<int32_t>(per_chunk)));
   const __mmask16 pair_mask = static_cast<__mmask16>((1u << (2 * per_chunk)) - 1);
   __m512 a[M];
@@ -125,7 +125,7 @@ inline void row_pairs(const XRow* xr, const uint8_t* wn, const at::Half* sn, con
   for (; c * CHUNK < bytes; ++c) {
     const int64_t left = bytes - c * CHUNK, g0 = c * per_chunk;
     const __mmask64 bmask = left >= CHUNK ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
-    const __mmask16 gmask = static_cast<__mmask16>((1u << (left >= CHUNK ? per_chunk : left / gb)) - 1);
+    const __mmask16 gmask = static_cast<__mmask16>((1u << (left >= CHUNK ? per_chunk : sh.groups_in(left))) - 1);
     const __m512i raw = _mm512_maskz_loadu_epi8(bmask, wn + c * CHUNK);
     const __m512 sw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, sn + g0));
     for (int m = 0; m < M; ++m) {
@@ -150,8 +150,8 @@ inline void row_pairs(const XRow* xr, const uint8_t* wn, const at::Half* sn, con
 template <int M, int BITS>
 inline void row_chunks(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on, const Shape& sh,
                        __m512i spread, int64_t n, float* acc) {
-  const int64_t bytes = sh.row_bytes(), gb = sh.group_bytes();
-  const int64_t per_chunk = CHUNK / gb;  // groups a chunk holds (2, 4 or 8)
+  const int64_t bytes = sh.row_bytes();
+  const int64_t per_chunk = sh.groups_in(CHUNK);  // groups a chunk holds (2, 4 or 8)
   __m512 a[M];
   __m256 off[M];
   for (int m = 0; m < M; ++m) {
@@ -162,7 +162,7 @@ inline void row_chunks(const XRow* xr, const uint8_t* wn, const at::Half* sn, co
     const int64_t left = bytes - c * CHUNK;
     const __mmask64 bmask = left >= CHUNK ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
     const int64_t g0 = c * per_chunk;
-    const __mmask8 gmask = static_cast<__mmask8>((1u << (left >= CHUNK ? per_chunk : left / gb)) - 1);
+    const __mmask8 gmask = static_cast<__mmask8>((1u << (left >= CHUNK ? per_chunk : sh.groups_in(left))) - 1);
     const __m512i raw = _mm512_maskz_loadu_epi8(bmask, wn + c * CHUNK);
     const __m256 sw = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(gmask, sn + g0));
     const __m256 ow = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(gmask, on + g0));
@@ -232,7 +232,7 @@ template <int M, int BITS>
 __attribute__((always_inline)) inline void chunk_avx2(const XRow* xr, const uint8_t* wn, const at::Half* sn,
                                                       const at::Half* on, const Shape& sh, __m256i spread,
                                                       int64_t readable, int64_t c, __m256* a, __m256* off) {
-  const int64_t bytes = sh.row_bytes(), gb = sh.group_bytes(), per_chunk = CHUNK / gb;
+  const int64_t bytes = sh.row_bytes(), per_chunk = sh.groups_in(CHUNK);
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const int64_t left = std::min(CHUNK, bytes - c * CHUNK), g0 = c * per_chunk;
   const uint8_t* w = wn + c * CHUNK;
@@ -240,7 +240,7 @@ __attribute__((always_inline)) inline void chunk_avx2(const XRow* xr, const uint
   int halves = 2;
   alignas(32) uint8_t tail[CHUNK];
   if (left < CHUNK) {  // the row's last, short chunk
-    keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(left / gb)), lanes));
+    keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(sh.groups_in(left))), lanes));
     if (left == CHUNK / 2) {
       halves = 1;  // one whole half: the other's sums would be zero
     } else {  // zeros past it (x is zero there too)
@@ -303,7 +303,7 @@ template <int M, int BITS>
 inline void row_avx2_pairs(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on,
                            const Shape& sh, __m256i spread, __m256i pair_spread, int64_t n, float* acc) {
   constexpr int64_t QC = CHUNK * (BITS == 4 ? 2 : 1);  // bytes of XRow::q a chunk of codes takes
-  const int64_t bytes = sh.row_bytes(), ng = sh.groups(), per_pair = 2 * CHUNK / sh.group_bytes();
+  const int64_t bytes = sh.row_bytes(), ng = sh.groups(), per_pair = sh.groups_in(2 * CHUNK);
   const int64_t readable = (sh.N - n) * ng;
   __m256 a[M], off[M];
   for (int m = 0; m < M; ++m) a[m] = off[m] = _mm256_setzero_ps();
