@@ -143,7 +143,9 @@ inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, 
     __m256 sum = a[m][0];
     for (int u = 1; u < U; ++u) sum = _mm256_add_ps(sum, a[m][u]);
     float s = hsum(sum);
-    for (int64_t j = k; j < K; ++j) s += x[m * K + j] * widen(wn[j]);
+    // std::fma, not `s += x * w`: GCC contracted that to an FMA in some inlined copies of this loop and not in
+    // others (a Zen 3 build's two-stream reading summed rows 3-4 of a 4-row call differently from one stream).
+    for (int64_t j = k; j < K; ++j) s = std::fma(x[m * K + j], widen(wn[j]), s);
     acc[m * N + n] = s;
   }
 }

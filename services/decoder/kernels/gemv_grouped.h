@@ -227,7 +227,8 @@ inline __m256 load8_half(const at::Half* p, int64_t readable) {
 // Chunk c of weight row wn against the M rows of x, into their lanes of a (codes) and off (offsets). Each chunk
 // reads 8 scales and offsets from its first group, widened as they are read: past the row's groups that is the
 // next row's (unused: spread never picks them, and the offsets' lanes past a chunk's groups are masked off, their
-// sums being another chunk's), and past the last row's, zeros (readable: the halves readable from the chunk's row).
+// sums being another chunk's), and past the last row's, zeros (readable: the fp16 values readable from the row's
+// first scale on).
 template <int M, int BITS>
 __attribute__((always_inline)) inline void chunk_avx2(const XRow* xr, const uint8_t* wn, const at::Half* sn,
                                                       const at::Half* on, const Shape& sh, __m256i spread,
@@ -281,7 +282,8 @@ inline void row_avx2(const XRow* xr, const uint8_t* wn, const at::Half* sn, cons
   __m256 a[M], off[M];
   for (int m = 0; m < M; ++m) a[m] = off[m] = _mm256_setzero_ps();
   const int64_t readable = (sh.N - n) * sh.groups();
-  for (int64_t c = 0; c * CHUNK < sh.row_bytes(); ++c) chunk_avx2<M, BITS>(xr, wn, sn, on, sh, spread, readable, c, a, off);
+  for (int64_t c = 0; c * CHUNK < sh.row_bytes(); ++c)
+    chunk_avx2<M, BITS>(xr, wn, sn, on, sh, spread, readable, c, a, off);
   store_rows_avx2<M>(a, off, sh, n, acc);
 }
 
@@ -297,8 +299,8 @@ inline __m256i pair_groups_avx2(int64_t group_bytes) {
 // The AVX2 loop in two-chunk steps (`pairs` on CPUs without AVX512-VNNI, and `avx2_pairs`), for groups of 16 or
 // 32 bytes: the pair's four quarters reduced to one group a lane by three horizontal adds, so one conversion, one
 // multiply of scales and one FMA take 128 bytes of codes, against two of each (and two of the offsets' terms) in
-// one-chunk steps; the offsets' term is a pass of its own, 8 groups a vector, after the codes (XRow's sums are
-// zero past the row's groups). The rest of a row shorter than a pair runs one-chunk steps.
+// one-chunk steps; the offsets' term is a pass of its own, 8 groups a vector, after the codes. The rest of a row
+// shorter than a pair runs one-chunk steps.
 template <int M, int BITS>
 inline void row_avx2_pairs(const XRow* xr, const uint8_t* wn, const at::Half* sn, const at::Half* on,
                            const Shape& sh, __m256i spread, __m256i pair_spread, int64_t n, float* acc) {

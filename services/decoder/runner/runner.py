@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.common.errors import InvalidArgument, TesseraError, Unsupported
-from services.common.plan import AUTO, ExecutionPlan, Pins
 from services.common.plan import DECODER as DECODER_PATHS
+from services.common.plan import ExecutionPlan, Pins
 from services.decoder.engine.step import ScheduledChunk, StepInput, StepOutput
 from services.decoder.lora.pool import AdapterPool
 from services.decoder.model.decoder import CausalLM
@@ -112,7 +112,7 @@ class Runner:
         # layers' attention alone timed faster in torch (not pinned): one layer's decode attention is a
         # small part of a step, and on a Zen 3 (family 25 model 1) the two were level within the noise
         # while the stack's 1 B-shaped int4 step took 38 ms against the layers' 47.
-        timed_torch = attention == TORCH and plan.pinned("attention") == AUTO
+        timed_torch = attention == TORCH and bool(plan.get("attention").timings)  # not pinned, operator built
         self.fused_decode, _ = FusedDecode.build(model, self.cache, CPP if timed_torch else attention, plan)
         self.attention_backend = CPP if timed_torch and self.fused_decode is not None else attention
         if self.attention_backend != attention:

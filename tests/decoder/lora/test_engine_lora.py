@@ -55,7 +55,9 @@ def run_one(core, registry, rid, prompt, name, sampling=GREEDY):
 
 def test_zero_adapter_equals_base_exactly(base):
     folder, adapters = base
-    core, registry = lora_engine(folder)
+    # The slot bank's steps run the layers (the decode stack takes adapter rows of the CPU pool only), so the plain
+    # steps are held to the layers too: the stack agrees with them within rounding, not bit for bit.
+    core, registry = lora_engine(folder, fast_paths="screen=on,speculation=always,decode_stack=off")
     slot = register(registry, "zero", adapters["zero"]).slot
     alloc = BlockAllocator(128)
     mixed = [Seq("z", PROMPT, lora_slot=slot), Seq("b", PROMPT)]
