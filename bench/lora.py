@@ -17,7 +17,9 @@ sides' decode tokens/s in the same round (the machine is shared). `--part` picks
       (c) vLLM in .venv-peers (make bench-peers), enable_lora, max_loras=8, a LoRARequest per row.
   distinct (d)-(f): 64 rows, every row on its own adapter, for q/v rank 8 and for all seven projections at
       ranks 8 and 16: (d) decode at 1, 4 and 64 rows against no adapters, fp32 and bf16, with the adapter bytes
-      a 64-row step reads beside the model's weights; (e) peft; (f) vLLM with max_loras = max_cpu_loras = 64.
+      a 64-row step reads beside the model's weights, each ratio's cap were those bytes read after the base step at
+      the machine's rate, the rate they took, and the share of that rate the base step's weights take;
+      (e) peft; (f) vLLM with max_loras = max_cpu_loras = 64.
   zipf (z): bench/lora_zipf.py, 1,000 adapters on disk loaded on demand by the decoder service, Zipf traffic
       from 64 clients, against the same service without adapters, and vLLM with the same adapter budget.
 
@@ -243,7 +245,10 @@ def distinct_part(args) -> list[str]:
     ratios = []
     bandwidth = read_bandwidth()
     print(f"(d) this process reads memory at {bandwidth / 1e9:.1f} GB/s (torch.sum over 256 MiB, best of 5): a "
-          f"step's adapter rows, read at that rate on top of the base step, cap each ratio at 'cap'")
+          f"step's adapter rows, read at that rate (or at a base step's own, where faster) on top of the base step, "
+          f"cap each ratio at 'cap'; 'rows at' is the rate the adapter rows took in fact (their bytes over the "
+          f"step's added time), 'bus' the share of that rate the base step's own weights take (the rest is time "
+          f"the adapter reads could overlap)")
     for label, targets, ranks in DISTINCT:
         with tempfile.TemporaryDirectory(prefix="tessera-bench-lora-") as tmp:
             peft_model, folders = make_adapters(Path(tmp), count, ranks=ranks, targets=targets, model=args.model)
@@ -257,20 +262,28 @@ def distinct_part(args) -> list[str]:
                 lora = Engine(folders, dtype, targets, max(ranks), model=args.model)
                 base = Engine(None, dtype, model=args.model)
                 weights = sum(p.numel() * p.element_size() for p in base.runner.model.parameters()) / 1e6
-                cells = []
+                runs = {}
                 for rows in (1, 4, 64):
                     # A 1- or 4-row run is a fraction of a second: more rounds, so a burst on a shared machine
                     # does not decide its best.
-                    got, ref, ratio = best_of(lora, base, batch[:rows], names[:rows], args.max_tokens,
-                                              rounds=3 if rows == count else 6)
-                    if rows == count and dtype == "fp32":
-                        mine, e2e = got[0], got[1]
+                    runs[rows] = best_of(lora, base, batch[:rows], names[:rows], args.max_tokens,
+                                         rounds=3 if rows == count else 6)
+                # The probe ran once, at the start, and the machine's rate moves between minutes: a base step that
+                # read its weights faster says the rate is at least that.
+                rate = max([bandwidth] + [weights * 1e6 * ref[2] / rows for rows, (_, ref, _) in runs.items()])
+                cells = []
+                for rows, (got, ref, ratio) in runs.items():
                     step = rows / ref[2]                  # seconds of one base decode step
-                    cap = step / (step + adapter_bytes(lora.runner, targets, ranks, rows) * 1e6 / bandwidth)
+                    extra = adapter_bytes(lora.runner, targets, ranks, rows) * 1e6
+                    cap = step / (step + extra / rate)
+                    added = rows / got[2] - step
+                    took = f"{extra / added / 1e9:.1f} GB/s" if added > 0 else "no added time"
                     cells.append(f"{rows} rows {got[2]:.1f} vs {ref[2]:.1f} tok/s (median pair {ratio:.2f}, "
-                                 f"cap {cap:.2f})")
+                                 f"cap {cap:.2f}; rows at {took}, bus {weights * 1e6 / step / rate:.2f})")
                     ratios.append(f"{label}_{dtype}_{rows}={ratio:.2f}")
                     CAPS[f"{label}_{dtype}_{rows}"] = cap
+                if dtype == "fp32":
+                    mine, e2e = runs[count][0][0], runs[count][0][1]
                 print(f"(d) {dtype} decode, {count} distinct adapters vs none: " + "; ".join(cells) +
                       " (goal >= 0.9 at 64 rows, >= 0.85 at 1-4); a 64-row step reads "
                       f"{adapter_bytes(lora.runner, targets, ranks, count):.0f} MB of adapter rows beside the "
