@@ -261,7 +261,7 @@ def distinct_part(args) -> list[str]:
             for dtype in ("fp32", "bf16"):
                 lora = Engine(folders, dtype, targets, max(ranks), model=args.model)
                 base = Engine(None, dtype, model=args.model)
-                weights = sum(p.numel() * p.element_size() for p in base.runner.model.parameters()) / 1e6
+                weights = sum(p.numel() * p.element_size() for p in base.runner.model.parameters())  # bytes
                 runs = {}
                 for rows in (1, 4, 64):
                     # A 1- or 4-row run is a fraction of a second: more rounds, so a burst on a shared machine
@@ -270,7 +270,7 @@ def distinct_part(args) -> list[str]:
                                          rounds=3 if rows == count else 6)
                 # The probe ran once, at the start, and the machine's rate moves between minutes: a base step that
                 # read its weights faster says the rate is at least that.
-                rate = max([bandwidth] + [weights * 1e6 * ref[2] / rows for rows, (_, ref, _) in runs.items()])
+                rate = max([bandwidth] + [weights * ref[2] / rows for rows, (_, ref, _) in runs.items()])
                 cells = []
                 for rows, (got, ref, ratio) in runs.items():
                     step = rows / ref[2]                  # seconds of one base decode step
@@ -279,15 +279,15 @@ def distinct_part(args) -> list[str]:
                     added = rows / got[2] - step
                     took = f"{extra / added / 1e9:.1f} GB/s" if added > 0 else "no added time"
                     cells.append(f"{rows} rows {got[2]:.1f} vs {ref[2]:.1f} tok/s (median pair {ratio:.2f}, "
-                                 f"cap {cap:.2f}; rows at {took}, bus {weights * 1e6 / step / rate:.2f})")
+                                 f"cap {cap:.2f}; rows at {took}, bus {weights / step / rate:.2f})")
                     ratios.append(f"{label}_{dtype}_{rows}={ratio:.2f}")
                     CAPS[f"{label}_{dtype}_{rows}"] = cap
                 if dtype == "fp32":
-                    mine, e2e = runs[count][0][0], runs[count][0][1]
+                    mine, e2e = runs[count][0][:2]
                 print(f"(d) {dtype} decode, {count} distinct adapters vs none: " + "; ".join(cells) +
                       " (goal >= 0.9 at 64 rows, >= 0.85 at 1-4); a 64-row step reads "
                       f"{adapter_bytes(lora.runner, targets, ranks, count):.0f} MB of adapter rows beside the "
-                      f"model's {weights:.0f} MB of weights")
+                      f"model's {weights / 1e6:.0f} MB of weights")
                 del lora, base
             ratios += peft_part(args, "(e)", f", {count} adapters", peft_model, batch, names, mine, e2e,
                                 f"{label}_vs_peft")

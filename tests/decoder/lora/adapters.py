@@ -82,11 +82,15 @@ def peft_mixed(base_folder: Path, folders: dict[str, Path]) -> PeftModel:
     return model.eval()
 
 
+# lora_engine's default pins (its docstring says why); a test that pins more adds to them.
+PINS = "screen=on,speculation=always"
+
+
 def lora_engine(base_folder: Path, *, slots: int = 4, max_rank: int = 8, cpu_loras: int = 8,
                 targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
                 block_size: int = 4, num_blocks: int = 128, budget: int = 64, max_seqs: int = 8,
                 prefix_caching: bool = True, speculative=None, device: str = "cpu",
-                fast_paths: str = "screen=on,speculation=always", pool_bytes: int | None = None, dtype: str = "fp32"
+                fast_paths: str = PINS, pool_bytes: int | None = None, dtype: str = "fp32"
                 ) -> tuple[EngineCore, AdapterRegistry]:
     """EngineCore + Runner with an adapter store, registry and leases (no adapters yet): the slot bank, or
     with pool_bytes the CPU pool of that budget; fast_paths: the CPU runner's pins (off CPU none: the

@@ -16,7 +16,7 @@ from services.common.errors import AdapterInUse
 from services.decoder.engine.step import SamplingParams, StepInput
 from services.decoder.lora import adapter_request
 from services.decoder.server.async_engine import AsyncEngine
-from tests.decoder.lora.adapters import Spec, lora_engine, register, write_adapter
+from tests.decoder.lora.adapters import PINS, Spec, lora_engine, register, write_adapter
 from tests.decoder.model.checkpoints import build
 from tests.decoder.runner.driver import BlockAllocator, Seq
 
@@ -57,7 +57,7 @@ def test_zero_adapter_equals_base_exactly(base):
     folder, adapters = base
     # The slot bank's steps run the layers (the decode stack takes adapter rows of the CPU pool only), so the plain
     # steps are held to the layers too: the stack agrees with them within rounding, not bit for bit.
-    core, registry = lora_engine(folder, fast_paths="screen=on,speculation=always,decode_stack=off")
+    core, registry = lora_engine(folder, fast_paths=f"{PINS},decode_stack=off")
     slot = register(registry, "zero", adapters["zero"]).slot
     alloc = BlockAllocator(128)
     mixed = [Seq("z", PROMPT, lora_slot=slot), Seq("b", PROMPT)]
