@@ -86,6 +86,12 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (its threads included), from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Fleet:
     """The processes this benchmark starts, each logging to its own file; stopped with SIGTERM (then SIGKILL)."""
 
@@ -116,6 +122,12 @@ class Fleet:
 
     def rss(self) -> dict[str, float]:
         return {name: rss_mib(p.pid) for name, p in self.procs.items() if p.poll() is None}
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far of every running process, and of this benchmark's own clients ("clients")."""
+        own = os.times()
+        return {**{name: cpu_seconds(p.pid) for name, p in self.procs.items() if p.poll() is None},
+                "clients": own.user + own.system}
 
     def stop(self) -> None:
         for proc in reversed(list(self.procs.values())):
@@ -383,13 +395,13 @@ def main() -> None:
         # A short warm-up with every kind of call, so the start RSS is of a serving process, not a half-loaded one.
         warm_up = {"clients": 8, "seconds": 3.0, "ramp_s": 0.0, "light": False}
         asyncio.run(run(url, argparse.Namespace(**{**vars(args), **warm_up}), photos))
-        rss_start = fleet.rss()
+        rss_start, cpu_start = fleet.rss(), fleet.cpu()
         started = time.monotonic()
         samples: list[tuple[float, dict]] = []
         stats = asyncio.run(run(url, args, photos, fleet, samples))
         elapsed = time.monotonic() - started
         fleet.check_alive()
-        rss_end = fleet.rss()
+        rss_end, cpu_end = fleet.rss(), fleet.cpu()
     finally:
         fleet.stop()
     total = sum(stats.done.values())
@@ -412,6 +424,7 @@ def main() -> None:
     if "pooling" in rss_start:
         print("  rss pooling curve (s: MiB): " + ", ".join(f"{t:.0f}: {rss.get('pooling', float('nan')):.0f}"
                                                        for t, rss in samples))
+    print_cpu(cpu_start, cpu_end, elapsed)
     fraction = print_work(stats, work, elapsed, probe)
     if args.light:
         for kind, goal in GOALS.items():
@@ -426,6 +439,16 @@ def main() -> None:
           f"pooling_rss_slope_mib_per_min={slopes.get('pooling', float('nan')):.2f} "
           f"useful_fraction_of_gemm={fraction:.3f} "
           f"embedding_p99_ms={percentile(stats.ttft.get('embedding', []), 0.99) * 1000:.0f}")
+
+
+def print_cpu(start: dict[str, float], end: dict[str, float], elapsed: float) -> None:
+    """Where the machine's CPU time went over the run: each process's share of all CPUs, busiest first."""
+    used = {name: end[name] - start[name] for name in start if name in end}
+    machine = threads.machine_cpus() * elapsed
+    print(f"  cpu time over the run, as a share of {threads.machine_cpus()} CPUs x {elapsed:.0f} s: "
+          + ", ".join(f"{name} {seconds / machine:.3f}" for name, seconds in
+                      sorted(used.items(), key=lambda item: -item[1]))
+          + f"; all {sum(used.values()) / machine:.3f}")
 
 
 def print_work(stats: Stats, work: dict[str, ModelWork], elapsed: float, probe: float) -> float:

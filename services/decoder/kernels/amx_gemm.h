@@ -104,26 +104,45 @@ inline void transpose16(void* p) {
   }
 }
 
-// sums[2a + b] [16 x rows][16 weight rows] = x tiles x0 (x1 where XT is 2) against weight sub-blocks w0, w1,
-// over `steps` steps of 32 inputs (each operand a 16 x 32 tile per step, 1 KiB apart).
+// A step's operands: x tiles x0, x1 (A) and weight sub-blocks w0, w1 (B); where the products are split (fp32 as
+// two bf16, hi + lo), the lo halves x0l, x1l, w0l, w1l too.
+struct Operands {
+  const at::BFloat16 *x0, *x1, *w0, *w1;
+  const at::BFloat16 *x0l = nullptr, *x1l = nullptr, *w0l = nullptr, *w1l = nullptr;
+};
+
+// sums[2a + b] [16 x rows][16 weight rows] += x tile a (of XT) against weight sub-block b, the tiles s * TILE into
+// each operand: `x` and `w` one pair of operands.
 template <int XT>
-inline void tiles(const at::BFloat16* x0, const at::BFloat16* x1, const at::BFloat16* w0, const at::BFloat16* w1,
-                  int64_t steps, float (*sums)[TR][TR]) {
+inline void step_products(const at::BFloat16* x0, const at::BFloat16* x1, const at::BFloat16* w0,
+                          const at::BFloat16* w1, int64_t s) {
+  _tile_loadd(6, w0 + s * TILE, TK * 2);
+  _tile_loadd(7, w1 + s * TILE, TK * 2);
+  _tile_loadd(4, x0 + s * TILE, TK * 2);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  if constexpr (XT == 2) {
+    _tile_loadd(5, x1 + s * TILE, TK * 2);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+// sums[2a + b] = x tiles against weight sub-blocks over `steps` steps of 32 inputs (each operand a 16 x 32 tile
+// per step, 1 KiB apart). SPLIT: x w as hi hi + lo hi + hi lo, each step (lo lo, below the sum's own rounding,
+// left out).
+template <int XT, bool SPLIT>
+inline void tiles(const Operands& o, int64_t steps, float (*sums)[TR][TR]) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(6, w0 + s * TILE, TK * 2);
-    _tile_loadd(7, w1 + s * TILE, TK * 2);
-    _tile_loadd(4, x0 + s * TILE, TK * 2);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if constexpr (XT == 2) {
-      _tile_loadd(5, x1 + s * TILE, TK * 2);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+    if constexpr (SPLIT) {
+      step_products<XT>(o.x0l, o.x1l, o.w0, o.w1, s);
+      step_products<XT>(o.x0, o.x1, o.w0l, o.w1l, s);
     }
+    step_products<XT>(o.x0, o.x1, o.w0, o.w1, s);
   }
   _tile_stored(0, sums[0], TR * 4);
   _tile_stored(1, sums[1], TR * 4);
@@ -133,14 +152,23 @@ inline void tiles(const at::BFloat16* x0, const at::BFloat16* x1, const at::BFlo
   }
 }
 
-// 32 inputs of a row (n of them, the rest zeros) as one 64-byte row of an A tile.
-template <typename X>
+// v - bf16(v): what rounding v to bf16 leaves (exact in fp32), the lo half of a split.
+inline __m512 residue(__m512 v) {
+  alignas(32) at::BFloat16 hi[16];
+  tessera_widen::store16(v, hi);
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(hi)));
+  return _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+}
+
+// 32 inputs of a row (n of them, the rest zeros) as one 64-byte row of an A tile; LO: the lo halves of fp32
+// inputs (residue) instead.
+template <typename X, bool LO = false>
 inline void tile_row(const X* src, int64_t n, at::BFloat16* dst) {
   if constexpr (std::is_same_v<X, float>) {
     for (int h = 0; h < 2; ++h) {
       const int64_t m = std::clamp<int64_t>(n - 16 * h, 0, 16);
-      tessera_widen::store16(_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << m) - 1), src + 16 * h),
-                             dst + 16 * h);
+      const __m512 v = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << m) - 1), src + 16 * h);
+      tessera_widen::store16(LO ? residue(v) : v, dst + 16 * h);
     }
   } else {
     const __mmask32 mask = n >= 32 ? ~0u : (1u << n) - 1;
@@ -163,19 +191,22 @@ inline void store_row(__m512 v, int64_t n, X* dst) {
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// x [M, K] as A tiles: tile t, step s, row r -> [(t * steps + s) * TILE + r * TK ...]; zeros past M and K. Kept
-// per calling thread: a fresh buffer of megabytes each call cost more in page faults than its copy.
-template <typename X>
+// x [M, K] as A tiles: tile t, step s, row r -> [(t * steps + s) * TILE + r * TK ...]; zeros past M and K; SPLIT
+// (fp32 x): the lo halves' tiles follow, xtiles * steps * TILE on. Kept per calling thread: a fresh buffer of
+// megabytes each call cost more in page faults than its copy.
+template <typename X, bool SPLIT = false>
 inline const at::BFloat16* x_tiles(const X* x, int64_t M, int64_t K) {
-  const int64_t steps = (K + TK - 1) / TK, xtiles = (M + TR - 1) / TR;
+  const int64_t steps = (K + TK - 1) / TK, xtiles = (M + TR - 1) / TR, size = xtiles * steps * TILE;
   static thread_local std::vector<at::BFloat16> held;
-  held.resize(std::max<size_t>(held.size(), xtiles * steps * TILE + TK));
+  held.resize(std::max<size_t>(held.size(), (SPLIT ? 2 : 1) * size + TK));
   at::BFloat16* xa = aligned(held.data());
   at::parallel_for(0, xtiles * TR, TR, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      for (int64_t s = 0; s < steps; ++s)
-        tile_row(x + m * K + s * TK, m < M ? std::min(TK, K - s * TK) : 0,
-                 xa + (m / TR * steps + s) * TILE + m % TR * TK);
+      for (int64_t s = 0; s < steps; ++s) {
+        const int64_t n = m < M ? std::min(TK, K - s * TK) : 0, at = (m / TR * steps + s) * TILE + m % TR * TK;
+        tile_row(x + m * K + s * TK, n, xa + at);
+        if constexpr (SPLIT) tile_row<X, true>(x + m * K + s * TK, n, xa + size + at);
+      }
   });
   return xa;
 }
@@ -202,15 +233,17 @@ inline void store_tiles(float (*sums)[TR][TR], int64_t t, int64_t xt, int64_t M,
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// The loop both matmuls share: y [M, N] in Y = x [M, K] (X) against blocks of B weight rows (block_rows) split
-// over the threads; block_tiles(n0, rows, B) gives a block's B tiles (sub-block q at q * steps * TILE, whole pairs of
-// sub-blocks), scale(n) its rows' scales.
-template <typename X, typename Y, typename BlockTiles, typename Scale>
+// The loop every matmul here shares: y [M, N] in Y = x [M, K] (X) against blocks of B weight rows (block_rows)
+// split over the threads; block_tiles(n0, rows, B) gives a block's B tiles (sub-block q at q * steps * TILE, whole
+// pairs of sub-blocks), scale(n) its rows' scales. SPLIT: fp32 x and weight each as bf16 hi + lo, the weight's lo
+// tiles `lo` elements after its hi ones.
+template <bool SPLIT = false, typename X, typename Y, typename BlockTiles, typename Scale>
 inline void drive(const X* x, int64_t M, int64_t N, int64_t K, const float* bias, Y* y, const BlockTiles& block_tiles,
-                  const Scale& scale) {
+                  const Scale& scale, int64_t lo = 0) {
   using T = at::BFloat16;
   const int64_t steps = (K + TK - 1) / TK, xtiles = (M + TR - 1) / TR;
-  const T* xa = x_tiles(x, M, K);
+  const T* xa = x_tiles<X, SPLIT>(x, M, K);
+  const int64_t xlo = xtiles * steps * TILE;
   const int64_t B = block_rows(N, K, at::get_num_threads());
   at::parallel_for(0, (N + B - 1) / B, 1, [&](int64_t b0, int64_t b1) {
     alignas(64) float sums[4][TR][TR];
@@ -223,8 +256,11 @@ inline void drive(const X* x, int64_t M, int64_t N, int64_t K, const float* bias
         const T* x0 = xa + t * steps * TILE;
         for (int64_t q = 0; q * TR < rows; q += 2) {
           const T* w0 = wb + q * steps * TILE;
-          if (xt == 2) tiles<2>(x0, x0 + steps * TILE, w0, w0 + steps * TILE, steps, sums);
-          else tiles<1>(x0, nullptr, w0, w0 + steps * TILE, steps, sums);
+          const T* x1 = xt == 2 ? x0 + steps * TILE : nullptr;
+          Operands o{x0, x1, w0, w0 + steps * TILE};
+          if constexpr (SPLIT) o.x0l = x0 + xlo, o.x1l = x1 ? x1 + xlo : nullptr, o.w0l = o.w0 + lo, o.w1l = o.w1 + lo;
+          if (xt == 2) tiles<2, SPLIT>(o, steps, sums);
+          else tiles<1, SPLIT>(o, steps, sums);
           store_tiles(sums, t, xt, M, n0 + q * TR, rows - q * TR, scale, bias, y, N);
         }
       }
@@ -291,6 +327,21 @@ inline void gemm_packed(const X* x, int64_t M, const at::BFloat16* panels, int64
   const int64_t steps = (K + TK - 1) / TK;
   drive(x, M, N, K, bias, y, [&](int64_t n0, int64_t, int64_t) { return panels + n0 / TR * steps * TILE; },
         [](int64_t) { return 1.f; });
+#endif
+}
+
+// y [M, N] = x [M, K] @ w^T (+ bias [N] fp32), all fp32, over panels of w's bf16 hi and lo halves (pack of
+// bf16(w), then of bf16(w - bf16(w)), `panel_size(N, K)` each, one after the other): every product x w as
+// hi hi + lo hi + hi lo on the tile unit, each exact in fp32, the sums fp32. x and w are then carried to about 16
+// of fp32's 24 bits (what torch's float32 matmul precision "high" allows: "each float32 as the sum of two
+// bfloat16"), so a sum is off by about 2^-17 of sum |x w| beyond fp32's own rounding.
+inline void gemm_split(const float* x, int64_t M, const at::BFloat16* panels, int64_t N, int64_t K,
+                       const float* bias, float* y) {
+  TORCH_CHECK(available(), "amx_gemm: this CPU, build or kernel does not run the tile unit (AMX bf16)");
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  const int64_t steps = (K + TK - 1) / TK;
+  drive<true>(x, M, N, K, bias, y, [&](int64_t n0, int64_t, int64_t) { return panels + n0 / TR * steps * TILE; },
+              [](int64_t) { return 1.f; }, panel_size(N, K));
 #endif
 }
 

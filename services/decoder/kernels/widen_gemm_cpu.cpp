@@ -127,6 +127,20 @@ void gemm_panels(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, 
     tessera_amx::gemm_packed(x.data_ptr<float>(), M, panels.data_ptr<at::BFloat16>(), N, K, bp, out.data_ptr<float>());
 }
 
+// out [M, N] = x [M, K] @ w^T (+ bias [N]), all float32, over split panels: pack_panels of bf16(w) followed by
+// pack_panels of bf16(w - bf16(w)), each product as three bf16 products (amx_gemm.h's gemm_split).
+void gemm_panels_split(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                       c10::optional<at::Tensor> bias) {
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "gemm_panels_split: x and out must be float32");
+  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() &&
+                  panels.numel() == 2 * tessera_amx::panel_size(N, K),
+              "gemm_panels_split: panels must be the split pack_panels of an [N, K] weight (hi, then lo)");
+  const auto [M, bp] = check_rows(out, x, N, K, bias, "gemm_panels_split");
+  tessera_amx::gemm_split(x.data_ptr<float>(), M, panels.data_ptr<at::BFloat16>(), N, K, bp, out.data_ptr<float>());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -146,6 +160,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::call_guard<py::gil_scoped_release>());
   m.def("gemm_panels", &gemm_panels, "out = x @ w^T (+ bias) over pack_panels(w), on the tile unit", py::arg("out"),
         py::arg("x"), py::arg("panels"), py::arg("N"), py::arg("bias"), py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_panels_split", &gemm_panels_split,
+        "out = x @ w^T (+ bias) over split panels, fp32, each product as three bf16 products on the tile unit",
+        py::arg("out"), py::arg("x"), py::arg("panels"), py::arg("N"), py::arg("bias"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("dequantize", &dequantize_into, "out [N, K] (float32 or bfloat16) = the grouped weight dequantized",
         py::arg("out"), py::arg("codes"), py::arg("scale"), py::arg("offset"), py::arg("bits"), py::arg("group"),
         py::call_guard<py::gil_scoped_release>());

@@ -135,6 +135,25 @@ def gemm_panels(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tenso
     return out
 
 
+def pack_split_panels(w: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight [N, K] as two bf16 halves, hi = bf16(w) and lo = bf16(w - hi), each laid out as pack_panels
+    does, hi then lo, for gemm_panels_split; where amx()."""
+    if w.dtype != torch.float32 or w.dim() != 2:
+        raise ValueError(f"pack_split_panels: an fp32 [N, K] weight (got {w.dtype}, {w.dim()} dims)")
+    hi = w.to(torch.bfloat16)
+    return torch.cat([pack_panels(hi), pack_panels((w - hi.float()).to(torch.bfloat16))])
+
+
+def gemm_panels_split(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 -> [M, n] fp32 = x @ w^T + bias over panels = pack_split_panels(w), on the tile unit: each
+    product as hi hi + lo hi + hi lo of the operands' bf16 halves (torch's float32 matmul precision "high"), fp32
+    sums. Each row's result is the same whatever the other rows."""
+    out = torch.empty((x.shape[0], n), dtype=torch.float32) if out is None else out
+    load().gemm_panels_split(out, x.contiguous(), panels, n, None if bias is None else bias.float().contiguous())
+    return out
+
+
 def gemm_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
              group: int, bias: torch.Tensor | None, products: torch.dtype) -> torch.Tensor:
     """The torch reference, fp32 [M, N], of gemm_grouped (offset given: weight its codes, scale and offset) or
