@@ -28,7 +28,7 @@ from torch import nn
 
 from services.common import linear_path
 from services.common import plan as execution
-from services.decoder.kernels import gemv_cpu, gemv_grouped_cpu
+from services.decoder.kernels import gemv_cpu, gemv_grouped_cpu, widen_gemm_cpu
 from services.decoder.model import grouped, quantization
 from services.decoder.model.grouped import GroupedWeight, Int4Pack
 from services.decoder.model.moe import Experts
@@ -57,6 +57,8 @@ class Linear(nn.Linear):
     gemv_streams: str = "one"                # its order over the weight rows, gemv_cpu.STREAMS (choose_gemv_streams)
     grouped_loop: str = gemv_grouped_cpu.WIDEST[0]  # the few-row kernel's loop over `grouped` (choose_grouped_loop)
     lora: RowCorrection | None = None        # each row's adapter correction, once an adapter bank installs it
+    split: torch.Tensor | None = None        # fp32 weight's split panels, from split_from rows (model/split_products.py)
+    split_from: int = 0
 
     @property
     def released(self) -> bool:
@@ -78,6 +80,8 @@ class Linear(nn.Linear):
             y = grouped.grouped_linear(x, self.grouped, self.bias, self.grouped_path, self.int4pack)
         elif self.qweight is not None:
             y = quantization.GEMMS[self.int8_gemm](x, self.qweight, self.qscale, self.bias)
+        elif self.split is not None and x.shape[0] >= self.split_from:
+            y = widen_gemm_cpu.gemm_panels_split(x, self.split, self.out_features, self.bias)
         elif packed is not None and self.rule.use_packed(x.shape[0]):
             y = linear_path.packed_linear(x, packed, self.bias)
         else:

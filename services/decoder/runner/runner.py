@@ -25,6 +25,7 @@ from services.decoder.lora.pool import AdapterPool
 from services.decoder.model.decoder import CausalLM
 from services.decoder.model.glue import choose as choose_glue
 from services.decoder.model.linear import pack_linears, quantize_linears
+from services.decoder.model.split_products import choose_split
 from services.decoder.model.loader import load_model
 from services.decoder.model.matmul_choice import (
     choose_bf16_row,
@@ -53,8 +54,10 @@ log = logging.getLogger("tessera.runner")
 
 class Runner:
     def __init__(self, model: CausalLM, block_size: int, num_blocks: int, seed: int | None = None,
-                 fast_paths: str | Pins | None = None, quantization: str = "none"):
-        """fast_paths: what --fast-paths pins (services/common/plan.py); every other path is timed here."""
+                 fast_paths: str | Pins | None = None, quantization: str = "none", matmul_precision: str = "highest"):
+        """fast_paths: what --fast-paths pins (services/common/plan.py); every other path is timed here.
+        matmul_precision: highest, or high to let fp32 matmuls split their products in bf16 halves
+        (model/split_products.py)."""
         self.model = model
         declined = model.refused_features()
         for feature, asked, key in (("bf16", model.lm_head.weight.dtype == torch.bfloat16, "dtype"),
@@ -74,6 +77,8 @@ class Runner:
         # The matmul path per weight shape, chosen by timing at load (model/linear.py) unless pinned
         # (linear=packed or plain).
         pack_linears(model, plan)
+        # Under --matmul-precision high, fp32 matmuls on the tile unit from the rows where they beat that path.
+        choose_split(model, plan, matmul_precision)
         # int8 and grouped (4-bit) weights: their matmul above the few-row kernel's rows, per shape by
         # timing at many rows; before choose_gemv, which times the kernel against it.
         choose_int8_gemm(model, plan)
@@ -152,8 +157,9 @@ class Runner:
     def from_folder(cls, folder: str | Path, dtype: str | torch.dtype = "fp32", block_size: int = 16,
                     num_blocks: int = 1024, device: str | torch.device = "cpu",
                     seed: int | None = None, fast_paths: str | Pins | None = None,
-                    quantization: str = "none") -> Runner:
-        return cls(load_model(folder, dtype, device), block_size, num_blocks, seed, fast_paths, quantization)
+                    quantization: str = "none", matmul_precision: str = "highest") -> Runner:
+        return cls(load_model(folder, dtype, device), block_size, num_blocks, seed, fast_paths, quantization,
+                   matmul_precision)
 
     @property
     def vocab_size(self) -> int:
