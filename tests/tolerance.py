@@ -53,17 +53,25 @@ _ACCUMULATE = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torc
 _INT8_BLOCK_U = 1 / 254
 
 
+# fp32 whose products were formed from operands split in two bf16 halves (services/common/tile_unit.py,
+# --matmul-precision high): x and w each kept to about 16 bits (a half's own rounding, 2^-17 of the value) and the
+# lo x lo product left out, so each product is off by up to about 3 x 2^-17 of |x w|: an error per term, as an
+# accumulation's rounding is, so it enters the bound as sqrt(k) times this u, beside fp32's own.
+SPLIT_PRODUCT_U = 2.0 ** -16
+
+
 def unit_roundoff(dtype: torch.dtype) -> float:
     """u = eps / 2: the largest relative error of one rounding to `dtype` (int8: see _INT8_BLOCK_U)."""
     return _INT8_BLOCK_U if dtype == torch.int8 else torch.finfo(dtype).eps / 2
 
 
-def rel_tol(dtype: torch.dtype, k: int, depth: int = 1) -> float:
-    """The relative bound for `depth` stacked layers whose dot products are `k` long, in `dtype`."""
+def rel_tol(dtype: torch.dtype, k: int, depth: int = 1, split: bool = False) -> float:
+    """The relative bound for `depth` stacked layers whose dot products are `k` long, in `dtype`; split: their
+    products formed from bf16 halves (SPLIT_PRODUCT_U)."""
     if k < 1 or depth < 1:
         raise ValueError(f"k and depth must be >= 1, got k={k}, depth={depth}")
-    acc = _ACCUMULATE.get(dtype, dtype)
-    return SAFETY * depth * (unit_roundoff(dtype) + math.sqrt(k) * unit_roundoff(acc))
+    acc = unit_roundoff(_ACCUMULATE.get(dtype, dtype)) + (SPLIT_PRODUCT_U if split else 0.0)
+    return SAFETY * depth * (unit_roundoff(dtype) + math.sqrt(k) * acc)
 
 
 def _default_dtype(expected) -> torch.dtype:
@@ -72,17 +80,18 @@ def _default_dtype(expected) -> torch.dtype:
     return torch.float32
 
 
-def _compare(actual, expected, dtype, k, depth) -> tuple[bool, str]:
+def _compare(actual, expected, dtype, k, depth, split=False) -> tuple[bool, str]:
     a = torch.as_tensor(actual).detach().double()
     e = torch.as_tensor(expected).detach().double()
     if a.shape != e.shape:
         return False, f"shape {tuple(a.shape)} != expected {tuple(e.shape)}"
     dtype = dtype or _default_dtype(expected)
-    tol = rel_tol(dtype, k, depth)
+    tol = rel_tol(dtype, k, depth, split)
     scale = float(e.abs().max()) if e.numel() else 0.0
     err = float((a - e).abs().max()) if e.numel() else 0.0
     return err <= tol * scale, (f"max |diff| {err:.3g} vs {tol:.3g} x max|expected| {scale:.3g} "
-                                f"({dtype}, k={k}, depth={depth}; rel_tol in tests/tolerance.py)")
+                                f"({dtype}{', split products' if split else ''}, k={k}, depth={depth}; "
+                                "rel_tol in tests/tolerance.py)")
 
 
 def is_close(actual, expected, *, dtype: torch.dtype | None = None, k: int, depth: int = 1) -> bool:
@@ -91,20 +100,21 @@ def is_close(actual, expected, *, dtype: torch.dtype | None = None, k: int, dept
 
 
 def assert_close(actual, expected, *, dtype: torch.dtype | None = None, k: int, depth: int = 1,
-                 what: str = "") -> None:
+                 what: str = "", split: bool = False) -> None:
     """max|actual - expected| <= rel_tol(dtype, k, depth) * max|expected|.
 
     actual, expected: tensors (or array-likes) of one shape. dtype: the precision the computation
     ran in (default: expected's dtype, float32 for non-tensors); k: the longest accumulation of one
-    layer (a hidden or intermediate width, a context length); depth: stacked layers.
+    layer (a hidden or intermediate width, a context length); depth: stacked layers; split: fp32 products formed
+    from bf16 halves (--matmul-precision high).
     """
-    ok, detail = _compare(actual, expected, dtype, k, depth)
+    ok, detail = _compare(actual, expected, dtype, k, depth, split)
     if not ok:
         raise AssertionError(f"{what or 'values'}: {detail}")
 
 
 def assert_cosine(actual, expected, *, dtype: torch.dtype | None = None, k: int, depth: int = 1,
-                  what: str = "") -> None:
+                  what: str = "", split: bool = False) -> None:
     """Row-wise cosine(actual, expected) >= sqrt(1 - rel_tol^2).
 
     A relative (2-norm) error r turns a vector by an angle theta with sin(theta) <= r, so this is
@@ -113,7 +123,7 @@ def assert_cosine(actual, expected, *, dtype: torch.dtype | None = None, k: int,
     """
     a = torch.as_tensor(actual).detach().double().reshape(-1, torch.as_tensor(actual).shape[-1])
     e = torch.as_tensor(expected).detach().double().reshape(a.shape)
-    tol = min(rel_tol(dtype or _default_dtype(expected), k, depth), 1.0)
+    tol = min(rel_tol(dtype or _default_dtype(expected), k, depth, split), 1.0)
     floor = math.sqrt(1 - tol * tol)
     cos = torch.nn.functional.cosine_similarity(a, e, dim=-1)
     worst = float(cos.min())

@@ -20,6 +20,12 @@ ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 NAMES = (*CANONICAL, *ALIASES)
 _TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
+# --matmul-precision, torch's names for how float32 matmuls may compute (services/common/split_products.py).
+MATMUL_PRECISIONS = ("highest", "high")
+MATMUL_PRECISION_HELP = ("float32 matmuls: highest keeps every product in fp32; high lets many-row ones split each "
+                         "product in bf16 halves on the tile unit (AMX) where that was faster at load, about 2^-17 "
+                         "of sum |x w| off (torch's 'high')")
+
 
 def canonical(name: str, allowed: tuple[str, ...] = CANONICAL) -> str:
     """The short name of `name` (either spelling, any case); ValueError, one line, when it is unknown or

@@ -367,19 +367,23 @@ def plan(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]], mode: str 
 class Projection:
     """A frozen weight [out, in] (+ bias [out]) whose call picks its path by row count."""
 
-    __slots__ = ("weight", "bias", "packed", "rule")
+    __slots__ = ("weight", "bias", "packed", "rule", "split")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, chosen: Plan):
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
         self.rule = chosen.rule(self.weight, self.bias)
         self.packed = chosen.pack(self.weight, self.bias) if self.rule.ever_packed else None
+        self.split = None   # a split_products.Split where the caller chose one (--matmul-precision high)
 
     def __call__(self, x: torch.Tensor, gelu: str | None = None, residual: torch.Tensor | None = None
                  ) -> torch.Tensor:
         """x [N, in] -> [N, out]; gelu (F.gelu's `approximate`) and residual [N, out] as packed_linear's."""
-        if self.packed is not None and self.rule.use_packed(x.shape[0]):
+        if self.split is not None and self.split.takes(x.shape[0]):
+            y = self.split(x, self.bias)
+        elif self.packed is not None and self.rule.use_packed(x.shape[0]):
             return packed_linear(x, self.packed, self.bias, gelu, residual)
-        y = F.linear(x, self.weight, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
         y = y if gelu is None else F.gelu(y, approximate=gelu)
         return y if residual is None else y + residual

@@ -41,8 +41,8 @@ REPS = 5
 PATHS: dict[str, tuple[str, ...]] = {
     # decoder and pooling: oneDNN-packed or plain F.linear per weight shape (services/common/linear_path.py)
     "linear": ("plain", "packed"),
-    # decoder: under --matmul-precision high, fp32 matmuls from some row count on the tile unit with each product split
-    # in bf16 halves, per weight shape (services/decoder/model/split_products.py)
+    # decoder and pooling: under --matmul-precision high, fp32 matmuls from some row count on the tile unit with each
+    # product split in bf16 halves, per weight shape (services/common/split_products.py)
     "split_products": ("off", "on"),
     # decoder: the few-row kernel at 1..4 rows (services/decoder/model/matmul_choice.py)
     "gemv": ("off", "on"),
@@ -98,7 +98,7 @@ PATHS: dict[str, tuple[str, ...]] = {
 DECODER = ("linear", "split_products", "gemv", "int8_gemm", "gemv_bf16_row", "gemv_prefetch", "gemv_streams", "gemv_grouped_loop",
            "grouped_matmul", "glue", "attention", "decode_stack", "decode_panels", "screen", "screen_scores",
            "grammar_mask", "huge_pages", "malloc", "speculation", "lora_split")
-POOLING = ("linear", "encoder_attention", "malloc")
+POOLING = ("linear", "split_products", "encoder_attention", "malloc")
 
 
 def help_for(paths: tuple[str, ...]) -> str:

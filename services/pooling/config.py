@@ -48,6 +48,8 @@ class PoolingConfig:
                                       "grown this many MiB since the last trim (services/pooling/heap.py); 0 never")
     dtype: str = option("fp32", "weights and activations dtype; float32 and bfloat16 are accepted too",
                         choices=dtypes.names(DTYPES))
+    matmul_precision: str = option("highest", dtypes.MATMUL_PRECISION_HELP + "; the packed forward's",
+                                   choices=dtypes.MATMUL_PRECISIONS)
     packed: bool = option(True, "use the packed (padding-free) BERT forward where the architecture allows")
     fast_paths: str = option("", plan_mod.help_for(plan_mod.POOLING), metavar="NAME=PATH,...")
     fault_fail_at_forward: int = option(0, "TESTING ONLY: make forward N on the device raise, as a failure of the "

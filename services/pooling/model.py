@@ -131,7 +131,7 @@ class Embedder(_Base):
     """An encoder or decoder backbone (AutoModel) plus our pooling."""
 
     def __init__(self, spec: ModelSpec, *, dtype: str = "fp32", fast: bool = True,
-                 fast_paths: str | Pins | None = None):
+                 fast_paths: str | Pins | None = None, matmul_precision: str = "highest"):
         from transformers import AutoModel
         module, info = AutoModel.from_pretrained(spec.path, dtype=torch.float32,
                                                  output_loading_info=True)
@@ -146,7 +146,7 @@ class Embedder(_Base):
         why_not = packed.unsupported(self.module)
         why_not = "packed forward off (--no-packed)" if not fast else \
             why_not and f"packed forward not for {spec.model_type}: {why_not}"
-        self.packed = None if why_not else packed.PackedBert(self.module, self.plan)
+        self.packed = None if why_not else packed.PackedBert(self.module, self.plan, matmul_precision)
         if why_not:
             _reference_forward(self.plan, why_not)
         log.info("embedding model %s: %s (%s) pooling=%s normalize=%s max_len=%d fast=%s fast paths: %s",

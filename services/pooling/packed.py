@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from services.common import linear_path, native
+from services.common import linear_path, native, split_products
 from services.common import plan as execution
 
 from . import attention_cpu
@@ -158,14 +158,15 @@ class PackedBert:
     """Callable: list of Sequence -> (hidden [B, L, H] right-padded, mask [B, L])."""
 
     @classmethod
-    def wrap(cls, model: torch.nn.Module, record: execution.ExecutionPlan) -> PackedBert | None:
+    def wrap(cls, model: torch.nn.Module, record: execution.ExecutionPlan,
+             matmul_precision: str = "highest") -> PackedBert | None:
         """A PackedBert over model's weights, or None where it would not compute model's function
         (`unsupported` says why).
 
-        record: the execution plan its paths are chosen in (linear, encoder_attention)."""
-        return None if unsupported(model) else cls(model, record)
+        record: the execution plan its paths are chosen in (linear, split_products, encoder_attention)."""
+        return None if unsupported(model) else cls(model, record, matmul_precision)
 
-    def __init__(self, model: torch.nn.Module, record: execution.ExecutionPlan):
+    def __init__(self, model: torch.nn.Module, record: execution.ExecutionPlan, matmul_precision: str = "highest"):
         cfg = model.config
         self.heads = cfg.num_attention_heads
         self.approximate = _GELU[cfg.hidden_act]
@@ -193,6 +194,12 @@ class PackedBert:
         for layer, projections in zip(model.encoder.layer, weights, strict=True):
             qkv, out, up, down = (linear_path.Projection(w, b, plan) for w, b in projections)
             self.layers.append((qkv, out, layer.attention.output.LayerNorm, up, down, layer.output.LayerNorm))
+        # Under --matmul-precision high, fp32 projections on the tile unit where that beat the library at load.
+        projections = [p for layer in self.layers for p in (layer[0], layer[1], layer[3], layer[4])]
+        splits = split_products.choose([split_products.Target(p.weight, p.bias, p) for p in projections],
+                                       record, matmul_precision)
+        for projection, split in zip(projections, splits, strict=True):
+            projection.split = split
 
     def _positions(self, ids: tuple[int, ...]) -> torch.Tensor:
         """One sequence's position ids: 0, 1, 2... for BERT; for RoBERTa what transformers'

@@ -31,7 +31,8 @@ def load_models(cfg: PoolingConfig) -> list:
     """[(spec, runner)] for the configured folders (blocking; run it in a thread)."""
     spec = read_spec(cfg.embedding_model, name=cfg.embedding_name, kind="embedding",
                      pooling=cfg.pooling, normalize=cfg.normalize, max_model_len=cfg.max_model_len)
-    loaded = [(spec, Embedder(spec, dtype=cfg.dtype, fast=cfg.packed, fast_paths=cfg.fast_paths))]
+    loaded = [(spec, Embedder(spec, dtype=cfg.dtype, fast=cfg.packed, fast_paths=cfg.fast_paths,
+                                      matmul_precision=cfg.matmul_precision))]
     if cfg.reranker_model:
         rspec = read_spec(cfg.reranker_model, name=cfg.reranker_name, kind="rerank",
                           max_model_len=cfg.max_model_len)

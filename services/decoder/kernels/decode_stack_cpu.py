@@ -49,7 +49,7 @@ class Projection:
     packed: torch.Tensor | None = None
     rule: tuple[tuple[int, ...], tuple[bool, ...]] = ((1,), (False,))
     # Above TILES_ABOVE rows, whatever its gemv_rows, a weight with tiles = tile_gemm_cpu.pack(weight) runs
-    # tile_gemm_cpu instead (fp32 sums, like the others); with tiles_amx, tiles = widen_gemm_cpu.pack_panels(weight)
+    # tile_gemm_cpu instead (fp32 sums, like the others); with tiles_amx, tiles = tile_unit.pack_panels(weight)
     # (bf16) runs on the tile unit.
     tiles: torch.Tensor | None = None
     # bf16 x over a bf16 weight: which of gemv_cpu.BF16_ROWS the few-row kernel runs (its Linear's choice).

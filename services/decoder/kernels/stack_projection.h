@@ -6,7 +6,7 @@
 #include "gemv_grouped.h"
 #include "glue.h"
 #include "tile_gemm.h"
-#include "amx_gemm.h"
+#include "../../common/kernels/amx_gemm.h"
 #include "widen_gemm.h"
 
 #include <ATen/ATen.h>

@@ -34,6 +34,7 @@
 
 #include <immintrin.h>
 
+#include "../../common/kernels/bf16.h"
 #include "tile_gemm.h"
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -61,32 +62,18 @@ inline bool available(at::ScalarType t) {
 #endif
 }
 
-// fp32 -> bf16 by round to nearest even, as c10::BFloat16 rounds (the values here are finite).
-inline uint16_t to_bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
+using tessera_bf16::from_float;
+using tessera_bf16::to_bf16_bits;
 
 // Inputs per vector of T (the interleaving's unit): 16 fp32 or 32 bf16.
 template <typename T>
 constexpr int64_t STEP = std::is_same_v<T, float> ? 16 : 32;
 
 #ifdef __AVX512F__
+using tessera_bf16::store16;
+
 // 16 codes (bytes) -> scale * code + offset in fp32 (exact product: a code has at most 8 bits, an fp16 scale
 // 11), stored as T.
-template <typename T>
-inline void store16(__m512 v, T* dst) {
-  if constexpr (std::is_same_v<T, float>) {
-    _mm512_storeu_ps(dst, v);
-  } else {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
-  }
-}
-
 // Codes k .. k + 15 of a row into at(k): one vector (a step holds 16 or 32 inputs).
 template <typename T, typename At>
 inline void widen16(__m128i codes, __m512 s, __m512 o, At at, int64_t k) {
@@ -221,12 +208,6 @@ inline void tile_rows(int64_t rows, const T* xt, const T* wt, int64_t steps, flo
   }
 }
 #endif
-
-template <typename T>
-inline T from_float(float v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return c10::BFloat16(to_bf16_bits(v), c10::BFloat16::from_bits());
-}
 
 // A grouped weight as gemm reads it: row n widened into dst (input k at dst[(k / STEP) * stride + k % STEP]);
 // its sums need no scale.

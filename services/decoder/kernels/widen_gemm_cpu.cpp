@@ -1,7 +1,7 @@
 // The many-row matmul over quantized weights widened in cache, and grouped weights' dequantization
 // (widen_gemm.h), as a Python module; the launchers, their semantics and the torch references are in
 // widen_gemm_cpu.py.
-#include "amx_gemm.h"
+#include "../../common/kernels/amx_gemm.h"
 #include "widen_gemm.h"
 
 namespace {
@@ -101,46 +101,6 @@ void dequantize_into(at::Tensor out, const at::Tensor& codes, const at::Tensor& 
     dequantize(cp, sp, op, N, K, group, bits, out.data_ptr<at::BFloat16>());
 }
 
-// out: amx_gemm.h's panels of a bf16 weight w [N, K].
-void pack_panels(at::Tensor out, const at::Tensor& w) {
-  TORCH_CHECK(tessera_amx::available(), "pack_panels: this CPU, build or kernel does not run the tile unit");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && !w.is_cuda(),
-              "pack_panels: w must be a contiguous CPU bfloat16 [N, K]");
-  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() &&
-                  out.numel() == tessera_amx::panel_size(w.size(0), w.size(1)),
-              "pack_panels: out must be a contiguous bfloat16 of panel_size(N, K)");
-  tessera_amx::pack(w.data_ptr<at::BFloat16>(), w.size(0), w.size(1), out.data_ptr<at::BFloat16>());
-}
-
-// out [M, N] = x [M, K] @ w^T (+ bias [N] fp32) over pack_panels(w), in x's dtype.
-void gemm_panels(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, int64_t N,
-                 c10::optional<at::Tensor> bias) {
-  const int64_t K = x.size(-1);
-  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() &&
-                  panels.numel() == tessera_amx::panel_size(N, K),
-              "gemm_panels: panels must be pack_panels of an [N, K] weight");
-  const auto [M, bp] = check_rows(out, x, N, K, bias, "gemm_panels");
-  if (x.scalar_type() == at::kBFloat16)
-    tessera_amx::gemm_packed(x.data_ptr<at::BFloat16>(), M, panels.data_ptr<at::BFloat16>(), N, K, bp,
-                             out.data_ptr<at::BFloat16>());
-  else
-    tessera_amx::gemm_packed(x.data_ptr<float>(), M, panels.data_ptr<at::BFloat16>(), N, K, bp, out.data_ptr<float>());
-}
-
-// out [M, N] = x [M, K] @ w^T (+ bias [N]), all float32, over split panels: pack_panels of bf16(w) followed by
-// pack_panels of bf16(w - bf16(w)), each product as three bf16 products (amx_gemm.h's gemm_split).
-void gemm_panels_split(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, int64_t N,
-                       c10::optional<at::Tensor> bias) {
-  const int64_t K = x.size(-1);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "gemm_panels_split: x and out must be float32");
-  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() &&
-                  panels.numel() == 2 * tessera_amx::panel_size(N, K),
-              "gemm_panels_split: panels must be the split pack_panels of an [N, K] weight (hi, then lo)");
-  const auto [M, bp] = check_rows(out, x, N, K, bias, "gemm_panels_split");
-  tessera_amx::gemm_split(x.data_ptr<float>(), M, panels.data_ptr<at::BFloat16>(), N, K, bp, out.data_ptr<float>());
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -154,16 +114,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_int8", &gemm_int8, "out = x @ (q * scale)^T (+ bias) over an int8 weight, widened block by block",
         py::arg("out"), py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("bias"), py::arg("bf16_products"),
         py::arg("amx"), py::call_guard<py::gil_scoped_release>());
-  m.def("panel_size", &tessera_amx::panel_size, "bf16 elements of pack_panels' output for an [N, K] weight",
-        py::arg("N"), py::arg("K"));
-  m.def("pack_panels", &pack_panels, "out = the tile unit's panels of a bf16 weight [N, K]", py::arg("out"),
-        py::arg("w"), py::call_guard<py::gil_scoped_release>());
-  m.def("gemm_panels", &gemm_panels, "out = x @ w^T (+ bias) over pack_panels(w), on the tile unit", py::arg("out"),
-        py::arg("x"), py::arg("panels"), py::arg("N"), py::arg("bias"), py::call_guard<py::gil_scoped_release>());
-  m.def("gemm_panels_split", &gemm_panels_split,
-        "out = x @ w^T (+ bias) over split panels, fp32, each product as three bf16 products on the tile unit",
-        py::arg("out"), py::arg("x"), py::arg("panels"), py::arg("N"), py::arg("bias"),
-        py::call_guard<py::gil_scoped_release>());
   m.def("dequantize", &dequantize_into, "out [N, K] (float32 or bfloat16) = the grouped weight dequantized",
         py::arg("out"), py::arg("codes"), py::arg("scale"), py::arg("offset"), py::arg("bits"), py::arg("group"),
         py::call_guard<py::gil_scoped_release>());

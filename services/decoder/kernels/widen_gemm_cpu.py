@@ -1,11 +1,11 @@
 """Many-row matmul on CPU over quantized weights widened block by block in cache: grouped 4/8-bit weights
 (model/grouped.py's layout) and int8 weights with a scale per output row (model/quantization.py), on AVX-512 or
-AVX2 dot products ("dot") or on the tile unit ("amx"); a bf16 weight's panels for the tile unit (pack_panels,
-gemm_panels: the decode stack's); and a grouped weight's dequantization to fp32 or bf16. A C++ operator.
+AVX2 dot products ("dot") or on the tile unit ("amx"); and a grouped weight's dequantization to fp32 or bf16. A
+C++ operator. (Dense weights' panels for the tile unit are services/common/tile_unit.py's.)
 
 The kernel is widen_gemm_cpu.cpp next to this file (widen_gemm.h, amx_gemm.h), compiled once per machine by
 native.load (`make kernels`); the matmul needs AVX-512 or AVX2 with FMA (for products in bf16 AVX-512's bf16 dot
-product: `products_for`; "amx" and the panels AMX with bf16: `amx`), the dequantization runs everywhere. Their torch
+product: `products_for`; "amx" AMX with bf16: `amx`), the dequantization runs everywhere. Their torch
 references are gemv_grouped_cpu.dequantize (the weight in fp32, then rounded to the dtype: equal bit for bit)
 and F.linear over it with x in the products' dtype (the matmul: the same products, fp32 sums in another order);
 for int8, F.linear over the codes, times the scales. Whether a shape's many-row matmul runs here or on another
@@ -112,45 +112,6 @@ def gemm_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
     load().gemm_int8(out, x.contiguous(), q, scale.float().contiguous(),
                      None if bias is None else bias.float().contiguous(), products == torch.bfloat16,
                      kernel == "amx")
-    return out
-
-
-def pack_panels(w: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] laid out once as the tile unit reads it (amx_gemm.h's panels: 16 x 32 blocks
-    transposed by pairs of inputs, zeros to whole pairs of 16 rows and to 32 inputs), for gemm_panels and the
-    decode stack; where amx()."""
-    if w.dtype != torch.bfloat16 or w.dim() != 2 or not amx():
-        raise ValueError(f"pack_panels: a bf16 [N, K] weight on a CPU with the tile unit (got {w.dtype}, "
-                         f"amx {amx()})")
-    out = torch.empty(load().panel_size(w.shape[0], w.shape[1]), dtype=torch.bfloat16)
-    load().pack_panels(out, w.contiguous())
-    return out
-
-
-def gemm_panels(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (fp32 or bf16) -> [M, n] in x's dtype = x @ w^T + bias over panels = pack_panels(w), on the tile unit:
-    x rounded to bf16, fp32 sums, one rounding. Each row's result is the same whatever the other rows."""
-    out = torch.empty((x.shape[0], n), dtype=x.dtype)
-    load().gemm_panels(out, x.contiguous(), panels, n, None if bias is None else bias.float().contiguous())
-    return out
-
-
-def pack_split_panels(w: torch.Tensor) -> torch.Tensor:
-    """An fp32 weight [N, K] as two bf16 halves, hi = bf16(w) and lo = bf16(w - hi), each laid out as pack_panels
-    does, hi then lo, for gemm_panels_split; where amx()."""
-    if w.dtype != torch.float32 or w.dim() != 2:
-        raise ValueError(f"pack_split_panels: an fp32 [N, K] weight (got {w.dtype}, {w.dim()} dims)")
-    hi = w.to(torch.bfloat16)
-    return torch.cat([pack_panels(hi), pack_panels((w - hi.float()).to(torch.bfloat16))])
-
-
-def gemm_panels_split(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] fp32 -> [M, n] fp32 = x @ w^T + bias over panels = pack_split_panels(w), on the tile unit: each
-    product as hi hi + lo hi + hi lo of the operands' bf16 halves (torch's float32 matmul precision "high"), fp32
-    sums. Each row's result is the same whatever the other rows."""
-    out = torch.empty((x.shape[0], n), dtype=torch.float32) if out is None else out
-    load().gemm_panels_split(out, x.contiguous(), panels, n, None if bias is None else bias.float().contiguous())
     return out
 
 

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.common import linear_path
+from services.common import linear_path, split_products
 from services.common import plan as execution
-from services.decoder.kernels import gemv_cpu, gemv_grouped_cpu, widen_gemm_cpu
+from services.decoder.kernels import gemv_cpu, gemv_grouped_cpu
 from services.decoder.model import grouped, quantization
 from services.decoder.model.grouped import GroupedWeight, Int4Pack
 from services.decoder.model.moe import Experts
@@ -57,8 +57,7 @@ class Linear(nn.Linear):
     gemv_streams: str = "one"                # its order over the weight rows, gemv_cpu.STREAMS (choose_gemv_streams)
     grouped_loop: str = gemv_grouped_cpu.WIDEST[0]  # the few-row kernel's loop over `grouped` (choose_grouped_loop)
     lora: RowCorrection | None = None        # each row's adapter correction, once an adapter bank installs it
-    split: torch.Tensor | None = None        # fp32 weight's split panels, from split_from rows (model/split_products.py)
-    split_from: int = 0
+    split: split_products.Split = split_products.Split()   # fp32 products split in bf16 halves (split_linears)
 
     @property
     def released(self) -> bool:
@@ -80,14 +79,18 @@ class Linear(nn.Linear):
             y = grouped.grouped_linear(x, self.grouped, self.bias, self.grouped_path, self.int4pack)
         elif self.qweight is not None:
             y = quantization.GEMMS[self.int8_gemm](x, self.qweight, self.qscale, self.bias)
-        elif self.split is not None and x.shape[0] >= self.split_from:
-            y = widen_gemm_cpu.gemm_panels_split(x, self.split, self.out_features, self.bias)
-        elif packed is not None and self.rule.use_packed(x.shape[0]):
-            y = linear_path.packed_linear(x, packed, self.bias)
+        elif self.split.takes(x.shape[0]):
+            y = self.split(x, self.bias)
         else:
-            y = F.linear(x, self.weight, self.bias)
+            y = self.library(x)
         lora = self.lora
         return y if lora is None else lora.correct(x, y)
+
+    def library(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense weight's matmul by the library: oneDNN-packed where its rule says, else F.linear."""
+        if self.packed is not None and self.rule.use_packed(x.shape[0]):
+            return linear_path.packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def adopt(self, plan: linear_path.Plan) -> None:
         """Take plan's rule for this weight's shape; pack the weight if the rule ever uses it."""
@@ -236,3 +239,13 @@ def pack_linears(model: nn.Module, record: execution.ExecutionPlan) -> str:
     for m in linears:
         m.adopt(plan)
     return plan.summary
+
+
+def split_linears(model: nn.Module, record: execution.ExecutionPlan, precision: str) -> None:
+    """Under --matmul-precision high, each dense fp32 Linear's products split in bf16 halves from the rows where
+    that beat its library path at load (services/common/split_products.py); after pack_linears."""
+    linears = [m for m in model.modules() if isinstance(m, Linear) and not m.released and m.qweight is None
+               and m.grouped is None]
+    targets = [split_products.Target(m.weight, m.bias, m.library) for m in linears]
+    for m, split in zip(linears, split_products.choose(targets, record, precision), strict=True):
+        m.split = split

@@ -44,7 +44,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.common import native
+from services.common import native, tile_unit
 from services.common import plan as execution
 from services.decoder.kernels import decode_stack_cpu, gemv_cpu, tile_gemm_cpu, widen_gemm_cpu
 from services.decoder.lora.pool import AdapterPool, PoolStep
@@ -280,7 +280,7 @@ def _panels_refused(model: CausalLM, cache: KVCache, pin: str) -> str:
     dtype = model.model.norm.weight.dtype
     if pin == "off":
         return "--fast-paths decode_panels=off"
-    if not (tile_gemm_cpu.available(dtype) or dtype == torch.bfloat16 and widen_gemm_cpu.amx()):
+    if not (tile_gemm_cpu.available(dtype) or dtype == torch.bfloat16 and tile_unit.amx()):
         return f"no panel kernel for {str(dtype).removeprefix('torch.')} weights on this CPU"
     need = sum(m.weight.numel() * m.weight.element_size() for layer in model.model.layers
                for m in (layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up, layer.mlp.down_proj)
@@ -350,8 +350,8 @@ def _projection(linear: Linear, tiles: bool) -> decode_stack_cpu.Projection:
     rule = linear.rule
     # bf16 on a CPU with the tile unit: its panels (AVX-512's bf16 dot product ran a 16-row step's projections at a
     # third of the library's speed on an Intel Xeon with AMX); else tile_gemm_cpu's where the weight fits.
-    amx = tiles and linear.weight.dtype == torch.bfloat16 and widen_gemm_cpu.amx()
-    panels = widen_gemm_cpu.pack_panels(linear.weight) if amx else \
+    amx = tiles and linear.weight.dtype == torch.bfloat16 and tile_unit.amx()
+    panels = tile_unit.pack_panels(linear.weight) if amx else \
         tile_gemm_cpu.pack(linear.weight) if tiles and tile_gemm_cpu.fits(linear.weight) else None
     return decode_stack_cpu.Projection(linear.weight, None, linear.bias, linear.gemv_rows, linear.packed,
                                        (rule.starts, rule.packed) if rule is not None else ((1,), (False,)),

@@ -24,8 +24,7 @@ from services.decoder.engine.step import ScheduledChunk, StepInput, StepOutput
 from services.decoder.lora.pool import AdapterPool
 from services.decoder.model.decoder import CausalLM
 from services.decoder.model.glue import choose as choose_glue
-from services.decoder.model.linear import pack_linears, quantize_linears
-from services.decoder.model.split_products import choose_split
+from services.decoder.model.linear import pack_linears, quantize_linears, split_linears
 from services.decoder.model.loader import load_model
 from services.decoder.model.matmul_choice import (
     choose_bf16_row,
@@ -57,7 +56,7 @@ class Runner:
                  fast_paths: str | Pins | None = None, quantization: str = "none", matmul_precision: str = "highest"):
         """fast_paths: what --fast-paths pins (services/common/plan.py); every other path is timed here.
         matmul_precision: highest, or high to let fp32 matmuls split their products in bf16 halves
-        (model/split_products.py)."""
+        (services/common/split_products.py)."""
         self.model = model
         declined = model.refused_features()
         for feature, asked, key in (("bf16", model.lm_head.weight.dtype == torch.bfloat16, "dtype"),
@@ -78,7 +77,7 @@ class Runner:
         # (linear=packed or plain).
         pack_linears(model, plan)
         # Under --matmul-precision high, fp32 matmuls on the tile unit from the rows where they beat that path.
-        choose_split(model, plan, matmul_precision)
+        split_linears(model, plan, matmul_precision)
         # int8 and grouped (4-bit) weights: their matmul above the few-row kernel's rows, per shape by
         # timing at many rows; before choose_gemv, which times the kernel against it.
         choose_int8_gemm(model, plan)

@@ -53,10 +53,8 @@ class DecoderConfig:
                         choices=dtypes.names())
     fast_paths: str = option("", plan_mod.help_for(plan_mod.DECODER), metavar="NAME=PATH,...")
     quantization: str = option("none", QUANTIZATION_HELP, choices=QUANTIZATION_MODES)
-    matmul_precision: str = option("highest", "float32 matmuls: highest keeps every product in fp32; high lets "
-                                   "many-row ones split each product in bf16 halves on the tile unit (AMX) where "
-                                   "that is faster at load, about 2^-17 of sum |x w| off (torch's 'high')",
-                                   choices=("highest", "high"))
+    matmul_precision: str = option("highest", dtypes.MATMUL_PRECISION_HELP,
+                                   choices=dtypes.MATMUL_PRECISIONS)
     device: str = option("cpu", "torch device: cpu or cuda")
     block_size: int = option(16, "tokens per KV block")
     num_blocks: int = option(0, "KV blocks in the pool; 0 sizes it from --kv-cache-gb")

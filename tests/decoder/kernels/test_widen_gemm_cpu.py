@@ -1,5 +1,5 @@
 """The many-row C++ matmul over grouped and int8 weights, on AVX-512 dot products and on the tile unit, and
-grouped weights' dequantization (kernels/widen_gemm.h, amx_gemm.h), against the torch references (the
+grouped weights' dequantization (kernels/widen_gemm.h, services/common/kernels/amx_gemm.h), against the torch references (the
 dequantized weight; F.linear over it), bit-for-bit batch and thread invariance, and their refusals."""
 from __future__ import annotations
 
@@ -124,28 +124,6 @@ def test_int8_matches_reference(dtype, products, kernel, rows, n, k, bias):
     assert_close(y, quantization.int8_linear_ref(x, q, scale, b), dtype=products, k=k)
     one = torch.cat([widen_gemm_cpu.gemm_int8(x[i:i + 1], q, scale, b, products, kernel) for i in range(rows)])
     assert torch.equal(y, one)
-
-
-@pytest.mark.skipif(not AMX, reason="no tile unit on this CPU: see the availability test")
-@pytest.mark.parametrize("dtype", widen_gemm_cpu.DTYPES)
-@pytest.mark.parametrize("n,k,bias", SHAPES + [(33, 1552, True)])
-def test_panels_match_reference_and_each_row_is_its_own(dtype, n, k, bias):
-    """A bf16 weight's panels (pack_panels) against F.linear over the same bf16 values in fp32: fp32's bound (the
-    sums' order); rows 1 to 40 (one and two 16-row tiles, a short last one), each its own one-row result."""
-    g = torch.Generator().manual_seed(n + k)
-    w = torch.randn(n, k, generator=g).bfloat16()
-    x = torch.randn(40, k, generator=g).to(dtype)
-    b = torch.randn(n, generator=g) if bias else None
-    panels = widen_gemm_cpu.pack_panels(w)
-    y = widen_gemm_cpu.gemm_panels(x, panels, n, b)
-    assert y.dtype == dtype and y.shape == (40, n)
-    ref = F.linear(x.bfloat16().float(), w.float(), b)
-    assert_close(y, ref, dtype=dtype, k=k)
-    alone = torch.cat([widen_gemm_cpu.gemm_panels(x[i:i + 1], panels, n, b) for i in range(40)])
-    for rows in (1, 5, 16, 17, 40):
-        assert torch.equal(widen_gemm_cpu.gemm_panels(x[:rows], panels, n, b), alone[:rows])
-    with pytest.raises(ValueError, match="pack_panels: a bf16"):
-        widen_gemm_cpu.pack_panels(w.float())
 
 
 def test_refusals():

@@ -14,14 +14,22 @@
 // and the thread count (a tile's rows never mix).
 #pragma once
 
-#include "widen_gemm.h"
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
 
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "bf16.h"
+
 namespace tessera_amx {
 
-using tessera_widen::from_float;
+using tessera_bf16::from_float;
+using tessera_bf16::store16;
 
 constexpr int64_t TR = 16;     // rows of a tile (x rows of an A tile, input pairs of a B tile)
 constexpr int64_t TK = 32;     // bf16 inputs per tile row (64 bytes)
@@ -155,7 +163,7 @@ inline void tiles(const Operands& o, int64_t steps, float (*sums)[TR][TR]) {
 // v - bf16(v): what rounding v to bf16 leaves (exact in fp32), the lo half of a split.
 inline __m512 residue(__m512 v) {
   alignas(32) at::BFloat16 hi[16];
-  tessera_widen::store16(v, hi);
+  store16(v, hi);
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(hi)));
   return _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
 }
@@ -168,7 +176,7 @@ inline void tile_row(const X* src, int64_t n, at::BFloat16* dst) {
     for (int h = 0; h < 2; ++h) {
       const int64_t m = std::clamp<int64_t>(n - 16 * h, 0, 16);
       const __m512 v = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << m) - 1), src + 16 * h);
-      tessera_widen::store16(LO ? residue(v) : v, dst + 16 * h);
+      store16(LO ? residue(v) : v, dst + 16 * h);
     }
   } else {
     const __mmask32 mask = n >= 32 ? ~0u : (1u << n) - 1;
@@ -184,7 +192,7 @@ inline void store_row(__m512 v, int64_t n, X* dst) {
     _mm512_mask_storeu_ps(dst, mask, v);
   } else {
     alignas(32) at::BFloat16 row[16];
-    tessera_widen::store16(v, row);
+    store16(v, row);
     _mm256_mask_storeu_epi16(dst, mask, _mm256_load_si256(reinterpret_cast<const __m256i*>(row)));
   }
 }
