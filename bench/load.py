@@ -374,7 +374,12 @@ def main() -> None:
     parser.add_argument("--light", action="store_true",
                         help="8 chat, 4 embedding and 2 image clients (--clients and --mix ignored), checking the "
                              "latency goals: chat TTFT p99 <= 1 s, embeddings p99 <= 150 ms")
+    parser.add_argument("--matmul-precision", default="highest", choices=("highest", "high"),
+                        help="the decoders' and the pooling service's --matmul-precision (high: fp32 products split "
+                             "in bf16 halves on the tile unit where the CPU has AMX)")
     args = parser.parse_args()
+    for service in ("DECODER", "POOLING"):     # every model service this run starts reads its own
+        os.environ[f"TESSERA_{service}_MATMUL_PRECISION"] = args.matmul_precision
     for folder in ("SmolLM2-135M-Instruct", "all-MiniLM-L6-v2"):
         if not (MODELS / folder).is_dir():
             sys.exit(f"{MODELS / folder} is missing: run `make models`")
@@ -407,7 +412,8 @@ def main() -> None:
     total = sum(stats.done.values())
     errors = sum(stats.errors.values())
     print(f"fleet logs: {logs}")
-    print(f"{args.clients} clients (started over {args.ramp_s:g}s) for {elapsed:.0f}s; "
+    print(f"{args.clients} clients (started over {args.ramp_s:g}s) for {elapsed:.0f}s, --matmul-precision "
+          f"{args.matmul_precision}; "
           f"mix: {dict(sorted(stats.done.items()))} completed")
     for kind, values in sorted(stats.ttft.items()):
         what = "latency" if kind == "embedding" else "TTFT"

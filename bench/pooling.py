@@ -335,9 +335,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="(c, d) weights and activations of tessera's service and of Infinity")
     parser.add_argument("--part", default="abcd", help="any of a, b, c, d (d needs `make bench-peers`)")
+    parser.add_argument("--matmul-precision", default="highest", choices=("highest", "high"),
+                        help="tessera's service's --matmul-precision (high: fp32 products split in bf16 halves on "
+                             "the tile unit where the CPU has AMX; the peers keep theirs)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["TESSERA_POOLING_MATMUL_PRECISION"] = args.matmul_precision    # every service this run starts
     ratios = []
     if "a" in args.part:
         ratios.append(f"a={part_a(args.model, args.threads, args.rounds, args.sentences, args.pipeline):.2f}x")
@@ -347,7 +351,7 @@ def main() -> None:
         ratios.append(f"c={part_c(args.model, args.threads, args.rounds, args.single, args.clients, args.dtype):.2f}x")
     if "d" in args.part:
         ratios.append(f"d={part_d(args.model, args.threads, args.rounds, args.single, args.clients, args.dtype):.2f}x")
-    print("pooling ratios: " + " ".join(ratios))
+    print(f"pooling ratios (tessera --matmul-precision {args.matmul_precision}): " + " ".join(ratios))
 
 
 if __name__ == "__main__":

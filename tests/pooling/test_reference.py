@@ -10,6 +10,7 @@ from services.common.plan import ExecutionPlan
 from services.pooling.folder import read_spec
 from services.pooling.model import Embedder, Reranker, Sequence
 from services.pooling.packed import PackedBert
+from tests.common.test_tile_unit import needs_amx
 from tests.pooling.conftest import MINILM_SHAPE, TINY_SHAPE
 from tests.tolerance import assert_close, assert_cosine
 
@@ -93,6 +94,21 @@ def test_minilm_bfloat16_within_the_bf16_bound_of_sentence_transformers_fp32(min
     assert ours.dtype == torch.float32 and ours.shape == (len(texts), spec.hidden_size)
     assert_cosine(ours, minilm_st.encode(texts, batch_size=32), dtype=torch.bfloat16, **MINILM_SHAPE,
                   what="bf16 vs sentence-transformers fp32")
+
+
+@needs_amx
+def test_minilm_split_products_within_their_bound_of_sentence_transformers(minilm_dir, minilm_st, gensim_data):
+    """--matmul-precision high with the split products pinned on (every projection of the packed forward on the
+    tile unit, services/common/split_products.py) against sentence-transformers' fp32, short texts and the 50 Lee
+    documents, within the split products' bound at MiniLM's shape."""
+    from services.pooling.config import PoolingConfig
+    from services.pooling.server import load_models
+    [(_, model)] = load_models(PoolingConfig(embedding_model=str(minilm_dir), matmul_precision="high",
+                                             fast_paths="split_products=on"))
+    assert model.packed is not None and model.plan.chosen("split_products 1152x384+b") == "on rows>=1"
+    texts = TEXTS + _lee_documents(gensim_data)
+    assert_cosine(embed(model, texts, truncate=True), minilm_st.encode(texts, batch_size=32), split=True,
+                  **MINILM_SHAPE, what="split products vs sentence-transformers fp32")
 
 
 def test_batched_equals_single(minilm):
