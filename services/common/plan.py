@@ -95,9 +95,9 @@ PATHS: dict[str, tuple[str, ...]] = {
 }
 
 # The paths each service runs.
-DECODER = ("linear", "split_products", "gemv", "int8_gemm", "gemv_bf16_row", "gemv_prefetch", "gemv_streams", "gemv_grouped_loop",
-           "grouped_matmul", "glue", "attention", "decode_stack", "decode_panels", "screen", "screen_scores",
-           "grammar_mask", "huge_pages", "malloc", "speculation", "lora_split")
+DECODER = ("linear", "split_products", "gemv", "int8_gemm", "gemv_bf16_row", "gemv_prefetch", "gemv_streams",
+           "gemv_grouped_loop", "grouped_matmul", "glue", "attention", "decode_stack", "decode_panels", "screen",
+           "screen_scores", "grammar_mask", "huge_pages", "malloc", "speculation", "lora_split")
 POOLING = ("linear", "split_products", "encoder_attention", "malloc")
 
 

@@ -32,7 +32,8 @@ def test_a_bad_pin_is_one_line_naming_it(text, message):
 
 def test_a_service_accepts_only_its_own_paths():
     assert Pins.parse("encoder_attention=cpp", plan.POOLING).get("encoder_attention") == "cpp"
-    with pytest.raises(ValueError, match="unknown path 'screen'; choose from linear, split_products, encoder_attention, malloc"):
+    with pytest.raises(ValueError,
+                       match="unknown path 'screen'; choose from linear, split_products, encoder_attention, malloc"):
         Pins.parse("screen=on", plan.POOLING)
     for name in plan.DECODER + plan.POOLING:
         assert name in plan.help_for(plan.DECODER + plan.POOLING)

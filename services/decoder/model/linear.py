@@ -72,7 +72,6 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in_features] -> [N, out_features]."""
-        packed = self.packed
         if 0 < x.shape[0] <= self.gemv_rows:
             y = self.gemv(x)
         elif self.grouped is not None:

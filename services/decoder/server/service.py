@@ -147,9 +147,8 @@ def load(cfg: DecoderConfig) -> Loaded:
         raise FileNotFoundError(f"{folder}: no config.json (is --model an HF model folder?)")
     model_cfg = model_config(folder)
     num_blocks = kv_blocks(model_cfg, cfg)
-    runner = Runner.from_folder(folder, cfg.dtype, cfg.block_size, num_blocks, cfg.device, seed=cfg.seed,
-                                fast_paths=cfg.fast_paths, quantization=cfg.quantization,
-                                matmul_precision=cfg.matmul_precision)
+    runner = Runner.from_folder(folder, cfg.dtype, cfg.block_size, num_blocks, cfg.device, cfg.seed, cfg.fast_paths,
+                                cfg.quantization, cfg.matmul_precision)
     with tempfile.TemporaryDirectory(prefix="tessera-gguf-tokenizer-") as scratch:
         text = Path(cfg.tokenizer) if cfg.tokenizer else \
             gguf_tokenizer.write_folder(folder, Path(scratch)) if is_gguf(folder) else folder

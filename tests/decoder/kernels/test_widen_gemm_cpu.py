@@ -1,13 +1,13 @@
 """The many-row C++ matmul over grouped and int8 weights, on AVX-512 dot products and on the tile unit, and
-grouped weights' dequantization (kernels/widen_gemm.h, services/common/kernels/amx_gemm.h), against the torch references (the
-dequantized weight; F.linear over it), bit-for-bit batch and thread invariance, and their refusals."""
+grouped weights' dequantization (kernels/widen_gemm.h, services/common/kernels/amx_gemm.h), against the torch
+references (the dequantized weight; F.linear over it), bit-for-bit batch and thread invariance, and their
+refusals."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from services.decoder.kernels import gemv_grouped_cpu, widen_gemm_cpu
 from services.decoder.kernels.widen_gemm_cpu import gemm_grouped
