@@ -9,7 +9,8 @@ GEN_STAMP := gen/.stamp
 MODELS_STAMP := models/.stamp
 KERNELS_STAMP := build/.kernels-stamp
 KERNEL_SOURCES := $(wildcard services/decoder/kernels/*.cpp services/decoder/kernels/*.h) \
-	$(wildcard services/common/kernels/*.h) services/common/native.py \
+	$(wildcard services/common/kernels/*.h services/common/kernels/*.cpp) services/common/native.py \
+	services/common/tile_unit.py \
 	services/pooling/attention_cpu.cpp services/pooling/attention_cpu.py \
 	services/decoder/kernels/paged_attention_cpu.py services/decoder/kernels/gemv_cpu.py \
 	services/decoder/kernels/decode_stack_cpu.py services/decoder/kernels/glue_cpu.py \
@@ -68,7 +69,8 @@ $(KERNELS_STAMP): $(KERNEL_SOURCES) $(STAMP)
 		$(PY) -m services.decoder.kernels.decode_stack_cpu && $(PY) -m services.decoder.kernels.glue_cpu && \
 		$(PY) -m services.decoder.kernels.tile_gemm_cpu && $(PY) -m services.decoder.kernels.screen_cpu && \
 		$(PY) -m services.decoder.kernels.lora_cpu && $(PY) -m services.decoder.kernels.gemv_grouped_cpu && \
-		$(PY) -m services.decoder.kernels.widen_gemm_cpu && $(PY) -m services.pooling.attention_cpu; then touch $@; \
+		$(PY) -m services.decoder.kernels.widen_gemm_cpu && $(PY) -m services.pooling.attention_cpu && \
+		$(PY) -m services.common.tile_unit; then touch $@; \
 	else echo "WARNING: C++ kernels not built (reason above); the decoder and pooling will use their torch paths"; fi
 
 lint: $(STAMP)

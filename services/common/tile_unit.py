@@ -71,3 +71,7 @@ def gemm_panels_split(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch
     out = torch.empty((x.shape[0], n), dtype=torch.float32)
     load().gemm_panels_split(out, x.contiguous(), panels, n, None if bias is None else bias.float().contiguous())
     return out
+
+
+if __name__ == "__main__":
+    OPERATOR.main()
