@@ -72,15 +72,14 @@ constexpr int64_t STEP = std::is_same_v<T, float> ? 16 : 32;
 #ifdef __AVX512F__
 using tessera_bf16::store16;
 
-// 16 codes (bytes) -> scale * code + offset in fp32 (exact product: a code has at most 8 bits, an fp16 scale
-// 11), stored as T.
-// Codes k .. k + 15 of a row into at(k): one vector (a step holds 16 or 32 inputs).
+// Codes k .. k + 15 of a row (bytes) -> scale * code + offset in fp32 (exact product: a code has at most 8 bits, an
+// fp16 scale 11), stored as T into at(k): one vector (a step holds 16 or 32 inputs).
 template <typename T, typename At>
 inline void widen16(__m128i codes, __m512 s, __m512 o, At at, int64_t k) {
   store16(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)), s, o), at(k));
 }
 #elif defined(TESSERA_WIDEN_AVX2)
-// 8 values in fp32 stored as T (bf16: rounded to nearest even, as above).
+// 8 values in fp32 stored as T (bf16: rounded to nearest even, as bf16.h's store16).
 template <typename T>
 inline void store8(__m256 v, T* dst) {
   if constexpr (std::is_same_v<T, float>) {
