@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.accounting import ModelWork, gemm_flops  # noqa: E402
 from deploy import launcher, threads  # noqa: E402
+from services.common.dtypes import MATMUL_PRECISIONS  # noqa: E402
 
 MODELS = ROOT / "models"
 # --light's clients per kind, and its latency goals in seconds (p99).
@@ -374,7 +375,7 @@ def main() -> None:
     parser.add_argument("--light", action="store_true",
                         help="8 chat, 4 embedding and 2 image clients (--clients and --mix ignored), checking the "
                              "latency goals: chat TTFT p99 <= 1 s, embeddings p99 <= 150 ms")
-    parser.add_argument("--matmul-precision", default="highest", choices=("highest", "high"),
+    parser.add_argument("--matmul-precision", default="highest", choices=MATMUL_PRECISIONS,
                         help="the decoders' and the pooling service's --matmul-precision (high: fp32 products split "
                              "in bf16 halves on the tile unit where the CPU has AMX)")
     args = parser.parse_args()

@@ -43,6 +43,7 @@ import torch  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from bench.clients import Load, grpc_load, http_load, http_vectors, stage_table  # noqa: E402
+from services.common.dtypes import MATMUL_PRECISIONS  # noqa: E402
 from services.common.pb import pooling_pb2, pooling_pb2_grpc  # noqa: E402
 
 INFINITY = ROOT / "build" / "peers" / ".venv-infinity" / "bin" / "infinity_emb"
@@ -335,7 +336,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="(c, d) weights and activations of tessera's service and of Infinity")
     parser.add_argument("--part", default="abcd", help="any of a, b, c, d (d needs `make bench-peers`)")
-    parser.add_argument("--matmul-precision", default="highest", choices=("highest", "high"),
+    parser.add_argument("--matmul-precision", default="highest", choices=MATMUL_PRECISIONS,
                         help="tessera's service's --matmul-precision (high: fp32 products split in bf16 halves on "
                              "the tile unit where the CPU has AMX; the peers keep theirs)")
     args = parser.parse_args()

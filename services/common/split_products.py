@@ -106,6 +106,6 @@ def choose(targets: Sequence[Target], record: execution.ExecutionPlan, precision
     splits = []
     for i, (target, ok) in enumerate(zip(targets, fp32, strict=True)):
         start = starts.get(linear_path.Shape.of(target.weight, target.bias), 0) if ok else 0
-        panels = (timed.get(i) if i in timed else tile_unit.pack_split_panels(target.weight)) if start else None
+        panels = (timed[i] if i in timed else tile_unit.pack_split_panels(target.weight)) if start else None
         splits.append(Split(start, panels, target.weight.shape[0]))
     return splits
