@@ -52,6 +52,7 @@ from bench.accounting import gemm_flops  # noqa: E402
 from bench.peers import llamacpp  # noqa: E402
 from bench.workload import SMOLLM2, gsm8k_messages, run_vllm_peer  # noqa: E402
 from services.common.allocator import keep_freed_memory  # noqa: E402
+from services.common.dtypes import MATMUL_PRECISIONS  # noqa: E402
 from services.common.plan import DECODER as DECODER_PATHS  # noqa: E402
 from services.common.plan import Pins  # noqa: E402
 from services.decoder.engine.config import EngineConfig  # noqa: E402
@@ -80,10 +81,10 @@ class Tessera:
     """The in-process engine (core + runner), as the decoder service runs it."""
 
     def __init__(self, variant: str, num_blocks: int = 4096, budget: int = 2048, max_seqs: int = 64,
-                 fast_paths: str = "", folder: Path = SMOLLM2):
+                 fast_paths: str = "", folder: Path = SMOLLM2, matmul_precision: str = "highest"):
         dtype, quantization = VARIANTS[variant]
         self.runner = Runner.from_folder(folder, dtype, 16, num_blocks, quantization=quantization,
-                                         fast_paths=fast_paths)
+                                         fast_paths=fast_paths, matmul_precision=matmul_precision)
         self.cfg = EngineConfig(block_size=16, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                 max_num_seqs=max_seqs, max_model_len=4096)
         self.cold()
@@ -259,6 +260,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads for every engine")
     ap.add_argument("--fast-paths", default="", help="the decoder's --fast-paths: pin paths instead of timing "
                     "them at load, e.g. screen=off or huge_pages=off,malloc=default (A/B runs)")
+    ap.add_argument("--matmul-precision", default="highest", choices=MATMUL_PRECISIONS,
+                    help="tessera's --matmul-precision (high: fp32 products split in bf16 halves on the tile unit "
+                         "where the CPU has AMX; the peers keep theirs)")
     ap.add_argument("--parts", default="a,b,c,d", help="which parts to run (a,b,c,d; g: the MoE line)")
     ap.add_argument("--moe-layers", type=int, default=2, help="(g): layers of the Qwen3-30B-A3B-shaped checkpoint "
                     "(each about 1.2 GB in bf16)")
@@ -292,8 +296,9 @@ def main() -> None:
         folder = moe_checkpoint.write(MOE_DIR / f"qwen3-30b-a3b-shape-{args.moe_layers}L", args.moe_layers, SMOLLM2)
         llamacpp_b1 += moe_line(folder, batch[0], args.max_tokens, args.threads, pins)
     for dtype in args.dtypes.split(",") if parts & set("abcd") or peers else ():
-        ours = Tessera(dtype, fast_paths=pins)
-        print(f"{dtype}: quantization {ours.runner.quantization}; fast paths {ours.runner.plan.summary()}; "
+        ours = Tessera(dtype, fast_paths=pins, matmul_precision=args.matmul_precision)
+        print(f"{dtype}: quantization {ours.runner.quantization}; --matmul-precision {args.matmul_precision}; "
+              f"fast paths {ours.runner.plan.summary()}; "
               f"memory {ours.runner.plan.get('huge_pages').reason}")
         print(f"{dtype}: {ours.runner.plan.get('gemv_bf16_row').line()}")   # the bf16 loop and its load-time times
         reference = dtype in DTYPES        # transformers and vLLM run this variant too
