@@ -54,23 +54,24 @@ inline void row1_dp(const at::BFloat16* x, const at::BFloat16* wn, int64_t K, in
   }
   __m512 a[M][DP_UNROLL] = {};
   int64_t k = 0;
+  // Unrolled by pragma, as gemv.h's row1 (where GCC 12 kept four rows' accumulators in memory otherwise).
   for (; k + 32 * DP_UNROLL <= K; k += 32 * DP_UNROLL) {
     tessera_vec::prefetch_ahead(wn + k, ahead, 2 * 32 * DP_UNROLL);
-    for (int u = 0; u < DP_UNROLL; ++u) {
+    _Pragma("GCC unroll 4") for (int u = 0; u < DP_UNROLL; ++u) {
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(wn + k + 32 * u);
-      for (int m = 0; m < M; ++m)
+      _Pragma("GCC unroll 4") for (int m = 0; m < M; ++m)
         a[m][u] = _mm512_dpbf16_ps(a[m][u], (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u), wv);
     }
   }
   for (; k < K; k += 32) {
     const __mmask32 mask = K - k >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (K - k)) - 1);
     const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wn + k);
-    for (int m = 0; m < M; ++m)
+    _Pragma("GCC unroll 4") for (int m = 0; m < M; ++m)
       a[m][0] = _mm512_dpbf16_ps(a[m][0], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), wv);
   }
-  for (int m = 0; m < M; ++m) {
+  _Pragma("GCC unroll 4") for (int m = 0; m < M; ++m) {
     __m512 sum = a[m][0];
-    for (int u = 1; u < DP_UNROLL; ++u) sum = _mm512_add_ps(sum, a[m][u]);
+    _Pragma("GCC unroll 4") for (int u = 1; u < DP_UNROLL; ++u) sum = _mm512_add_ps(sum, a[m][u]);
     acc[m * N + n] = _mm512_reduce_add_ps(sum);
   }
 }
