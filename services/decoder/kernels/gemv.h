@@ -88,8 +88,8 @@ inline void row1(const float* x, const W* wn, int64_t K, int64_t n, float* acc, 
   }
   __m512 a[M][UNROLL] = {};
   int64_t k = 0;
-  // Unrolled by pragma: at four rows (16 accumulators) GCC 12 left the array in memory, a store on every FMA,
-  // and a four-row call took twice a three-row one (Intel Xeon, family 6 model 106).
+  // Unrolled by pragma, as lora_rows.h's loops: without it a four-row call (16 accumulators) took twice a
+  // three-row one on an Intel Xeon (family 6 model 106, GCC 12).
   for (; k + 16 * UNROLL <= K; k += 16 * UNROLL) {
     tessera_vec::prefetch_ahead(wn + k, ahead, sizeof(W) * 16 * UNROLL);
     _Pragma("GCC unroll 4") for (int u = 0; u < UNROLL; ++u) {

@@ -54,7 +54,7 @@ inline void row1_dp(const at::BFloat16* x, const at::BFloat16* wn, int64_t K, in
   }
   __m512 a[M][DP_UNROLL] = {};
   int64_t k = 0;
-  // Unrolled by pragma, as gemv.h's row1 (where GCC 12 kept four rows' accumulators in memory otherwise).
+  // Unrolled by pragma, as gemv.h's row1 (whose four-row call took twice a three-row one without it).
   for (; k + 32 * DP_UNROLL <= K; k += 32 * DP_UNROLL) {
     tessera_vec::prefetch_ahead(wn + k, ahead, 2 * 32 * DP_UNROLL);
     _Pragma("GCC unroll 4") for (int u = 0; u < DP_UNROLL; ++u) {
