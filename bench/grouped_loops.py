@@ -2,14 +2,16 @@
 
     .venv/bin/python bench/grouped_loops.py                  # int4, groups of 32, 1 row, 1 and 2 threads
     .venv/bin/python bench/grouped_loops.py --bits 8 --group 16 --rows 4
+    .venv/bin/python bench/grouped_loops.py --shape smollm2 --ahead 8192   # K = 576: short rows
 
-The weights of a Llama-3.2-1B-shaped decoder (16 layers of qkv 3072x2048, o 2048x2048, gate_up 16384x2048 and
-down 2048x8192, and the tied 128256x2048 head; random codes) are laid out in one huge-page arena, as the
-decoder holds them (services/common/arena.py), and one pass over all of them at batch 1 is timed for each of
-gemv_grouped_cpu.WIDEST (the plan's `gemv_grouped_loop`): the fastest of --rounds alternating passes each, so
-both loops see the same machine state. Far larger than any cache, a pass streams from memory as a decode step
-does; torch.sum over 1 GiB gives the machine's read bandwidth beside it. The last line holds the ratio of each
-loop's passes per second to the first's.
+The weights of a Llama-3.2-1B-shaped decoder (16 layers of qkv 3072x2048, o 2048x2048, gate_up 16384x2048 and down
+2048x8192, and the tied 128256x2048 head; random codes) are laid out in one huge-page arena, as the decoder holds
+them (services/common/arena.py), and one pass over all of them at batch 1 is timed for each of
+gemv_grouped_cpu.WIDEST (the plan's `gemv_grouped_loop`): the fastest of --rounds alternating passes each, so both
+loops see the same machine state. Far larger than any cache, a pass streams from memory as a decode step does
+(--shape smollm2: SmolLM2-135M's 30 layers of 960x576, 576x576, 3072x576 and 576x1536 and its 49152x576 head,
+repeated until the pass is as large); torch.sum over 1 GiB gives the machine's read bandwidth beside it. The last
+line holds the ratio of each loop's passes per second to the first's.
 """
 from __future__ import annotations
 
@@ -24,10 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.quant_gemm import cpu_model  # noqa: E402
 from services.common import arena  # noqa: E402
-from services.decoder.kernels import gemv_grouped_cpu  # noqa: E402
+from services.decoder.kernels import gemv_cpu, gemv_grouped_cpu  # noqa: E402
 
-LAYER = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]
-HEAD = (128256, 2048)
+# (layer's weights, head) by --shape
+SHAPES = {"1b": ([(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)], (128256, 2048)),
+          "smollm2": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], (49152, 576))}
 
 
 def read_bandwidth() -> float:
@@ -49,16 +52,26 @@ def main(argv=None) -> None:
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8))
     ap.add_argument("--group", type=int, default=32, choices=(16, 32))
     ap.add_argument("--rows", type=int, default=1, help=f"rows of x (1..{gemv_grouped_cpu.MAX_ROWS})")
-    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--shape", choices=SHAPES, default="1b", help="whose weights: Llama-3.2-1B's or SmolLM2-135M's")
+    ap.add_argument("--layers", type=int, default=16, help="layers of the 1b shape (smollm2: 30 per model, "
+                    "repeated to the 1b shape's bytes)")
+    ap.add_argument("--ahead", type=int, default=0, help="prefetch distance in bytes of codes (0: none; the "
+                    f"decoder's gemv_prefetch path asks {gemv_cpu.PREFETCH_BYTES} ahead)")
     ap.add_argument("--rounds", type=int, default=6, help="alternating passes per loop; the fastest counts")
     ap.add_argument("--threads", default="1,2", help="comma list of torch thread counts")
     args = ap.parse_args(argv)
     loops = gemv_grouped_cpu.WIDEST
-    print(f"CPU: {cpu_model()}; int{args.bits}/g{args.group}, {args.rows} row(s); loops {', '.join(loops)}"
+    print(f"CPU: {cpu_model()}; {args.shape} shapes, int{args.bits}/g{args.group}, {args.rows} row(s), "
+          f"{args.ahead} bytes ahead; loops {', '.join(loops)}"
           + ("" if gemv_grouped_cpu.vnni() else " (no AVX512-VNNI: the AVX2 loop's two orders)"
              if gemv_grouped_cpu.runs("avx2") else " (neither AVX512-VNNI nor AVX2: both are the portable loop)"))
     g = torch.Generator().manual_seed(0)
-    shapes = LAYER * args.layers + [HEAD]
+    big = SHAPES["1b"][0] * args.layers + [SHAPES["1b"][1]]
+    shapes = big
+    if args.shape == "smollm2":  # copies of the model, as many bytes as the 1b shape: a pass streams from memory
+        layer, head = SHAPES["smollm2"]
+        model = layer * 30 + [head]
+        shapes = model * max(1, round(sum(n * k for n, k in big) / sum(n * k for n, k in model)))
     tensors = []
     for n, k in shapes:
         tensors += [torch.randint(0, 256, (n, k * args.bits // 8), dtype=torch.uint8, generator=g),
@@ -72,7 +85,8 @@ def main(argv=None) -> None:
 
     def one_pass(loop: str) -> None:
         for (_, k), (codes, scale, offset) in zip(shapes, weights, strict=True):
-            gemv_grouped_cpu.gemv_grouped(xs[k], codes, scale, offset, args.bits, args.group, None, loop)
+            gemv_grouped_cpu.gemv_grouped(xs[k], codes, scale, offset, args.bits, args.group, None, loop,
+                                          args.ahead)
 
     ratios = []
     for threads in map(int, args.threads.split(",")):

@@ -47,7 +47,9 @@ inline void with_rows(int64_t M, const char* who, F&& f) {
 // more work per weight byte (more rows of x), the fewer cache lines the out-of-order window keeps in flight, so
 // the stream slows as rows are added. On an Intel Xeon (family 6 model 207, 2 threads) a chain of 30 3072 x 576
 // fp32 weights (212 MB) took 8.4 ms at one row and 10.8 at four; asked 8 KiB ahead, 4.7 and 5.2 ms. Whether it
-// helps is timed at load (services/decoder/model/matmul_choice.py, the gemv_prefetch path).
+// helps is timed at load (services/decoder/model/matmul_choice.py, the gemv_prefetch path). Call it from the code
+// that reads the row, not from a helper that does nothing else: GCC 12 found such a lambda "locally const" (its
+// local-pure-const pass: a prefetch writes nothing) and deleted every call to it, prefetches and all.
 inline void prefetch_ahead(const void* p, int64_t ahead, int64_t bytes) {
   if (!ahead) return;
   const char* c = static_cast<const char*>(p) + ahead;
