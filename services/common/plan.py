@@ -76,6 +76,9 @@ PATHS: dict[str, tuple[str, ...]] = {
     # decoder: the CPU adapter rows' least work per thread, coarse (a few rows' corrections on one thread) or fine
     # (split over the threads) (services/decoder/lora/pool.py, kernels/lora_cpu.py GRAINS); timed with adapters
     "lora_split": ("coarse", "fine"),
+    # decoder: whether the CPU adapter rows' blocks ask for their rows before reading them (kernels/lora_rows.h,
+    # services/decoder/lora/pool.py); timed with adapters, at the chosen lora_split
+    "lora_prefetch": ("on", "off"),
     # decoder: greedy rows through a bf16 screen of an fp32 head (services/decoder/model/screen.py)
     "screen": ("off", "on"),
     # decoder: how the screen scores rows against its bf16 head: the few-row kernel over fp32 rows up to its rows, or
@@ -97,7 +100,7 @@ PATHS: dict[str, tuple[str, ...]] = {
 # The paths each service runs.
 DECODER = ("linear", "split_products", "gemv", "int8_gemm", "gemv_bf16_row", "gemv_prefetch", "gemv_streams",
            "gemv_grouped_loop", "grouped_matmul", "glue", "attention", "decode_stack", "decode_panels", "screen",
-           "screen_scores", "grammar_mask", "huge_pages", "malloc", "speculation", "lora_split")
+           "screen_scores", "grammar_mask", "huge_pages", "malloc", "speculation", "lora_split", "lora_prefetch")
 POOLING = ("linear", "split_products", "encoder_attention", "malloc")
 
 

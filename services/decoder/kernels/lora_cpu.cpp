@@ -8,15 +8,15 @@ namespace tessera_lora {
 
 template <typename T>
 void typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bt, const int32_t* offsets,
-           const int32_t* ranks, int64_t grain) {
+           const int32_t* ranks, int64_t grain, bool prefetch) {
   const Job<T, T, T> job{x.data_ptr<T>(), x.stride(0), y.data_ptr<T>(), y.stride(0), A.data_ptr<T>(),
                          Bt.data_ptr<T>(), A.size(1), Bt.size(1), offsets, ranks, y.size(0)};
-  rows<std::is_same_v<T, c10::BFloat16>>(&job, 1, grain);
+  rows<std::is_same_v<T, c10::BFloat16>>(&job, 1, grain, prefetch);
 }
 
 // y [M, N] += per row (x [M, K] @ A[o:o+r]^T) @ Bt[o:o+r]; see lora_cpu.lora_rows.
 void lora_rows(at::Tensor y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bt,
-               const at::Tensor& offsets, const at::Tensor& ranks, int64_t grain) {
+               const at::Tensor& offsets, const at::Tensor& ranks, int64_t grain, bool prefetch) {
   TORCH_CHECK(grain > 0, "lora_rows: grain must be positive, got ", grain);
   const auto t = y.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kBFloat16, "lora_rows: float32 or bfloat16 only, got ", t);
@@ -38,9 +38,9 @@ void lora_rows(at::Tensor y, const at::Tensor& x, const at::Tensor& A, const at:
   const int32_t* rp = ranks.data_ptr<int32_t>();
   check_spans(op, rp, M, A.size(0), "lora_rows");
   if (t == at::kBFloat16) {
-    typed<c10::BFloat16>(y, x, A, Bt, op, rp, grain);
+    typed<c10::BFloat16>(y, x, A, Bt, op, rp, grain, prefetch);
   } else {
-    typed<float>(y, x, A, Bt, op, rp, grain);
+    typed<float>(y, x, A, Bt, op, rp, grain, prefetch);
   }
 }
 
@@ -49,5 +49,5 @@ void lora_rows(at::Tensor y, const at::Tensor& x, const at::Tensor& A, const at:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_rows", &tessera_lora::lora_rows, "y += each row's LoRA correction from an arena, in place",
         py::arg("y"), py::arg("x"), py::arg("A"), py::arg("Bt"), py::arg("offsets"), py::arg("ranks"),
-        py::arg("grain") = tessera_lora::COARSE, py::call_guard<py::gil_scoped_release>());
+        py::arg("grain") = tessera_lora::COARSE, py::arg("prefetch") = true, py::call_guard<py::gil_scoped_release>());
 }

@@ -8,6 +8,7 @@ the torch computation it must match.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
@@ -21,15 +22,19 @@ DTYPES = (torch.float32, torch.bfloat16)
 # A call's least work per thread, in arena weights (lora_rows.h COARSE, FINE): below twice it the call runs on one
 # thread. Which is faster depends on the CPU and the dtype; the adapter pool times both at load (lora/pool.py).
 GRAINS = {"coarse": 1 << 16, "fine": 1 << 14}
-# time_grains: rows on distinct adapters of this rank (where the grains differ: a few rows' work lies between
-# them), streamed from an arena of about this many bytes, more than a cache holds (a step's adapter rows are).
-TIMING_ROWS, TIMING_RANK, TIMING_BYTES = 4, 16, 64 << 20
+# Whether a call's blocks ask for their rows before reading them (lora_rows.h, prefetch): on an Intel Xeon (family 6
+# model 167) that took fp32 rows 14% longer and bf16 rows 11% less; the adapter pool times both at load too.
+PREFETCH = {"on": True, "off": False}
+# time_reading: rows on distinct adapters of this rank, streamed from an arena of at least this many bytes, more
+# than most caches hold (a step's adapter rows are): TIMING_ROWS for the grains (a few rows' work lies between
+# them), PREFETCH_ROWS for the prefetch (a full step's blocks, where asking ahead shows).
+TIMING_ROWS, PREFETCH_ROWS, TIMING_RANK, TIMING_BYTES = 4, 64, 16, 64 << 20
 OPERATOR = native.Operator("lora_cpu", SOURCE)
 load = OPERATOR.load      # the compiled module; native.BuildError with the reason when it cannot be had
 
 
 def lora_rows(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, offsets: torch.Tensor,
-              ranks: torch.Tensor, grain: int = GRAINS["coarse"]) -> torch.Tensor:
+              ranks: torch.Tensor, grain: int = GRAINS["coarse"], prefetch: bool = True) -> torch.Tensor:
     """y += each row's LoRA correction, in place; returns y.
 
     y [M, N], x [M, K] (rows unit-strided, e.g. contiguous), A [P, K] and Bt [P, N] contiguous, all one dtype,
@@ -40,32 +45,48 @@ def lora_rows(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tenso
     Sums in fp32 (bf16 on a CPU with avx512_bf16: its dot product, exact products, subnormals as zero); in
     bf16 rounded where the torch path stores (see lora_rows_ref). Rows with one (offset, rank), consecutive or
     not, share reads of their rows in blocks of BLOCK; the blocks run on the threads when there is at least twice
-    `grain` work (GRAINS). Each row's result is the same bit for bit whatever the other rows, the thread count
-    and the grain.
+    `grain` work (GRAINS); prefetch: whether each block asks for its rows before reading them (PREFETCH). Each
+    row's result is the same bit for bit whatever the other rows, the thread count, the grain and the prefetch.
     """
-    load().lora_rows(y, x, A, Bt, offsets, ranks, grain)
+    load().lora_rows(y, x, A, Bt, offsets, ranks, grain, prefetch)
     return y
 
 
+def last_level_cache(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """Bytes of the CPU's largest cache, as sysfs lists them under `caches` (0 where it does not say)."""
+    sizes = [0]
+    for f in caches.glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError):
+            text = f.read_text().strip()
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text))
+    return max(sizes)
+
+
 @functools.cache
-def time_grains(width: int, dtype: torch.dtype) -> dict[str, float]:
-    """{grain name: seconds} of 32 lora_rows calls on a [width -> width] projection, TIMING_ROWS rows each on its
-    own rank-TIMING_RANK adapter, every call on fresh arena rows (plan.fastest); once per process and shape."""
-    span = TIMING_ROWS * TIMING_RANK
-    P = max(32 * span, TIMING_BYTES // (2 * width * dtype.itemsize) // span * span)
-    gen = torch.Generator().manual_seed(0)
-    A = (torch.rand(P, width, generator=gen) - 0.5).to(dtype)
-    Bt = (torch.rand(P, width, generator=gen) - 0.5).to(dtype)
-    x, y = torch.rand(TIMING_ROWS, width, generator=gen).to(dtype), torch.zeros(TIMING_ROWS, width, dtype=dtype)
-    ranks = torch.full((TIMING_ROWS,), TIMING_RANK, dtype=torch.int32)
-    steps = torch.arange(0, P, TIMING_RANK, dtype=torch.int32).view(-1, TIMING_ROWS)   # [P / span, rows] offsets
-    cursor = dict.fromkeys(GRAINS, 0)
+def time_reading(width: int, dtype: torch.dtype, grain: int | None = None,
+                 arena_bytes: int = TIMING_BYTES) -> dict[str, float]:
+    """{candidate: seconds} of 32 lora_rows calls on a [width -> width] projection, each row on its own
+    rank-TIMING_RANK adapter, every call on fresh arena rows (plan.fastest); once per process and shape. With grain
+    None the candidates are GRAINS' (asking ahead), at TIMING_ROWS rows a call; else PREFETCH's at that grain, at
+    PREFETCH_ROWS rows a call. The arena holds about arena_bytes (at least two calls' rows per candidate), and each
+    candidate starts at its own part of it, so that none reads rows another has just brought into the cache."""
+    rows = TIMING_ROWS if grain is None else PREFETCH_ROWS
+    candidates = ({name: (g, True) for name, g in GRAINS.items()} if grain is None
+                  else {name: (grain, on) for name, on in PREFETCH.items()})
+    span = rows * TIMING_RANK
+    P = max(2 * len(candidates) * span, arena_bytes // (2 * width * dtype.itemsize) // span * span)
+    A = torch.empty(P, width, dtype=dtype).fill_(0.25)   # the values do not change the time: the reads do
+    Bt = torch.empty(P, width, dtype=dtype).fill_(-0.25)
+    x, y = torch.full((rows, width), 0.5, dtype=dtype), torch.zeros(rows, width, dtype=dtype)
+    ranks = torch.full((rows,), TIMING_RANK, dtype=torch.int32)
+    steps = torch.arange(0, P, TIMING_RANK, dtype=torch.int32).view(-1, rows)   # [P / span, rows] offsets
+    cursor = {name: i * len(steps) // len(candidates) for i, name in enumerate(candidates)}
 
     def call(name: str) -> None:
         for _ in range(32):
-            lora_rows(y, x, A, Bt, steps[cursor[name]], ranks, GRAINS[name])
+            lora_rows(y, x, A, Bt, steps[cursor[name]], ranks, *candidates[name])
             cursor[name] = (cursor[name] + 1) % len(steps)
-    return plan.fastest({name: (lambda name=name: call(name)) for name in GRAINS})
+    return plan.fastest({name: (lambda name=name: call(name)) for name in candidates})
 
 
 def lora_rows_torch(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, offsets: torch.Tensor,

@@ -264,7 +264,9 @@ __attribute__((noinline)) void axpys(const float* h, int64_t r, const W* bt, int
 
 // Reading rows of a new adapter, the hardware prefetcher starts each stream cold: a block asks for its Bt rows
 // before its shrink and for the next block's A rows before its expand, so each arrives while the other phase
-// computes (10% less time for 64 rows on 64 adapters out of cache, Zen 4, one thread).
+// computes (10% less time for 64 rows on 64 adapters out of cache, Zen 4, one thread). On an Intel Xeon (family 6
+// model 167, 2 threads) the same took fp32 rows 14% longer (the core waits while a block's requests queue) and bf16
+// rows 11% less, so whether a call asks is the execution plan's choice (lora/pool.py, the lora_prefetch path).
 inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 2);
 }
@@ -355,9 +357,10 @@ struct Job {
 // Every job's corrections, their blocks in one parallel region (the targets of one projection share it, so a
 // few rows on several targets still fill the threads). Sums in fp32; ROUND (bf16): h, the delta and the sum each
 // rounded to bf16 as torch stores them. Y may be fp32 holding bf16 values (the decode stack's buffers). The jobs'
-// outputs must not overlap. grain: COARSE or FINE (or any positive count of weights).
+// outputs must not overlap. grain: COARSE or FINE (or any positive count of weights); ask_ahead: whether blocks ask
+// for their rows before they read them (prefetch).
 template <bool ROUND, typename X, typename W, typename Y>
-void rows(const Job<X, W, Y>* jobs, int count, int64_t grain) {
+void rows(const Job<X, W, Y>* jobs, int count, int64_t grain, bool ask_ahead) {
   struct Task {
     Block block;
     int job;
@@ -405,12 +408,12 @@ void rows(const Job<X, W, Y>* jobs, int count, int64_t grain) {
         }
         ys[m] = J.y + b.rows[m] * J.ldy;
       }
-      prefetch(J.Bt + b.offset * N, b.rank * N * sizeof(W));
+      if (ask_ahead) prefetch(J.Bt + b.offset * N, b.rank * N * sizeof(W));
       const W* a = J.A + b.offset * K;
       const W* bt = J.Bt + b.offset * N;
       const W* next = nullptr;
       int64_t next_bytes = 0;
-      if (i + 1 < b1) {
+      if (ask_ahead && i + 1 < b1) {
         const Job<X, W, Y>& NJ = jobs[tasks[i + 1].job];
         next = NJ.A + tasks[i + 1].block.offset * NJ.K;
         next_bytes = tasks[i + 1].block.rank * NJ.K * sizeof(W);

@@ -184,7 +184,8 @@ class AdapterPool:
             raise ValueError("the adapter pool serves CPU models; use the adapter bank on CUDA")
         self.step = PoolStep(_rows_operator())
         self.backend = "cpu" if self.step.rows is lora_cpu.lora_rows else "torch"
-        self.grain = lora_cpu.GRAINS["coarse"]  # the operator's least work per thread (choose_grain)
+        self.grain = lora_cpu.GRAINS["coarse"]  # the operator's least work per thread (choose_reading)
+        self.prefetch = True                    # whether its blocks ask for their rows ahead (choose_reading)
         self.layers: dict[str, PoolLayer] = {}
         self.kinds: dict[int, KindRows] = {}
         for name, module in projections:
@@ -301,24 +302,37 @@ class AdapterPool:
                 out[layer.name] = (layer.A[offset:offset + r].clone(), layer.Bt[offset:offset + r].t().clone())
         return out
 
-    def choose_grain(self, record: ExecutionPlan) -> int:
-        """How the C++ operator splits a step's adapter rows over the threads (the plan's lora_split, lora_cpu.GRAINS):
-        as pinned, else the faster of both at this model's width and dtype (lora_cpu.time_grains, plan.pick).
-        Sets and returns self.grain, which the fused decode stack takes too."""
-        pin = record.pinned("lora_split")
+    def choose_reading(self, record: ExecutionPlan) -> tuple[int, bool]:
+        """How the C++ operator reads a step's adapter rows: split over the threads by lora_cpu.GRAINS (the plan's
+        lora_split), its blocks asking for their rows ahead or not (lora_prefetch). Each as pinned, else the faster
+        at this model's width and dtype (lora_cpu.time_reading, plan.pick): the grain first, then the prefetch at
+        that grain, over as many bytes as twice the CPU's largest cache (so that the rows come from memory, as a
+        step's do) or the pool's budget, whichever is less. Sets and returns (self.grain, self.prefetch), which the
+        fused decode stack takes too."""
         if self.backend != "cpu":
-            chosen = record.record("lora_split", "coarse", reason="adapter rows run in torch, on its threads").chosen
-        elif pin != AUTO:
-            chosen = record.record("lora_split", pin).chosen
+            why = "adapter rows run in torch, on its threads"
+            split = record.record("lora_split", "coarse", reason=why).chosen
+            ahead = record.record("lora_prefetch", "on", reason=why).chosen
         else:
             width = Counter(layer.in_features for layer in self.layers.values()).most_common(1)[0][0]  # hidden
-            seconds = lora_cpu.time_grains(width, self.dtype)
-            chosen = record.record("lora_split", pick(seconds, "coarse"), [
-                Timing(name, s, lora_cpu.TIMING_ROWS) for name, s in seconds.items()]).chosen
-        self.grain = lora_cpu.GRAINS[chosen]
+            split = self._choose(record, "lora_split", "coarse", lambda: lora_cpu.time_reading(width, self.dtype))
+            arena = min(max(lora_cpu.TIMING_BYTES, 2 * lora_cpu.last_level_cache()), self.budget)
+            ahead = self._choose(record, "lora_prefetch", "on", lambda: lora_cpu.time_reading(
+                width, self.dtype, lora_cpu.GRAINS[split], arena))
+        self.grain, self.prefetch = lora_cpu.GRAINS[split], lora_cpu.PREFETCH[ahead]
         if self.backend == "cpu":
-            self.step.rows = functools.partial(lora_cpu.lora_rows, grain=self.grain)
-        return self.grain
+            self.step.rows = functools.partial(lora_cpu.lora_rows, grain=self.grain, prefetch=self.prefetch)
+        return self.grain, self.prefetch
+
+    @staticmethod
+    def _choose(record: ExecutionPlan, path: str, default: str, timed) -> str:
+        """`path` as pinned, else the faster of timed()'s candidates (plan.pick: `default` unless beaten)."""
+        pin = record.pinned(path)
+        if pin != AUTO:
+            return record.record(path, pin).chosen
+        seconds = timed()
+        return record.record(path, pick(seconds, default), [
+            Timing(name, s, lora_cpu.TIMING_ROWS) for name, s in seconds.items()]).chosen
 
     # -- the fused decode stack ---------------------------------------------------------------
 

@@ -132,7 +132,7 @@ class FusedDecode:
         steps on the layers."""
         if isinstance(store, AdapterPool):
             self.pool, self.pool_version = store, -1
-            self.stack.set_lora_grain(store.grain)
+            self.stack.set_lora_reading(store.grain, store.prefetch)
 
     def applies(self, batch: StepBatch) -> bool:
         plan = batch.plan

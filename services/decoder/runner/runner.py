@@ -147,8 +147,9 @@ class Runner:
             raise ValueError("the adapter store is not installed on this runner's model")
         self.lora = bank
         if isinstance(bank, AdapterPool):
-            # How its adapter rows split over the threads, timed here (lora/pool.py); the decode stack's the same.
-            bank.choose_grain(self.plan)
+            # How its adapter rows are read (split over the threads, asked for ahead), timed here (lora/pool.py);
+            # the decode stack's the same.
+            bank.choose_reading(self.plan)
         if self.fused_decode is not None:
             self.fused_decode.attach_lora(bank)
 

@@ -292,8 +292,10 @@ def lora_spans(rows: int, g: torch.Generator, p: int = 70):
     return offsets, ranks
 
 
-def run_lora(kind: str, rows: int, library: str = "plain", gemv_rows: int = KERNEL_ROWS, grain: int | None = None):
-    """(stack output with adapters, the ref's, the stack's without adapters, ranks); grain: set_lora_grain's."""
+def run_lora(kind: str, rows: int, library: str = "plain", gemv_rows: int = KERNEL_ROWS, grain: int | None = None,
+             prefetch: bool = True):
+    """(stack output with adapters, the ref's, the stack's without adapters, ranks); grain, prefetch:
+    set_lora_reading's (grain None: the stack's default)."""
     heads, kv_heads, head_dim, block_size, qk_norm, bias = LORA_SHAPE
     g = torch.Generator().manual_seed(rows + 50)
     shape = Shape(heads, kv_heads, head_dim, hidden=64, intermediate=96, eps=1e-5)
@@ -309,7 +311,7 @@ def run_lora(kind: str, rows: int, library: str = "plain", gemv_rows: int = KERN
     stack = make_stack(shape, layers, final)
     set_arenas(stack, arenas)
     if grain is not None:
-        stack.set_lora_grain(grain)
+        stack.set_lora_reading(grain, prefetch)
     got = decode_stack(stack, x.clone(), cos, sin, slots, tables, lens, offsets, ranks)
     base = decode_stack(make_stack(shape, base_layers, final), x.clone(), cos, sin, slots, tables, lens)
     for mine, ref in zip(layers, ref_layers, strict=True):
@@ -334,13 +336,15 @@ def test_lora_rows_match_reference_and_base_rows_are_untouched(kind, rows, libra
 
 
 @pytest.mark.parametrize("kind", ["fp32", "bf16"])
-def test_lora_rows_split_into_a_task_per_block_give_the_same_bits(kind):
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_lora_rows_split_into_a_task_per_block_give_the_same_bits(kind, prefetch):
     """The projections' targets' blocks in one parallel region (lora_rows.h), every block its own task on two
-    threads (grain 1), equal the default grain's (these small rows: one task) bit for bit."""
+    threads (grain 1), asking for their rows ahead or not, equal the default grain's (these small rows: one task)
+    bit for bit."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(max(2, threads))
-        split, _, _, _ = run_lora(kind, 16, grain=1)
+        split, _, _, _ = run_lora(kind, 16, grain=1, prefetch=prefetch)
         whole, _, _, _ = run_lora(kind, 16)
     finally:
         torch.set_num_threads(threads)

@@ -5,7 +5,15 @@ import pytest
 import torch
 
 from services.decoder.kernels.lora import grouped_lora_ref
-from services.decoder.kernels.lora_cpu import GRAINS, lora_rows, lora_rows_ref, lora_rows_torch, time_grains
+from services.decoder.kernels.lora_cpu import (
+    GRAINS,
+    PREFETCH,
+    last_level_cache,
+    lora_rows,
+    lora_rows_ref,
+    lora_rows_torch,
+    time_reading,
+)
 from tests.tolerance import assert_close
 
 pytestmark = pytest.mark.numerics
@@ -90,14 +98,15 @@ def test_every_rank_from_1_to_16_at_any_offset(kind):
 
 @pytest.mark.parametrize("kind", DTYPES)
 @pytest.mark.parametrize("grain", [*GRAINS, "every block"])
-def test_a_row_is_independent_of_the_others_and_the_thread_count_bit_for_bit(kind, grain):
+@pytest.mark.parametrize("prefetch", PREFETCH)
+def test_a_row_is_independent_of_the_others_and_the_thread_count_bit_for_bit(kind, grain, prefetch):
     """Each row alone on one thread equals the same row inside runs of 17 (split in blocks) on two threads, with
-    each grain the plan chooses from (and one that gives every block its own task)."""
+    each grain the plan chooses from (and one that gives every block its own task), asking ahead or not."""
     y, x, A, Bt, offsets, ranks = case(kind, LAYOUTS["runs"], 576, 576, seed=9)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(max(2, threads))
-        together = lora_rows(y.clone(), x, A, Bt, offsets, ranks, GRAINS.get(grain, 1))
+        together = lora_rows(y.clone(), x, A, Bt, offsets, ranks, GRAINS.get(grain, 1), PREFETCH[prefetch])
         torch.set_num_threads(1)
         alone = torch.cat([lora_rows(y[i:i + 1].clone(), x[i:i + 1], A, Bt, offsets[i:i + 1], ranks[i:i + 1])
                            for i in range(len(y))])
@@ -181,6 +190,16 @@ def test_refusals():
 
 
 @pytest.mark.parametrize("kind", DTYPES)
-def test_time_grains_times_every_grain(kind):
-    seconds = time_grains(64, DTYPES[kind])
+def test_time_reading_times_every_grain_then_both_prefetches(kind):
+    seconds = time_reading(64, DTYPES[kind])
     assert set(seconds) == set(GRAINS) and all(0 < s < 1 for s in seconds.values())
+    seconds = time_reading(64, DTYPES[kind], GRAINS["fine"], 2**20)
+    assert set(seconds) == set(PREFETCH) and all(0 < s < 1 for s in seconds.values())
+
+
+def test_the_largest_cache_is_read_from_sysfs(tmp_path):
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "32M")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert last_level_cache(tmp_path) == 32 << 20
+    assert last_level_cache(tmp_path / "none") == 0

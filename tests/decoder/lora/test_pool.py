@@ -212,25 +212,28 @@ def test_step_rows_and_activate(model_folder):
         step_rows([(0, 1, 5)], 1, pool._rows_of)
 
 
-@pytest.mark.parametrize("pin", ["auto", "coarse", "fine"])
-def test_the_grain_is_timed_unless_pinned_and_reaches_the_operator(model_folder, pin):
+@pytest.mark.parametrize("split,ahead", [("auto", "auto"), ("coarse", "off"), ("fine", "on")])
+def test_the_reading_is_timed_unless_pinned_and_reaches_the_operator(model_folder, split, ahead):
     pool = AdapterPool(load_model(model_folder), budget_bytes=2**22)
-    record = ExecutionPlan(f"lora_split={pin}", DECODER)
-    grain = pool.choose_grain(record)
-    choice = record.get("lora_split")
-    assert grain == pool.grain == lora_cpu.GRAINS[choice.chosen] == pool.step.rows.keywords["grain"]
-    if pin == "auto":
-        assert {t.candidate for t in choice.timings} == set(lora_cpu.GRAINS) and not choice.reason
-    else:
-        assert choice.chosen == pin and not choice.timings and "pinned" in choice.reason
+    record = ExecutionPlan(f"lora_split={split},lora_prefetch={ahead}", DECODER)
+    grain, prefetch = pool.choose_reading(record)
+    chosen = record.get("lora_split"), record.get("lora_prefetch")
+    assert grain == pool.grain == lora_cpu.GRAINS[chosen[0].chosen] == pool.step.rows.keywords["grain"]
+    assert prefetch == pool.prefetch == lora_cpu.PREFETCH[chosen[1].chosen] == pool.step.rows.keywords["prefetch"]
+    for choice, pin, candidates in zip(chosen, (split, ahead), (lora_cpu.GRAINS, lora_cpu.PREFETCH), strict=True):
+        if pin == "auto":
+            assert {t.candidate for t in choice.timings} == set(candidates) and not choice.reason
+        else:
+            assert choice.chosen == pin and not choice.timings and "pinned" in choice.reason
 
 
-def test_rows_in_torch_keep_the_coarse_grain(model_folder):
+def test_rows_in_torch_keep_the_coarse_grain_and_the_prefetch(model_folder):
     pool = AdapterPool(load_model(model_folder), budget_bytes=2**22)
     pool.backend, pool.step.rows = "torch", lora_cpu.lora_rows_torch      # as where the operator cannot be built
-    record = ExecutionPlan("lora_split=fine", DECODER)
-    assert pool.choose_grain(record) == lora_cpu.GRAINS["coarse"] and pool.step.rows is lora_cpu.lora_rows_torch
-    assert "torch" in record.get("lora_split").reason
+    record = ExecutionPlan("lora_split=fine,lora_prefetch=off", DECODER)
+    assert pool.choose_reading(record) == (lora_cpu.GRAINS["coarse"], True)
+    assert pool.step.rows is lora_cpu.lora_rows_torch
+    assert "torch" in record.get("lora_split").reason and "torch" in record.get("lora_prefetch").reason
 
 
 def test_cpu_registry_may_hold_fewer_adapters_than_max_loras(model_folder):
@@ -392,15 +395,16 @@ def many(tmp_path_factory):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("stack,split", [("on", "coarse"), ("on", "fine"), ("off", "fine")])
-def test_64_distinct_adapters_in_one_batch_match_peft(many, stack, split):
+@pytest.mark.parametrize("stack,split,ahead", [("on", "coarse", "off"), ("on", "fine", "on"), ("off", "fine", "off")])
+def test_64_distinct_adapters_in_one_batch_match_peft(many, stack, split, ahead):
     """With the C++ decode stack pinned on, decode steps with adapter rows run in it (counted); pinned off,
-    in the model's layers: both match peft, with either grain of the adapter rows (lora_split)."""
+    in the model's layers: both match peft, with either grain of the adapter rows (lora_split), asking for them
+    ahead or not (lora_prefetch)."""
     folder, folders, peft = many
-    core, registry = lora_engine(folder, max_rank=16, pool_bytes=2**26, cpu_loras=64, num_blocks=1024,
-                                 budget=512, max_seqs=64,
-                                 fast_paths=f"screen=on,attention=cpp,decode_stack={stack},lora_split={split}")
-    assert core.runner.plan.chosen("lora_split") == split
+    core, registry = lora_engine(
+        folder, max_rank=16, pool_bytes=2**26, cpu_loras=64, num_blocks=1024, budget=512, max_seqs=64,
+        fast_paths=f"screen=on,attention=cpp,decode_stack={stack},lora_split={split},lora_prefetch={ahead}")
+    assert core.runner.plan.chosen("lora_split") == split and core.runner.plan.chosen("lora_prefetch") == ahead
     fused = core.runner.fused_decode
     assert (fused is not None) == (stack == "on")
     stacked = []
