@@ -23,7 +23,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 # thread. Which is faster depends on the CPU and the dtype; the adapter pool times both at load (lora/pool.py).
 GRAINS = {"coarse": 1 << 16, "fine": 1 << 14}
 # Whether a call's blocks ask for their rows before reading them (lora_rows.h, prefetch): on an Intel Xeon (family 6
-# model 167) that took fp32 rows 14% longer and bf16 rows 11% less; the adapter pool times both at load too.
+# model 167) that took fp32 rows 12-17% longer and bf16 rows 10-17% less; the adapter pool times both at load too.
 PREFETCH = {"on": True, "off": False}
 # time_reading: rows on distinct adapters of this rank, streamed from an arena of at least this many bytes, more
 # than most caches hold (a step's adapter rows are): TIMING_ROWS for the grains (a few rows' work lies between

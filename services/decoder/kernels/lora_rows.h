@@ -265,8 +265,8 @@ __attribute__((noinline)) void axpys(const float* h, int64_t r, const W* bt, int
 // Reading rows of a new adapter, the hardware prefetcher starts each stream cold: a block asks for its Bt rows
 // before its shrink and for the next block's A rows before its expand, so each arrives while the other phase
 // computes (10% less time for 64 rows on 64 adapters out of cache, Zen 4, one thread). On an Intel Xeon (family 6
-// model 167, 2 threads) the same took fp32 rows 14% longer (the core waits while a block's requests queue) and bf16
-// rows 11% less, so whether a call asks is the execution plan's choice (lora/pool.py, the lora_prefetch path).
+// model 167, 2 threads) the same took fp32 rows 12-17% longer (the core waits while a block's requests queue) and
+// bf16 rows 10-17% less, so whether a call asks is the execution plan's choice (lora/pool.py, lora_prefetch).
 inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 2);
 }
