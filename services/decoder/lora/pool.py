@@ -315,9 +315,10 @@ class AdapterPool:
             ahead = record.record("lora_prefetch", "on", reason=why).chosen
         else:
             width = Counter(layer.in_features for layer in self.layers.values()).most_common(1)[0][0]  # hidden
-            split = self._choose(record, "lora_split", "coarse", lambda: lora_cpu.time_reading(width, self.dtype))
+            split = self._choose(record, "lora_split", "coarse", lora_cpu.TIMING_ROWS,
+                                 lambda: lora_cpu.time_reading(width, self.dtype))
             arena = min(max(lora_cpu.TIMING_BYTES, 2 * lora_cpu.last_level_cache()), self.budget)
-            ahead = self._choose(record, "lora_prefetch", "on", lambda: lora_cpu.time_reading(
+            ahead = self._choose(record, "lora_prefetch", "on", lora_cpu.PREFETCH_ROWS, lambda: lora_cpu.time_reading(
                 width, self.dtype, lora_cpu.GRAINS[split], arena))
         self.grain, self.prefetch = lora_cpu.GRAINS[split], lora_cpu.PREFETCH[ahead]
         if self.backend == "cpu":
@@ -325,14 +326,15 @@ class AdapterPool:
         return self.grain, self.prefetch
 
     @staticmethod
-    def _choose(record: ExecutionPlan, path: str, default: str, timed) -> str:
-        """`path` as pinned, else the faster of timed()'s candidates (plan.pick: `default` unless beaten)."""
+    def _choose(record: ExecutionPlan, path: str, default: str, rows: int, timed) -> str:
+        """`path` as pinned, else the faster of timed()'s candidates, timed at `rows` rows (plan.pick: `default`
+        unless beaten)."""
         pin = record.pinned(path)
         if pin != AUTO:
             return record.record(path, pin).chosen
         seconds = timed()
-        return record.record(path, pick(seconds, default), [
-            Timing(name, s, lora_cpu.TIMING_ROWS) for name, s in seconds.items()]).chosen
+        timings = [Timing(name, s, rows) for name, s in seconds.items()]
+        return record.record(path, pick(seconds, default), timings).chosen
 
     # -- the fused decode stack ---------------------------------------------------------------
 

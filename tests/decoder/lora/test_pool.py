@@ -220,9 +220,11 @@ def test_the_reading_is_timed_unless_pinned_and_reaches_the_operator(model_folde
     chosen = record.get("lora_split"), record.get("lora_prefetch")
     assert grain == pool.grain == lora_cpu.GRAINS[chosen[0].chosen] == pool.step.rows.keywords["grain"]
     assert prefetch == pool.prefetch == lora_cpu.PREFETCH[chosen[1].chosen] == pool.step.rows.keywords["prefetch"]
-    for choice, pin, candidates in zip(chosen, (split, ahead), (lora_cpu.GRAINS, lora_cpu.PREFETCH), strict=True):
+    for choice, pin, candidates, rows in zip(chosen, (split, ahead), (lora_cpu.GRAINS, lora_cpu.PREFETCH),
+                                             (lora_cpu.TIMING_ROWS, lora_cpu.PREFETCH_ROWS), strict=True):
         if pin == "auto":
             assert {t.candidate for t in choice.timings} == set(candidates) and not choice.reason
+            assert {t.rows for t in choice.timings} == {rows}
         else:
             assert choice.chosen == pin and not choice.timings and "pinned" in choice.reason
 
