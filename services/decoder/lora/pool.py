@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from services.common import native
-from services.common.plan import AUTO, ExecutionPlan, Timing, pick
+from services.common.plan import AUTO, PATHS, ExecutionPlan, Timing, pick
 from services.decoder.kernels import lora_cpu
 from services.decoder.lora.store import RowSpan
 from services.decoder.lora.store import projections as wrapped
@@ -311,30 +311,30 @@ class AdapterPool:
         fused decode stack takes too."""
         if self.backend != "cpu":
             why = "adapter rows run in torch, on its threads"
-            split = record.record("lora_split", "coarse", reason=why).chosen
-            ahead = record.record("lora_prefetch", "on", reason=why).chosen
+            split, ahead = (record.record(path, PATHS[path][0], reason=why).chosen
+                            for path in ("lora_split", "lora_prefetch"))
         else:
             width = Counter(layer.in_features for layer in self.layers.values()).most_common(1)[0][0]  # hidden
-            split = self._choose(record, "lora_split", "coarse", lora_cpu.TIMING_ROWS,
+            split = self._choose(record, "lora_split", lora_cpu.TIMING_ROWS,
                                  lambda: lora_cpu.time_reading(width, self.dtype))
             arena = min(max(lora_cpu.TIMING_BYTES, 2 * lora_cpu.last_level_cache()), self.budget)
-            ahead = self._choose(record, "lora_prefetch", "on", lora_cpu.PREFETCH_ROWS, lambda: lora_cpu.time_reading(
-                width, self.dtype, lora_cpu.GRAINS[split], arena))
+            ahead = self._choose(record, "lora_prefetch", lora_cpu.PREFETCH_ROWS,
+                                 lambda: lora_cpu.time_reading(width, self.dtype, lora_cpu.GRAINS[split], arena))
         self.grain, self.prefetch = lora_cpu.GRAINS[split], lora_cpu.PREFETCH[ahead]
         if self.backend == "cpu":
             self.step.rows = functools.partial(lora_cpu.lora_rows, grain=self.grain, prefetch=self.prefetch)
         return self.grain, self.prefetch
 
     @staticmethod
-    def _choose(record: ExecutionPlan, path: str, default: str, rows: int, timed) -> str:
-        """`path` as pinned, else the faster of timed()'s candidates, timed at `rows` rows (plan.pick: `default`
-        unless beaten)."""
+    def _choose(record: ExecutionPlan, path: str, rows: int, timed) -> str:
+        """`path` as pinned, else the faster of timed()'s candidates, timed at `rows` rows (plan.pick: the path's
+        default, its first in PATHS, unless beaten)."""
         pin = record.pinned(path)
         if pin != AUTO:
             return record.record(path, pin).chosen
         seconds = timed()
         timings = [Timing(name, s, rows) for name, s in seconds.items()]
-        return record.record(path, pick(seconds, default), timings).chosen
+        return record.record(path, pick(seconds, PATHS[path][0]), timings).chosen
 
     # -- the fused decode stack ---------------------------------------------------------------
 
