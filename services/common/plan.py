@@ -76,9 +76,10 @@ PATHS: dict[str, tuple[str, ...]] = {
     # decoder: the CPU adapter rows' least work per thread, coarse (a few rows' corrections on one thread) or fine
     # (split over the threads) (services/decoder/lora/pool.py, kernels/lora_cpu.py GRAINS); timed with adapters
     "lora_split": ("coarse", "fine"),
-    # decoder: whether the CPU adapter rows' blocks ask for their rows before reading them (kernels/lora_rows.h,
-    # services/decoder/lora/pool.py); timed with adapters, at the chosen lora_split
-    "lora_prefetch": ("on", "off"),
+    # decoder: how the CPU adapter rows' blocks ask for the rows they read next: a few lines at every step of the
+    # phase before, all at once, or not (kernels/lora_rows.h Ahead, services/decoder/lora/pool.py); timed with
+    # adapters, at the chosen lora_split
+    "lora_prefetch": ("paced", "burst", "off"),
     # decoder: greedy rows through a bf16 screen of an fp32 head (services/decoder/model/screen.py)
     "screen": ("off", "on"),
     # decoder: how the screen scores rows against its bf16 head: the few-row kernel over fp32 rows up to its rows, or

@@ -85,12 +85,14 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // The LoRA rows' least work per task (lora_rows.h COARSE or FINE) and whether their blocks ask for their rows
+  // The LoRA rows' least work per task (lora_rows.h COARSE or FINE) and how their blocks ask for their rows
   // ahead, as the execution plan chose. Between steps.
-  void set_lora_reading(int64_t grain, bool prefetch) {
+  void set_lora_reading(int64_t grain, int64_t prefetch) {
     TORCH_CHECK(grain > 0, "decode_stack.set_lora_reading: grain must be positive, got ", grain);
+    TORCH_CHECK(prefetch >= 0 && prefetch <= 2,
+                "decode_stack.set_lora_reading: prefetch is 0 (off), 1 (burst) or 2 (paced), got ", prefetch);
     lora_grain_ = grain;
-    lora_prefetch_ = prefetch;
+    lora_ahead_ = static_cast<tessera_lora::Ahead>(prefetch);
   }
 
   // The row count above which every projection with panels runs them (the execution plan's measurement at load:
@@ -161,7 +163,7 @@ class DecodeStack {
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
   int64_t lora_grain_ = tessera_lora::COARSE;
-  bool lora_prefetch_ = true;
+  tessera_lora::Ahead lora_ahead_ = tessera_lora::Ahead::paced;
 
   tessera_lora::Columns columns(int t) const { return tessera_lora::columns(t, H_, KVH_, D_, hidden_, inter_); }
 
@@ -258,7 +260,7 @@ class DecodeStack {
         jobs[count++] = {in, c.k, buf + c.col, width, L.lora.a[t].data_ptr<T>(), L.lora.bt[t].data_ptr<T>(),
                          c.k, c.n, step.offsets + t * M, step.ranks + t * M, M};
       }
-      tessera_lora::rows<BF16>(jobs, count, lora_grain_, lora_prefetch_);  // the targets' blocks in one region
+      tessera_lora::rows<BF16>(jobs, count, lora_grain_, lora_ahead_);  // the targets' blocks in one region
       return {buf, nullptr};
     };
     for (const Layer& L : layers_) {
@@ -326,7 +328,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("layer"), pybind11::arg("target"), pybind11::arg("A"), pybind11::arg("Bt"))
       .def("set_tiles_above", &DecodeStack::set_tiles_above, "the rows above which projections run their panels")
       .def("set_lora_reading", &DecodeStack::set_lora_reading,
-           "the LoRA rows' least work per task and whether they are asked for ahead (lora_rows.h)",
+           "the LoRA rows' least work per task and how they are asked for ahead (lora_rows.h Ahead)",
            pybind11::arg("grain"), pybind11::arg("prefetch"))
       .def("forward", &DecodeStack::forward, "every layer of a few-row decode step, x in place",
            pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("slots"),

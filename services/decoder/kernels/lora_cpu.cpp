@@ -8,16 +8,19 @@ namespace tessera_lora {
 
 template <typename T>
 void typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bt, const int32_t* offsets,
-           const int32_t* ranks, int64_t grain, bool prefetch) {
+           const int32_t* ranks, int64_t grain, Ahead ahead) {
   const Job<T, T, T> job{x.data_ptr<T>(), x.stride(0), y.data_ptr<T>(), y.stride(0), A.data_ptr<T>(),
                          Bt.data_ptr<T>(), A.size(1), Bt.size(1), offsets, ranks, y.size(0)};
-  rows<std::is_same_v<T, c10::BFloat16>>(&job, 1, grain, prefetch);
+  rows<std::is_same_v<T, c10::BFloat16>>(&job, 1, grain, ahead);
 }
 
 // y [M, N] += per row (x [M, K] @ A[o:o+r]^T) @ Bt[o:o+r]; see lora_cpu.lora_rows.
 void lora_rows(at::Tensor y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bt,
-               const at::Tensor& offsets, const at::Tensor& ranks, int64_t grain, bool prefetch) {
+               const at::Tensor& offsets, const at::Tensor& ranks, int64_t grain, int64_t prefetch) {
   TORCH_CHECK(grain > 0, "lora_rows: grain must be positive, got ", grain);
+  TORCH_CHECK(prefetch >= 0 && prefetch <= 2, "lora_rows: prefetch is 0 (off), 1 (burst) or 2 (paced), got ",
+              prefetch);
+  const Ahead ahead = static_cast<Ahead>(prefetch);
   const auto t = y.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kBFloat16, "lora_rows: float32 or bfloat16 only, got ", t);
   TORCH_CHECK(x.scalar_type() == t && A.scalar_type() == t && Bt.scalar_type() == t,
@@ -38,9 +41,9 @@ void lora_rows(at::Tensor y, const at::Tensor& x, const at::Tensor& A, const at:
   const int32_t* rp = ranks.data_ptr<int32_t>();
   check_spans(op, rp, M, A.size(0), "lora_rows");
   if (t == at::kBFloat16) {
-    typed<c10::BFloat16>(y, x, A, Bt, op, rp, grain, prefetch);
+    typed<c10::BFloat16>(y, x, A, Bt, op, rp, grain, ahead);
   } else {
-    typed<float>(y, x, A, Bt, op, rp, grain, prefetch);
+    typed<float>(y, x, A, Bt, op, rp, grain, ahead);
   }
 }
 
@@ -49,5 +52,5 @@ void lora_rows(at::Tensor y, const at::Tensor& x, const at::Tensor& A, const at:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_rows", &tessera_lora::lora_rows, "y += each row's LoRA correction from an arena, in place",
         py::arg("y"), py::arg("x"), py::arg("A"), py::arg("Bt"), py::arg("offsets"), py::arg("ranks"),
-        py::arg("grain") = tessera_lora::COARSE, py::arg("prefetch") = true, py::call_guard<py::gil_scoped_release>());
+        py::arg("grain") = tessera_lora::COARSE, py::arg("prefetch") = static_cast<int64_t>(tessera_lora::Ahead::paced), py::call_guard<py::gil_scoped_release>());
 }

@@ -22,9 +22,10 @@ DTYPES = (torch.float32, torch.bfloat16)
 # A call's least work per thread, in arena weights (lora_rows.h COARSE, FINE): below twice it the call runs on one
 # thread. Which is faster depends on the CPU and the dtype; the adapter pool times both at load (lora/pool.py).
 GRAINS = {"coarse": 1 << 16, "fine": 1 << 14}
-# Whether a call's blocks ask for their rows before reading them (lora_rows.h, prefetch): on an Intel Xeon (family 6
-# model 167) that took fp32 rows 12-17% longer and bf16 rows 10-17% less; the adapter pool times both at load too.
-PREFETCH = {"on": True, "off": False}
+# How a call's blocks ask for the rows they read next (lora_rows.h Ahead): paced, burst or not at all. Which is
+# fastest depends on the CPU and the dtype (bursts took fp32 rows 12-17% longer than none on an Intel Xeon, family 6
+# model 167, and bf16 rows 10-17% less); the adapter pool times them at load too.
+PREFETCH = {"paced": 2, "burst": 1, "off": 0}
 # time_reading: rows on distinct adapters of this rank, streamed from an arena of at least this many bytes, more
 # than most caches hold (a step's adapter rows are): TIMING_ROWS for the grains (a few rows' work lies between
 # them), PREFETCH_ROWS for the prefetch (a full step's blocks, where asking ahead shows).
@@ -34,7 +35,7 @@ load = OPERATOR.load      # the compiled module; native.BuildError with the reas
 
 
 def lora_rows(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, offsets: torch.Tensor,
-              ranks: torch.Tensor, grain: int = GRAINS["coarse"], prefetch: bool = True) -> torch.Tensor:
+              ranks: torch.Tensor, grain: int = GRAINS["coarse"], prefetch: int = PREFETCH["paced"]) -> torch.Tensor:
     """y += each row's LoRA correction, in place; returns y.
 
     y [M, N], x [M, K] (rows unit-strided, e.g. contiguous), A [P, K] and Bt [P, N] contiguous, all one dtype,
@@ -45,7 +46,7 @@ def lora_rows(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tenso
     Sums in fp32 (bf16 on a CPU with avx512_bf16: its dot product, exact products, subnormals as zero); in
     bf16 rounded where the torch path stores (see lora_rows_ref). Rows with one (offset, rank), consecutive or
     not, share reads of their rows in blocks of BLOCK; the blocks run on the threads when there is at least twice
-    `grain` work (GRAINS); prefetch: whether each block asks for its rows before reading them (PREFETCH). Each
+    `grain` work (GRAINS); prefetch: how each block asks for the rows it reads next (a value of PREFETCH). Each
     row's result is the same bit for bit whatever the other rows, the thread count, the grain and the prefetch.
     """
     load().lora_rows(y, x, A, Bt, offsets, ranks, grain, prefetch)
@@ -67,11 +68,11 @@ def time_reading(width: int, dtype: torch.dtype, grain: int | None = None,
                  arena_bytes: int = TIMING_BYTES) -> dict[str, float]:
     """{candidate: seconds} of 32 lora_rows calls on a [width -> width] projection, each row on its own
     rank-TIMING_RANK adapter, every call on fresh arena rows (plan.fastest); once per process and shape. With grain
-    None the candidates are GRAINS' (asking ahead), at TIMING_ROWS rows a call; else PREFETCH's at that grain, at
+    None the candidates are GRAINS' (paced), at TIMING_ROWS rows a call; else PREFETCH's at that grain, at
     PREFETCH_ROWS rows a call. The arena holds about arena_bytes (at least two calls' rows per candidate), and each
     candidate starts at its own part of it, so that none reads rows another has just brought into the cache."""
     rows = TIMING_ROWS if grain is None else PREFETCH_ROWS
-    candidates = ({name: (g, True) for name, g in GRAINS.items()} if grain is None
+    candidates = ({name: (g, PREFETCH["paced"]) for name, g in GRAINS.items()} if grain is None
                   else {name: (grain, on) for name, on in PREFETCH.items()})
     span = rows * TIMING_RANK
     P = max(2 * len(candidates) * span, arena_bytes // (2 * width * dtype.itemsize) // span * span)

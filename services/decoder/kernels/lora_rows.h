@@ -72,6 +72,26 @@ inline void check_spans(const int32_t* offsets, const int32_t* ranks, int64_t M,
   }
 }
 
+// How a call's blocks ask for the adapter rows they read next, the execution plan's choice (lora/pool.py,
+// lora_prefetch): off, the hardware prefetchers alone; burst, all of a block's Bt rows before its shrink and the
+// next block's A rows before its expand; paced, the same lines a few at every step of the phase before, so that
+// the requests flow beside the loads instead of queueing at once. On a Zen 4 (family 25 model 17, 2 threads, 64
+// rows on 64 adapters from memory) paced took 5-18% less time than burst, and burst 2-15% less than off.
+enum class Ahead : int64_t { off = 0, burst = 1, paced = 2 };
+
+// Lines asked for at a pace: `per` at every step of a loop, until `left` bytes are asked (none by default).
+struct Pace {
+  const char* p = nullptr;
+  int64_t left = 0, per = 0;
+
+  Pace() = default;
+  Pace(const void* first, int64_t bytes, int64_t steps)
+      : p(static_cast<const char*>(first)), left(bytes), per((bytes / 64 + steps) / std::max<int64_t>(1, steps)) {}
+  void step() {
+    for (int64_t i = 0; i < per && left > 0; ++i, p += 64, left -= 64) __builtin_prefetch(p, 0, 2);
+  }
+};
+
 #ifdef __AVX512F__
 inline __m512 load(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
 inline __m512 load(const c10::BFloat16* p, __mmask16 k) {
@@ -85,12 +105,13 @@ inline __mmask16 first(int64_t n) { return n >= 16 ? ALL : static_cast<__mmask16
 // h[m * hs + j] = x[m] . a[j] over K for R rows of x and J rows of a: two accumulators per pair, so a lone row
 // (J = 4) still has eight chains in flight. Every pair's sum takes the same steps whatever R and J are.
 template <int R, int J, typename W>
-inline void dots(const float* const* x, const W* a, int64_t K, float* h, int64_t hs) {
+inline void dots(const float* const* x, const W* a, int64_t K, float* h, int64_t hs, Pace& pace) {
   __m512 acc[R][J][2];
   _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m)
     _Pragma("GCC unroll 16") for (int j = 0; j < J; ++j) acc[m][j][0] = acc[m][j][1] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
+    pace.step();
     _Pragma("GCC unroll 16") for (int j = 0; j < J; ++j) {
       const __m512 a0 = load(a + j * K + k, ALL), a1 = load(a + j * K + k + 16, ALL);
       _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m) {
@@ -128,13 +149,15 @@ inline __m512bh load_bh(const c10::BFloat16* p, __mmask32 k) { return (__m512bh)
 inline __mmask32 first32(int64_t n) { return n >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << n) - 1); }
 
 template <int R, int J>
-inline void dots(const c10::BFloat16* const* x, const c10::BFloat16* a, int64_t K, float* h, int64_t hs) {
+inline void dots(const c10::BFloat16* const* x, const c10::BFloat16* a, int64_t K, float* h, int64_t hs,
+                 Pace& pace) {
   __m512 acc[R][J][2];
   _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m)
     _Pragma("GCC unroll 16") for (int j = 0; j < J; ++j) acc[m][j][0] = acc[m][j][1] = _mm512_setzero_ps();
   const __mmask32 all = ~__mmask32{0};
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
+    pace.step();
     _Pragma("GCC unroll 16") for (int j = 0; j < J; ++j) {
       const __m512bh a0 = load_bh(a + j * K + k, all), a1 = load_bh(a + j * K + k + 32, all);
       _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m) {
@@ -172,12 +195,13 @@ inline void dots(const c10::BFloat16* const* x, const c10::BFloat16* a, int64_t 
 // same steps whatever R and C are. d[m * 32 C + i] for the 32 C columns from n (the last 32 masked by `last`).
 template <int R, int C>
 inline void columns(const uint32_t* hp, int64_t r, const c10::BFloat16* bt, int64_t N, int64_t n, __mmask32 last,
-                    float* d) {
+                    float* d, Pace& pace) {
   const int64_t pr = (r + 1) / 2;
   __m512 acc[R][C][2];
   _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m)
     _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) acc[m][c][0] = acc[m][c][1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pr; ++p) {
+    pace.step();
     __m512i lo[C], hi[C];
     _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) {
       const __mmask32 k = c == C - 1 ? last : ~__mmask32{0};
@@ -223,11 +247,13 @@ inline void pair_up(const float* h, int R, int64_t r, uint32_t* hp) {
 // d[m * 16 C + i] = sum_j h[m * r + j] * bt[j * N + n + i] for the C vectors of columns from n (the last one
 // masked by `last`), one FMA chain per column over j in order.
 template <int R, int C, typename W>
-inline void columns(const float* h, int64_t r, const W* bt, int64_t N, int64_t n, __mmask16 last, float* d) {
+inline void columns(const float* h, int64_t r, const W* bt, int64_t N, int64_t n, __mmask16 last, float* d,
+                    Pace& pace) {
   __m512 acc[R][C];
   _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m)
     _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < r; ++j) {
+    pace.step();
     __m512 b[C];
     _Pragma("GCC unroll 16") for (int c = 0; c < C; ++c) b[c] = load(bt + j * N + n + 16 * c, c == C - 1 ? last : ALL);
     _Pragma("GCC unroll 16") for (int m = 0; m < R; ++m) {
@@ -262,11 +288,10 @@ __attribute__((noinline)) void axpys(const float* h, int64_t r, const W* bt, int
 }
 #endif
 
-// Reading rows of a new adapter, the hardware prefetcher starts each stream cold: a block asks for its Bt rows
-// before its shrink and for the next block's A rows before its expand, so each arrives while the other phase
-// computes (10% less time for 64 rows on 64 adapters out of cache, Zen 4, one thread). On an Intel Xeon (family 6
-// model 167, 2 threads) the same took fp32 rows 12-17% longer (the core waits while a block's requests queue) and
-// bf16 rows 10-17% less, so whether a call asks is the execution plan's choice (lora/pool.py, lora_prefetch).
+// Reading rows of a new adapter, the hardware prefetcher starts each stream cold, so a block asks for its rows
+// (Ahead). Asked in a burst, they saved 10% of the time for 64 rows on 64 adapters out of cache (Zen 4, one
+// thread); on an Intel Xeon (family 6 model 167, 2 threads) fp32 rows took 12-17% longer (the core waits while a
+// block's requests queue) and bf16 rows 10-17% less.
 inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 2);
 }
@@ -279,33 +304,43 @@ inline void finish(Y* y, const float* d, int64_t w) {
 }
 
 // One block of R rows on one adapter: x[m] rows (fp32, or bf16 for the dot product), y[m] their outputs; h [R r],
-// d [R * 128] and hp [R (r + 1) / 2] scratch; next, next_bytes: the next block's A rows, to prefetch.
+// d [R * 128] and hp [R (r + 1) / 2] scratch; next, next_bytes: the next block's A rows (null: none), asked for
+// as `ahead` says (its Bt rows too, where paced; rows() asks for them in a burst).
 template <int R, bool ROUND, typename XR, typename W, typename Y>
 void block(const XR* const* x, Y* const* y, const W* a, const W* bt, int64_t K, int64_t N, int64_t r, float* h,
-           float* d, uint32_t* hp, const W* next, int64_t next_bytes) {
+           float* d, uint32_t* hp, Ahead ahead, const W* next, int64_t next_bytes) {
+  const bool paced = ahead == Ahead::paced;
+  Pace shrink, expand;  // what the shrink's and the expand's steps ask for, where paced
 #ifdef __AVX512F__
   constexpr int J = R <= 2 ? 4 : R <= 4 ? 2 : 1;  // rank rows per pass over x: 8 to 16 accumulators
+  constexpr int64_t STEP = std::is_same_v<XR, c10::BFloat16> ? 64 : 32;  // dots' inputs per step
+  if (paced) shrink = Pace(bt, r * N * static_cast<int64_t>(sizeof(W)), (r / J + r % J) * (K / STEP));
   int64_t j = 0;
-  for (; j + J <= r; j += J) dots<R, J>(x, a + j * K, K, h + j, r);
-  for (; j < r; ++j) dots<R, 1>(x, a + j * K, K, h + j, r);  // the same sums as in the J-row pass
+  for (; j + J <= r; j += J) dots<R, J>(x, a + j * K, K, h + j, r, shrink);
+  for (; j < r; ++j) dots<R, 1>(x, a + j * K, K, h + j, r, shrink);  // the same sums as in the J-row pass
 #else
+  if (paced) shrink = Pace(bt, r * N * static_cast<int64_t>(sizeof(W)), R * r);
   for (int m = 0; m < R; ++m)
-    for (int64_t j = 0; j < r; ++j) h[m * r + j] = dot(x[m], a + j * K, K);
+    for (int64_t j = 0; j < r; ++j) {
+      shrink.step();
+      h[m * r + j] = dot(x[m], a + j * K, K);
+    }
 #endif
   if constexpr (ROUND)
     for (int64_t i = 0; i < R * r; ++i) h[i] = tessera_glue::to_bf16(h[i]);
-  if (next) prefetch(next, next_bytes);
+  if (next && ahead == Ahead::burst) prefetch(next, next_bytes);
 #ifdef TESSERA_LORA_DOT_BF16
   if constexpr (ROUND && std::is_same_v<W, c10::BFloat16>) {
     constexpr int C = R <= 2 ? 4 : R <= 4 ? 2 : 1;  // 32 columns per step: 4 to 16 accumulators
+    if (next && paced) expand = Pace(next, next_bytes, (N / (32 * C) + (N % (32 * C) + 31) / 32) * ((r + 1) / 2));
     pair_up(h, R, r, hp);
     int64_t n = 0;
     for (; n + 32 * C <= N; n += 32 * C) {
-      columns<R, C>(hp, r, bt, N, n, ~__mmask32{0}, d);
+      columns<R, C>(hp, r, bt, N, n, ~__mmask32{0}, d, expand);
       for (int m = 0; m < R; ++m) finish<ROUND>(y[m] + n, d + m * 32 * C, 32 * C);
     }
     for (; n < N; n += 32) {
-      columns<R, 1>(hp, r, bt, N, n, first32(N - n), d);
+      columns<R, 1>(hp, r, bt, N, n, first32(N - n), d, expand);
       for (int m = 0; m < R; ++m) finish<ROUND>(y[m] + n, d + m * 32, std::min<int64_t>(32, N - n));
     }
     return;
@@ -313,18 +348,21 @@ void block(const XR* const* x, Y* const* y, const W* a, const W* bt, int64_t K, 
 #endif
 #ifdef __AVX512F__
   constexpr int C = R <= 2 ? 8 : R <= 4 ? 4 : 2;  // column vectors per pass over Bt: 8 to 16 accumulators
+  if (next && paced) expand = Pace(next, next_bytes, (N / (16 * C) + (N % (16 * C) + 15) / 16) * r);
   int64_t n = 0;
   for (; n + 16 * C <= N; n += 16 * C) {
-    columns<R, C>(h, r, bt, N, n, ALL, d);
+    columns<R, C>(h, r, bt, N, n, ALL, d, expand);
     for (int m = 0; m < R; ++m) finish<ROUND>(y[m] + n, d + m * 16 * C, 16 * C);
   }
   for (; n < N; n += 16) {
-    columns<R, 1>(h, r, bt, N, n, first(N - n), d);
+    columns<R, 1>(h, r, bt, N, n, first(N - n), d, expand);
     for (int m = 0; m < R; ++m) finish<ROUND>(y[m] + n, d + m * 16, std::min<int64_t>(16, N - n));
   }
 #else
+  if (next && paced) expand = Pace(next, next_bytes, R * ((N + 127) / 128));
   for (int m = 0; m < R; ++m)
     for (int64_t n = 0; n < N; n += 128) {
+      expand.step();
       const int64_t w = std::min<int64_t>(128, N - n);
       axpys(h + m * r, r, bt, N, n, w, d);
       finish<ROUND>(y[m] + n, d, w);
@@ -357,10 +395,10 @@ struct Job {
 // Every job's corrections, their blocks in one parallel region (the targets of one projection share it, so a
 // few rows on several targets still fill the threads). Sums in fp32; ROUND (bf16): h, the delta and the sum each
 // rounded to bf16 as torch stores them. Y may be fp32 holding bf16 values (the decode stack's buffers). The jobs'
-// outputs must not overlap. grain: COARSE or FINE (or any positive count of weights); ask_ahead: whether blocks ask
-// for their rows before they read them (prefetch).
+// outputs must not overlap. grain: COARSE or FINE (or any positive count of weights); ahead: how blocks ask for
+// the rows they read next.
 template <bool ROUND, typename X, typename W, typename Y>
-void rows(const Job<X, W, Y>* jobs, int count, int64_t grain, bool ask_ahead) {
+void rows(const Job<X, W, Y>* jobs, int count, int64_t grain, Ahead ahead) {
   struct Task {
     Block block;
     int job;
@@ -408,18 +446,18 @@ void rows(const Job<X, W, Y>* jobs, int count, int64_t grain, bool ask_ahead) {
         }
         ys[m] = J.y + b.rows[m] * J.ldy;
       }
-      if (ask_ahead) prefetch(J.Bt + b.offset * N, b.rank * N * sizeof(W));
+      if (ahead == Ahead::burst) prefetch(J.Bt + b.offset * N, b.rank * N * sizeof(W));
       const W* a = J.A + b.offset * K;
       const W* bt = J.Bt + b.offset * N;
       const W* next = nullptr;
       int64_t next_bytes = 0;
-      if (ask_ahead && i + 1 < b1) {
+      if (ahead != Ahead::off && i + 1 < b1) {
         const Job<X, W, Y>& NJ = jobs[tasks[i + 1].job];
         next = NJ.A + tasks[i + 1].block.offset * NJ.K;
         next_bytes = tasks[i + 1].block.rank * NJ.K * sizeof(W);
       }
       tessera_vec::with_rows(b.count, "lora rows", [&](auto R) {
-        block<R.value, ROUND>(xs, ys, a, bt, K, N, b.rank, h.data(), d.data(), hp.data(), next, next_bytes);
+        block<R.value, ROUND>(xs, ys, a, bt, K, N, b.rank, h.data(), d.data(), hp.data(), ahead, next, next_bytes);
       });
     }
   });

@@ -185,7 +185,7 @@ class AdapterPool:
         self.step = PoolStep(_rows_operator())
         self.backend = "cpu" if self.step.rows is lora_cpu.lora_rows else "torch"
         self.grain = lora_cpu.GRAINS["coarse"]  # the operator's least work per thread (choose_reading)
-        self.prefetch = True                    # whether its blocks ask for their rows ahead (choose_reading)
+        self.prefetch = lora_cpu.PREFETCH["paced"]  # how its blocks ask for their next rows (choose_reading)
         self.layers: dict[str, PoolLayer] = {}
         self.kinds: dict[int, KindRows] = {}
         for name, module in projections:
@@ -302,13 +302,13 @@ class AdapterPool:
                 out[layer.name] = (layer.A[offset:offset + r].clone(), layer.Bt[offset:offset + r].t().clone())
         return out
 
-    def choose_reading(self, record: ExecutionPlan) -> tuple[int, bool]:
+    def choose_reading(self, record: ExecutionPlan) -> tuple[int, int]:
         """How the C++ operator reads a step's adapter rows: split over the threads by lora_cpu.GRAINS (the plan's
-        lora_split), its blocks asking for their rows ahead or not (lora_prefetch). Each as pinned, else the faster
-        at this model's width and dtype (lora_cpu.time_reading, plan.pick): the grain first, then the prefetch at
-        that grain, over as many bytes as twice the CPU's largest cache (so that the rows come from memory, as a
-        step's do) or the pool's budget, whichever is less. Sets and returns (self.grain, self.prefetch), which the
-        fused decode stack takes too."""
+        lora_split), its blocks asking for their next rows paced, in bursts or not (lora_prefetch, a value of
+        lora_cpu.PREFETCH). Each as pinned, else the fastest at this model's width and dtype (lora_cpu.time_reading,
+        plan.pick): the grain first, then the prefetch at that grain, over as many bytes as twice the CPU's largest
+        cache (so that the rows come from memory, as a step's do) or the pool's budget, whichever is less. Sets and
+        returns (self.grain, self.prefetch), which the fused decode stack takes too."""
         if self.backend != "cpu":
             why = "adapter rows run in torch, on its threads"
             split, ahead = (record.record(path, PATHS[path][0], reason=why).chosen

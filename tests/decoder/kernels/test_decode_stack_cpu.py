@@ -20,6 +20,7 @@ from services.decoder.kernels.decode_stack_cpu import (
 )
 from services.decoder.kernels.gemv_cpu import BF16_ROWS
 from services.decoder.kernels.gemv_grouped_cpu import WIDEST
+from services.decoder.kernels.lora_cpu import PREFETCH
 from services.decoder.model import grouped
 from services.decoder.model.quantization import quantize
 from tests.tolerance import assert_close
@@ -293,7 +294,7 @@ def lora_spans(rows: int, g: torch.Generator, p: int = 70):
 
 
 def run_lora(kind: str, rows: int, library: str = "plain", gemv_rows: int = KERNEL_ROWS, grain: int | None = None,
-             prefetch: bool = True):
+             prefetch: int = PREFETCH["paced"]):
     """(stack output with adapters, the ref's, the stack's without adapters, ranks); grain, prefetch:
     set_lora_reading's (grain None: the stack's default)."""
     heads, kv_heads, head_dim, block_size, qk_norm, bias = LORA_SHAPE
@@ -336,15 +337,15 @@ def test_lora_rows_match_reference_and_base_rows_are_untouched(kind, rows, libra
 
 
 @pytest.mark.parametrize("kind", ["fp32", "bf16"])
-@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("prefetch", PREFETCH)
 def test_lora_rows_split_into_a_task_per_block_give_the_same_bits(kind, prefetch):
     """The projections' targets' blocks in one parallel region (lora_rows.h), every block its own task on two
-    threads (grain 1), asking for their rows ahead or not, equal the default grain's (these small rows: one task)
-    bit for bit."""
+    threads (grain 1), asking for their next rows each way the plan may choose, equal the default grain's (these
+    small rows: one task) bit for bit."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(max(2, threads))
-        split, _, _, _ = run_lora(kind, 16, grain=1, prefetch=prefetch)
+        split, _, _, _ = run_lora(kind, 16, grain=1, prefetch=PREFETCH[prefetch])
         whole, _, _, _ = run_lora(kind, 16)
     finally:
         torch.set_num_threads(threads)

@@ -212,7 +212,7 @@ def test_step_rows_and_activate(model_folder):
         step_rows([(0, 1, 5)], 1, pool._rows_of)
 
 
-@pytest.mark.parametrize("split,ahead", [("auto", "auto"), ("coarse", "off"), ("fine", "on")])
+@pytest.mark.parametrize("split,ahead", [("auto", "auto"), ("coarse", "off"), ("fine", "burst"), ("fine", "paced")])
 def test_the_reading_is_timed_unless_pinned_and_reaches_the_operator(model_folder, split, ahead):
     pool = AdapterPool(load_model(model_folder), budget_bytes=2**22)
     record = ExecutionPlan(f"lora_split={split},lora_prefetch={ahead}", DECODER)
@@ -233,7 +233,7 @@ def test_rows_in_torch_keep_the_coarse_grain_and_the_prefetch(model_folder):
     pool = AdapterPool(load_model(model_folder), budget_bytes=2**22)
     pool.backend, pool.step.rows = "torch", lora_cpu.lora_rows_torch      # as where the operator cannot be built
     record = ExecutionPlan("lora_split=fine,lora_prefetch=off", DECODER)
-    assert pool.choose_reading(record) == (lora_cpu.GRAINS["coarse"], True)
+    assert pool.choose_reading(record) == (lora_cpu.GRAINS["coarse"], lora_cpu.PREFETCH["paced"])
     assert pool.step.rows is lora_cpu.lora_rows_torch
     assert "torch" in record.get("lora_split").reason and "torch" in record.get("lora_prefetch").reason
 
@@ -397,11 +397,12 @@ def many(tmp_path_factory):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("stack,split,ahead", [("on", "coarse", "off"), ("on", "fine", "on"), ("off", "fine", "off")])
+@pytest.mark.parametrize("stack,split,ahead",
+                         [("on", "coarse", "off"), ("on", "fine", "paced"), ("off", "fine", "burst")])
 def test_64_distinct_adapters_in_one_batch_match_peft(many, stack, split, ahead):
     """With the C++ decode stack pinned on, decode steps with adapter rows run in it (counted); pinned off,
     in the model's layers: both match peft, with either grain of the adapter rows (lora_split), asking for them
-    ahead or not (lora_prefetch)."""
+    ahead each way (lora_prefetch)."""
     folder, folders, peft = many
     core, registry = lora_engine(
         folder, max_rank=16, pool_bytes=2**26, cpu_loras=64, num_blocks=1024, budget=512, max_seqs=64,
