@@ -11,7 +11,6 @@ Prints every round, the medians, and last the ratios of the medians (second cand
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -21,15 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decoder import VARIANTS, Tessera, batch1_rate, prompts  # noqa: E402
-from bench.workload import SMOLLM2  # noqa: E402
+from bench.workload import SMOLLM2, cpu_line  # noqa: E402
 from services.common.plan import PATHS  # noqa: E402
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:
@@ -51,7 +43,7 @@ def main() -> None:
     engines = {n: Tessera(args.variant, num_blocks=1024, budget=2048, max_seqs=args.chats,
                           fast_paths=f"{args.path}={n}", folder=args.model) for n in names}
     runs = {n: ([], []) for n in names}
-    print(f"CPU: {cpu_model()}, {args.threads} threads; {args.model.name} {args.variant}; {args.path} "
+    print(f"CPU: {cpu_line()}, {args.threads} threads; {args.model.name} {args.variant}; {args.path} "
           f"{' vs '.join(names)}", flush=True)
     for r in range(args.rounds):
         for n, engine in engines.items():

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.quant_gemm import cpu_model  # noqa: E402
+from bench.workload import cpu_line  # noqa: E402
 from services.common import arena  # noqa: E402
 from services.decoder.kernels import gemv_cpu, gemv_grouped_cpu  # noqa: E402
 
@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", default="1,2", help="comma list of torch thread counts")
     args = ap.parse_args(argv)
     loops = gemv_grouped_cpu.WIDEST
-    print(f"CPU: {cpu_model()}; {args.shape} shapes, int{args.bits}/g{args.group}, {args.rows} row(s), "
+    print(f"CPU: {cpu_line()}; {args.shape} shapes, int{args.bits}/g{args.group}, {args.rows} row(s), "
           f"{args.ahead} bytes ahead; loops {', '.join(loops)}"
           + ("" if gemv_grouped_cpu.vnni() else " (no AVX512-VNNI: the AVX2 loop's two orders)"
              if gemv_grouped_cpu.runs("avx2") else " (neither AVX512-VNNI nor AVX2: both are the portable loop)"))

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import real_checkpoint  # noqa: E402
 from bench.decoder import agreement, prompts, read_bandwidth  # noqa: E402
 from bench.lora_zipf import zipf_part  # noqa: E402
-from bench.workload import SMOLLM2, run_vllm_peer  # noqa: E402
+from bench.workload import SMOLLM2, cpu_line, run_vllm_peer  # noqa: E402
 from services.decoder.engine.config import EngineConfig  # noqa: E402
 from services.decoder.engine.engine_core import EngineCore  # noqa: E402
 from services.decoder.engine.step import SamplingParams  # noqa: E402
@@ -332,7 +332,7 @@ def main() -> None:
         args.shape = f"Llama-3.2-1B shape, {args.real_layers} layers, random weights ({args.model.name})"
     else:
         args.model, args.shape = SMOLLM2, SMOLLM2.name
-    cpu = platform_cpu()
+    cpu = cpu_line()
     print(f"CPU: {cpu}; model: {args.shape}")
     ratios = []
     if args.part in ("mixed", "all"):
@@ -369,15 +369,6 @@ def verdicts(ratios: list[str]) -> list[str]:
                 out.append(f"{name} {got:.2f}>={goal} met" if got >= goal else
                            f"{name} {got:.2f}<{goal} missed" + (f" (cap {cap:.2f})" if cap and cap < goal else ""))
     return out
-
-
-def platform_cpu() -> str:
-    """lscpu's model name, family and model, for the figures."""
-    fields = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    return f"{fields.get('model name', '?')}, family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
 
 
 if __name__ == "__main__":

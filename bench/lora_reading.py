@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decoder import read_bandwidth  # noqa: E402
-from bench.lora import platform_cpu  # noqa: E402
+from bench.workload import cpu_line  # noqa: E402
 from services.decoder.kernels import lora_cpu  # noqa: E402
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}  # name: (K, N)
@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"CPU: {platform_cpu()}; {args.threads} threads; read probe {read_bandwidth() / 1e9:.1f} GB/s")
+    print(f"CPU: {cpu_line()}; {args.threads} threads; read probe {read_bandwidth() / 1e9:.1f} GB/s")
     ratios = {"burst": [], "off": []}
     for dtype in (torch.float32, torch.bfloat16):
         for rows in map(int, args.rows.split(",")):

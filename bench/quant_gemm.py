@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,18 +23,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.workload import cpu_line  # noqa: E402
 from services.common import plan as execution  # noqa: E402
 from services.decoder.model import grouped, quantization  # noqa: E402
 from services.decoder.model.matmul_choice import grouped_paths  # noqa: E402
 
 SHAPES = "960x576,576x576,3072x576,576x1536,3072x2048,16384x2048,2048x8192"
 WIDEN = ("tiles", "amx")     # the paths widen_gemm_cpu runs (the weight widened block by block in cache)
-
-
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    return " ".join(f"{k.strip()} {fields[k].strip()}" for k in ("Model name", "CPU family", "Model") if k in fields)
 
 
 def calls(n: int, k: int, rows: int) -> dict[str, object]:
@@ -61,7 +55,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"CPU: {cpu_model()}; torch threads {args.threads}; fp32 activations")
+    print(f"CPU: {cpu_line()}; torch threads {args.threads}; fp32 activations")
     for name in quantization.GEMMS:
         if why := quantization.unusable(name, torch.float32):
             print(f"int8 {name} and int4's like it: not run here ({why})")

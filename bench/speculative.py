@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import sys
 import time
@@ -35,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.workload import SMOLLM2, gsm8k_messages, package_dir, run_vllm_peer  # noqa: E402
+from bench.workload import SMOLLM2, cpu_line, gsm8k_messages, package_dir, run_vllm_peer  # noqa: E402
 from services.decoder.engine.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from services.decoder.engine.drafter import NgramDrafter  # noqa: E402
 from services.decoder.engine.engine_core import EngineCore  # noqa: E402
@@ -45,16 +44,6 @@ from services.decoder.text.chat_template import ChatTemplate  # noqa: E402
 from services.decoder.text.tokenizer import Tokenizer  # noqa: E402
 
 EDIT = "Repeat the following paragraph exactly, word for word, but write every number in words:\n\n"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def paragraphs(count: int, sentences: int = 3) -> list[str]:
@@ -181,7 +170,7 @@ def main() -> None:
     ap.add_argument("--fast-paths", default="", help="the runner's --fast-paths, e.g. speculation=always")
     args = ap.parse_args()
 
-    print(f"CPU: {cpu_model()}, {args.threads} threads, {args.dtype}", flush=True)
+    print(f"CPU: {cpu_line()}, {args.threads} threads, {args.dtype}", flush=True)
     spec = SpeculativeConfig(num_speculative_tokens=args.k, prompt_lookup_max=4, prompt_lookup_min=1)
     print(f"speculative config: {spec.to_json()}", flush=True)
     tok = Tokenizer.from_folder(SMOLLM2)

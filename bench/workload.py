@@ -1,4 +1,4 @@
-"""Shared benchmark workloads: GSM8K chat prompts and real sentences from packaged data sets."""
+"""Shared benchmark workloads: GSM8K chat prompts and real sentences from packaged data sets; the CPU's line."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,6 +9,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = ROOT / "models" / "SmolLM2-135M-Instruct"
+
+
+def cpu_line(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU as every figure names it: lscpu's model name, family and model ("AMD EPYC, family 25 model 17")."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return f"{fields.get('model name', '?')}, family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
 
 
 def package_dir(name: str) -> Path:
