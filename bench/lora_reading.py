@@ -44,7 +44,7 @@ def cell(dtype: torch.dtype, rows: int, K: int, N: int, calls: int) -> dict[str,
     turn = 0
     for _ in range(calls):
         for name, how in lora_cpu.PREFETCH.items():
-            offsets = first + (turn * 7 % sets) * span   # 7 is prime to sets' factors of 2: every set is visited
+            offsets = first + (turn * 7 % sets) * span   # 7 sets on: one call's rows do not follow the last's
             turn += 1
             start = time.perf_counter()
             lora_cpu.lora_rows(y, x, A, Bt, offsets, ranks, grain, how)

@@ -75,8 +75,8 @@ inline void check_spans(const int32_t* offsets, const int32_t* ranks, int64_t M,
 // How a call's blocks ask for the adapter rows they read next, the execution plan's choice (lora/pool.py,
 // lora_prefetch): off, the hardware prefetchers alone; burst, all of a block's Bt rows before its shrink and the
 // next block's A rows before its expand; paced, the same lines a few at every step of the phase before, so that
-// the requests flow beside the loads instead of queueing at once. On a Zen 4 (family 25 model 17, 2 threads, 64
-// rows on 64 adapters from memory) paced took 5-18% less time than burst, and burst 2-15% less than off.
+// the requests flow beside the loads instead of queueing at once. On a Zen 4 (family 25 model 17, 2 threads, 4 and
+// 64 rows on distinct adapters from memory, bench/lora_reading.py) paced ran 1.04-1.26x as fast as burst.
 enum class Ahead : int64_t { off = 0, burst = 1, paced = 2 };
 
 // Lines asked for at a pace: `per` at every step of a loop, until `left` bytes are asked (none by default).
@@ -304,8 +304,9 @@ inline void finish(Y* y, const float* d, int64_t w) {
 }
 
 // One block of R rows on one adapter: x[m] rows (fp32, or bf16 for the dot product), y[m] their outputs; h [R r],
-// d [R * 128] and hp [R (r + 1) / 2] scratch; next, next_bytes: the next block's A rows (null: none), asked for
-// as `ahead` says (its Bt rows too, where paced; rows() asks for them in a burst).
+// d [R * 128] and hp [R (r + 1) / 2] scratch; next, next_bytes: the next block's A rows (null: none). Paced, the
+// shrink's steps ask for this block's Bt rows and the expand's for `next`; in bursts, `next` is asked for after the
+// shrink (and the Bt rows by rows(), before it).
 template <int R, bool ROUND, typename XR, typename W, typename Y>
 void block(const XR* const* x, Y* const* y, const W* a, const W* bt, int64_t K, int64_t N, int64_t r, float* h,
            float* d, uint32_t* hp, Ahead ahead, const W* next, int64_t next_bytes) {
