@@ -53,5 +53,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_rows", &tessera_lora::lora_rows, "y += each row's LoRA correction from an arena, in place",
         py::arg("y"), py::arg("x"), py::arg("A"), py::arg("Bt"), py::arg("offsets"), py::arg("ranks"),
         py::arg("grain") = tessera_lora::COARSE,
-        py::arg("prefetch") = static_cast<int64_t>(tessera_lora::Ahead::paced), py::call_guard<py::gil_scoped_release>());
+        py::arg("prefetch") = static_cast<int64_t>(tessera_lora::Ahead::paced),
+        py::call_guard<py::gil_scoped_release>());
 }
