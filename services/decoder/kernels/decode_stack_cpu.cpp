@@ -89,10 +89,8 @@ class DecodeStack {
   // ahead, as the execution plan chose. Between steps.
   void set_lora_reading(int64_t grain, int64_t prefetch) {
     TORCH_CHECK(grain > 0, "decode_stack.set_lora_reading: grain must be positive, got ", grain);
-    TORCH_CHECK(prefetch >= 0 && prefetch <= 2,
-                "decode_stack.set_lora_reading: prefetch is 0 (off), 1 (burst) or 2 (paced), got ", prefetch);
+    lora_ahead_ = tessera_lora::ahead_of(prefetch, "decode_stack.set_lora_reading");
     lora_grain_ = grain;
-    lora_ahead_ = static_cast<tessera_lora::Ahead>(prefetch);
   }
 
   // The row count above which every projection with panels runs them (the execution plan's measurement at load:

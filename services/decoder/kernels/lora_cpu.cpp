@@ -18,9 +18,7 @@ void typed(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Te
 void lora_rows(at::Tensor y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& Bt,
                const at::Tensor& offsets, const at::Tensor& ranks, int64_t grain, int64_t prefetch) {
   TORCH_CHECK(grain > 0, "lora_rows: grain must be positive, got ", grain);
-  TORCH_CHECK(prefetch >= 0 && prefetch <= 2, "lora_rows: prefetch is 0 (off), 1 (burst) or 2 (paced), got ",
-              prefetch);
-  const Ahead ahead = static_cast<Ahead>(prefetch);
+  const Ahead ahead = ahead_of(prefetch, "lora_rows");
   const auto t = y.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kBFloat16, "lora_rows: float32 or bfloat16 only, got ", t);
   TORCH_CHECK(x.scalar_type() == t && A.scalar_type() == t && Bt.scalar_type() == t,

@@ -79,6 +79,12 @@ inline void check_spans(const int32_t* offsets, const int32_t* ranks, int64_t M,
 // 64 rows on distinct adapters from memory, bench/lora_reading.py) paced ran 1.04-1.26x as fast as burst.
 enum class Ahead : int64_t { off = 0, burst = 1, paced = 2 };
 
+// An Ahead from its value in lora_cpu.PREFETCH, checked for `who`.
+inline Ahead ahead_of(int64_t value, const char* who) {
+  TORCH_CHECK(value >= 0 && value <= 2, who, ": prefetch is 0 (off), 1 (burst) or 2 (paced), got ", value);
+  return static_cast<Ahead>(value);
+}
+
 // Lines asked for at a pace: `per` at every step of a loop, until `left` bytes are asked (none by default).
 struct Pace {
   const char* p = nullptr;

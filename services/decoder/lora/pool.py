@@ -185,7 +185,7 @@ class AdapterPool:
         self.step = PoolStep(_rows_operator())
         self.backend = "cpu" if self.step.rows is lora_cpu.lora_rows else "torch"
         self.grain = lora_cpu.GRAINS["coarse"]  # the operator's least work per thread (choose_reading)
-        self.prefetch = lora_cpu.PREFETCH["paced"]  # how its blocks ask for their next rows (choose_reading)
+        self.prefetch = lora_cpu.PREFETCH[PATHS["lora_prefetch"][0]]  # how its blocks ask (choose_reading)
         self.layers: dict[str, PoolLayer] = {}
         self.kinds: dict[int, KindRows] = {}
         for name, module in projections:

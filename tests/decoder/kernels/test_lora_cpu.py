@@ -175,6 +175,8 @@ def test_refusals():
         call(A=A.bfloat16())
     with pytest.raises(RuntimeError, match="grain must be positive"):
         lora_rows(*good, 0)
+    with pytest.raises(RuntimeError, match=r"prefetch is 0 \(off\), 1 \(burst\) or 2 \(paced\), got 3"):
+        lora_rows(*good, 1, 3)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         call(y=y.double(), x=x.double(), A=A.double(), Bt=Bt.double())
     with pytest.raises(RuntimeError, match=r"A must be \[P, 32\]"):
