@@ -62,16 +62,20 @@ $(MODELS_STAMP): deploy/models.py deploy/adapters.py deploy/reranker.py $(STAMP)
 
 kernels: $(KERNELS_STAMP)
 # Compiled once per machine (-march=native; services/common/native.py), so no request
-# pays the compile. Without a compiler the decoder and pooling run their torch paths and log a WARNING.
+# pays the compile. Without a compiler the decoder and pooling run their torch paths and log a WARNING;
+# with one, a source that fails to compile fails the build (it would otherwise hide a missing kernel).
+KERNEL_MODULES = services.decoder.kernels.paged_attention_cpu services.decoder.kernels.gemv_cpu \
+	services.decoder.kernels.decode_stack_cpu services.decoder.kernels.glue_cpu services.decoder.kernels.tile_gemm_cpu \
+	services.decoder.kernels.screen_cpu services.decoder.kernels.lora_cpu services.decoder.kernels.gemv_grouped_cpu \
+	services.decoder.kernels.widen_gemm_cpu services.pooling.attention_cpu services.common.tile_unit
 $(KERNELS_STAMP): $(KERNEL_SOURCES) $(STAMP)
 	@mkdir -p build
-	@if $(PY) -m services.decoder.kernels.paged_attention_cpu && $(PY) -m services.decoder.kernels.gemv_cpu && \
-		$(PY) -m services.decoder.kernels.decode_stack_cpu && $(PY) -m services.decoder.kernels.glue_cpu && \
-		$(PY) -m services.decoder.kernels.tile_gemm_cpu && $(PY) -m services.decoder.kernels.screen_cpu && \
-		$(PY) -m services.decoder.kernels.lora_cpu && $(PY) -m services.decoder.kernels.gemv_grouped_cpu && \
-		$(PY) -m services.decoder.kernels.widen_gemm_cpu && $(PY) -m services.pooling.attention_cpu && \
-		$(PY) -m services.common.tile_unit; then touch $@; \
-	else echo "WARNING: C++ kernels not built (reason above); the decoder and pooling will use their torch paths"; fi
+	@for m in $(KERNEL_MODULES); do $(PY) -m $$m; rc=$$?; \
+		if [ $$rc -eq 3 ]; then \
+			echo "WARNING: C++ kernels not built (no toolchain, above); the decoder and pooling will use their torch paths"; \
+			exit 0; fi; \
+		if [ $$rc -ne 0 ]; then echo "ERROR: $$m failed to compile here (above)"; exit 1; fi; \
+	done; touch $@
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

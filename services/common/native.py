@@ -43,6 +43,11 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")
 LDFLAGS = ("-fopenmp",)
 
 
+# `make kernels` tells "nothing to build with" (a WARNING, torch paths) from a failed build (an error) by this exit
+# status of Operator.main; Python's own failures exit 1.
+NO_TOOLCHAIN = 3
+
+
 class BuildError(RuntimeError):
     """The operator could not be compiled or loaded here; the message says why."""
 
@@ -139,12 +144,13 @@ class Operator:
         return self._module
 
     def main(self) -> None:
-        """`make kernels`: build (or find) the operator; exit 1 with the reason when it cannot be built."""
+        """`make kernels`: build (or find) the operator. Exits with the reason: 3 where there is nothing to
+        build with (the services then run their torch paths), 2 where the build failed (a fault to fix)."""
         try:
             self.load()
         except BuildError as e:
             print(f"{self.name}: not built: {e}", file=sys.stderr)
-            sys.exit(1)
+            sys.exit(NO_TOOLCHAIN if isinstance(e, ToolchainMissing) else 2)
         print(f"{self.name}: built, {build_dir()}")
 
 

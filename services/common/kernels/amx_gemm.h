@@ -35,7 +35,6 @@
 namespace tessera_amx {
 
 using tessera_bf16::from_float;
-using tessera_bf16::store16;
 
 constexpr int64_t TR = 16;     // rows of a tile (x rows of an A tile, input pairs of a B tile)
 constexpr int64_t TK = 32;     // bf16 inputs per tile row (64 bytes)
@@ -74,6 +73,8 @@ inline T* aligned(T* p) {
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+using tessera_bf16::store16;  // bf16.h has it with AVX-512 only, which every AMX CPU has
+
 struct alignas(64) Config {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
