@@ -4,6 +4,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from services.common import config, native
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,3 +44,26 @@ def test_the_build_directory_comes_from_the_config_module(monkeypatch, tmp_path)
     assert native.build_dir() == tmp_path
     monkeypatch.setenv(config.KERNELS_DIR_ENV, "")
     assert native.build_dir() == native.REPO / "build" / "torch_extensions"
+
+
+def test_make_kernels_builds_every_operator_and_fails_on_a_compile_error(tmp_path, monkeypatch, capsys):
+    # Every module that declares an Operator is in the Makefile's list, so none is left to compile at a service's
+    # start, and a failed build is told apart from a machine with nothing to build with (its exit status).
+    declared = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts)
+                      for p in (ROOT / "services").rglob("*.py") if "native.Operator(" in p.read_text())
+    makefile = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    listed = re.search(r"^KERNEL_MODULES = (.*)$", makefile, re.M).group(1).split()
+    assert sorted(listed) == declared
+    monkeypatch.setenv(config.KERNELS_DIR_ENV, str(tmp_path))
+    source = tmp_path / "op.cpp"
+    source.write_text("// built by no one: _compile below fails\n")
+    codes = []
+    for error in (native.BuildError("error: 'x' was not declared"), native.ToolchainMissing("no C++ compiler")):
+        def fail(*_, error=error):
+            raise error
+        monkeypatch.setattr(native, "_compile", fail)
+        with pytest.raises(SystemExit) as exited:
+            native.Operator("op", source).main()
+        codes.append(exited.value.code)
+        assert f"op: not built: {error}" in capsys.readouterr().err
+    assert codes == [2, native.NO_TOOLCHAIN]
