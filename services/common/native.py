@@ -144,8 +144,8 @@ class Operator:
         return self._module
 
     def main(self) -> None:
-        """`make kernels`: build (or find) the operator. Exits with the reason: 3 where there is nothing to
-        build with (the services then run their torch paths), 2 where the build failed (a fault to fix)."""
+        """`make kernels`: build (or find) the operator. Exits with the reason: NO_TOOLCHAIN where there is
+        nothing to build with (the services then run their torch paths), 2 where the build failed (a fault to fix)."""
         try:
             self.load()
         except BuildError as e:

@@ -1,4 +1,5 @@
-"""The C++ sources' include graph: headers only, no service reaching into another, every header in the build key."""
+"""The C++ sources' include graph (headers only, no service reaching into another, every header in the build key)
+and `make kernels`' list of operators and exit statuses."""
 from __future__ import annotations
 
 import re
