@@ -8,14 +8,15 @@ PROTOS := $(shell find protos -name '*.proto')
 GEN_STAMP := gen/.stamp
 MODELS_STAMP := models/.stamp
 KERNELS_STAMP := build/.kernels-stamp
+# The modules `make kernels` runs (each builds its operator; tests/common/test_native.py checks that every
+# native.Operator is here), and what a build depends on: their launchers, sources and headers.
+KERNEL_MODULES = services.decoder.kernels.paged_attention_cpu services.decoder.kernels.gemv_cpu \
+	services.decoder.kernels.decode_stack_cpu services.decoder.kernels.glue_cpu services.decoder.kernels.tile_gemm_cpu \
+	services.decoder.kernels.screen_cpu services.decoder.kernels.lora_cpu services.decoder.kernels.gemv_grouped_cpu \
+	services.decoder.kernels.widen_gemm_cpu services.pooling.attention_cpu services.common.tile_unit
 KERNEL_SOURCES := $(wildcard services/decoder/kernels/*.cpp services/decoder/kernels/*.h) \
 	$(wildcard services/common/kernels/*.h services/common/kernels/*.cpp) services/common/native.py \
-	services/common/tile_unit.py \
-	services/pooling/attention_cpu.cpp services/pooling/attention_cpu.py \
-	services/decoder/kernels/paged_attention_cpu.py services/decoder/kernels/gemv_cpu.py \
-	services/decoder/kernels/decode_stack_cpu.py services/decoder/kernels/glue_cpu.py \
-	services/decoder/kernels/screen_cpu.py services/decoder/kernels/tile_gemm_cpu.py \
-	services/decoder/kernels/gemv_grouped_cpu.py services/decoder/kernels/widen_gemm_cpu.py
+	services/pooling/attention_cpu.cpp $(addsuffix .py,$(subst .,/,$(KERNEL_MODULES)))
 PYTEST_ARGS ?=
 # The numerics-marked tests run a second time under other kernels on the same CPU: AVX2 for
 # ATen and oneDNN (as on an AVX2-only machine) and MKL's compatible code path (another summation
@@ -64,10 +65,6 @@ kernels: $(KERNELS_STAMP)
 # Compiled once per machine (-march=native; services/common/native.py), so no request
 # pays the compile. Without a compiler the decoder and pooling run their torch paths and log a WARNING;
 # with one, a source that fails to compile fails the build (it would otherwise hide a missing kernel).
-KERNEL_MODULES = services.decoder.kernels.paged_attention_cpu services.decoder.kernels.gemv_cpu \
-	services.decoder.kernels.decode_stack_cpu services.decoder.kernels.glue_cpu services.decoder.kernels.tile_gemm_cpu \
-	services.decoder.kernels.screen_cpu services.decoder.kernels.lora_cpu services.decoder.kernels.gemv_grouped_cpu \
-	services.decoder.kernels.widen_gemm_cpu services.pooling.attention_cpu services.common.tile_unit
 $(KERNELS_STAMP): $(KERNEL_SOURCES) $(STAMP)
 	@mkdir -p build
 	@for m in $(KERNEL_MODULES); do $(PY) -m $$m; rc=$$?; \
